@@ -1,0 +1,25 @@
+"""``loom bench``: OMB-style communication benchmarks and application benchmarks.
+
+Every benchmark is a module with ``main(argv) -> int`` registered in :data:`BENCHMARKS`; the shared timing
+loop, size sweep, table printer and JSON writer live in :mod:`loom.bench.omb`.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BENCHMARKS"]
+
+# name -> (module, attribute, description)
+BENCHMARKS: dict[str, tuple[str, str, str]] = {
+    "latency": ("loom.bench.comm", "latency", "point-to-point ping-pong latency (osu_latency)"),
+    "bw": ("loom.bench.comm", "bw", "unidirectional bandwidth, windowed (osu_bw)"),
+    "bibw": ("loom.bench.comm", "bibw", "bidirectional bandwidth (osu_bibw)"),
+    "allreduce": ("loom.bench.comm", "allreduce", "allreduce latency (osu_allreduce); --codec for compression"),
+    "allgather": ("loom.bench.comm", "allgather", "allgather latency (osu_allgather)"),
+    "alltoall": ("loom.bench.comm", "alltoall", "alltoall latency (osu_alltoall)"),
+    "alltoallv": ("loom.bench.comm", "alltoallv", "alltoallv latency (osu_alltoallv); --skew for multi-path"),
+    "seqlen": ("loom.bench.seqlen", "main", "longest trainable sequence: Ulysses vs FPDT at a memory budget"),
+    "hybrid": ("loom.bench.hybrid", "main", "step time: data parallel vs pipeline vs hybrid"),
+    "compress-train": ("loom.bench.compress_train", "main", "data-parallel training with compression policies"),
+    "moe": ("loom.bench.moe", "main", "MoE layer step time: direct vs multi-path dispatch"),
+    "dask": ("loom.bench.dask", "main", "Dask comm latency/bandwidth and applications: mpi:// vs tcp://"),
+}

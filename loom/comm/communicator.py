@@ -1,0 +1,401 @@
+"""``Communicator``: loom's one door to MPI.
+
+Vocabulary (fixed here for all of loom): a *rank* is an MPI process; an *axis* is a named dimension of a
+:class:`~loom.comm.mesh.Mesh` (``dp``, ``pp``, ``sp``, ``tp``, ``ep``); a *dim* is a tensor dimension.
+Tensor operations follow ``torch.distributed``'s names (lowercase ``send``/``allreduce`` move tensors and
+numpy arrays); operations on picklable Python objects end in ``_object``.
+
+Every operation accepts torch tensors (CPU; CUDA through CUDA-aware MPI or staged through the host) and
+numpy arrays, and returns the same kind it was given. Collectives split and concatenate along dim 0.
+
+Byte accounting: each call adds to ``comm.bytes_sent[op]`` the payload bytes *this rank* puts on the wire
+under a bandwidth-optimal algorithm (so that numbers compare across implementations):
+
+==================  ======================================================
+send / isend        n
+bcast               n on the root, 0 elsewhere (a tree sends n per edge; P-1 edges in all)
+allreduce           2 n (P-1)/P   (reduce-scatter + allgather)
+reduce_scatter      n (P-1)/P
+allgather           n (P-1)       (n = this rank's piece)
+alltoall(v)         bytes addressed to other ranks
+==================  ======================================================
+
+``loom.comm.stats()`` returns these counters for every communicator by name, so per-mesh-axis traffic is
+``stats()["dp"]``.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from . import buffers as _b
+from .progress import Request
+
+__all__ = ["Communicator", "world", "stats", "reset_stats", "ANY_SOURCE", "ANY_TAG", "REDUCE_OPS"]
+
+ANY_SOURCE = MPI.ANY_SOURCE
+ANY_TAG = MPI.ANY_TAG
+
+REDUCE_OPS: dict[str, Any] = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD, "avg": MPI.SUM}
+
+_as_send = _b.as_send
+_host_view = _b.host_view
+_Tensor = torch.Tensor
+
+# All live communicators' counters by name, so stats() sees sub-communicators made anywhere.
+_COUNTERS: dict[str, dict[str, int]] = {}
+
+
+def _op(op: str):
+    try:
+        return REDUCE_OPS[op]
+    except KeyError:
+        raise ValueError(f"unknown reduce op {op!r}; valid: {', '.join(REDUCE_OPS)}") from None
+
+
+def _check_dim0(x, what: str) -> None:
+    if x.ndim == 0:
+        raise ValueError(f"{what} needs a tensor with at least one dim (it splits along dim 0); got a scalar. "
+                         f"Use x.reshape(1) first")
+
+
+def _to_device(x, like):
+    """Move a host result back to ``like``'s device when ``like`` was a staged CUDA tensor."""
+    if isinstance(like, _Tensor) and isinstance(x, _Tensor) and x.device != like.device:
+        return x.to(like.device)
+    return x
+
+
+class Communicator:
+    """A group of ranks that communicate: an mpi4py intracommunicator plus loom's safety and accounting.
+
+    Args:
+        mpi_comm: the mpi4py intracommunicator to wrap (not duplicated; use :meth:`dup` for isolation).
+        name: label for byte accounting and error messages (a mesh axis name, ``"world"``, ...).
+    """
+
+    __slots__ = ("mpi", "name", "rank", "size", "bytes_sent", "__weakref__")
+
+    def __init__(self, mpi_comm: MPI.Intracomm, *, name: str = "world"):
+        if not isinstance(mpi_comm, MPI.Intracomm):
+            raise TypeError(f"Communicator wraps an mpi4py Intracomm, got {type(mpi_comm).__name__}")
+        self.mpi = mpi_comm
+        self.name = name
+        self.rank: int = mpi_comm.Get_rank()
+        self.size: int = mpi_comm.Get_size()
+        self.bytes_sent: dict[str, int] = _COUNTERS.setdefault(name, {})
+
+    def __repr__(self) -> str:
+        return f"Communicator(name={self.name!r}, rank={self.rank}, size={self.size})"
+
+    def _count(self, op: str, n: int) -> None:
+        d = self.bytes_sent
+        d[op] = d.get(op, 0) + n
+
+    # ------------------------------------------------------------------ point-to-point
+    def send(self, tensor: _b.Buffer, dest: int, tag: int = 0) -> None:
+        """Send a tensor/array to ``dest`` (blocking until the buffer may be reused)."""
+        x = tensor if (type(tensor) is np.ndarray and tensor.flags.c_contiguous) else _host_view(tensor)
+        spec = _as_send(x)
+        self.mpi.Send(spec, dest, tag)
+        d = self.bytes_sent
+        d["send"] = d.get("send", 0) + _b.nbytes(x)
+
+    def recv(self, out: _b.Buffer, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> _b.Buffer:
+        """Receive into ``out`` (its shape and dtype say what to expect) and return it."""
+        tmp = out if (type(out) is np.ndarray and out.flags.c_contiguous) else _b.recv_target(out)
+        self.mpi.Recv(_as_send(tmp), source, tag)
+        if tmp is not out:
+            _b.finish_recv(out, tmp)
+        return out
+
+    def isend(self, tensor: _b.Buffer, dest: int, tag: int = 0) -> Request:
+        """Non-blocking send; ``tensor`` must not be modified until the request completes."""
+        x = _host_view(tensor)
+        req = self.mpi.Isend(_as_send(x), dest, tag)
+        self._count("send", _b.nbytes(x))
+        return Request([req], keep=x, what=f"isend to {dest} on {self.name}")
+
+    def irecv(self, out: _b.Buffer, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
+        """Non-blocking receive into ``out``; ``request.wait()`` returns ``out``."""
+        tmp = _b.recv_target(out)
+        req = self.mpi.Irecv(_as_send(tmp), source, tag)
+        return Request([req], keep=tmp, finish=lambda: _b.finish_recv(out, tmp),
+                       what=f"irecv from {source} on {self.name}")
+
+    def sendrecv(self, tensor: _b.Buffer, dest: int, out: _b.Buffer, source: int, tag: int = 0) -> _b.Buffer:
+        """Send ``tensor`` to ``dest`` while receiving ``out`` from ``source`` (deadlock-free exchange)."""
+        x = _host_view(tensor)
+        tmp = _b.recv_target(out)
+        self.mpi.Sendrecv(_as_send(x), dest, tag, _as_send(tmp), source, tag)
+        self._count("send", _b.nbytes(x))
+        return _b.finish_recv(out, tmp)
+
+    # ------------------------------------------------------------------ collectives
+    def barrier(self) -> None:
+        self.mpi.Barrier()
+
+    def bcast(self, tensor: _b.Buffer, root: int = 0) -> _b.Buffer:
+        """Broadcast ``tensor`` from ``root`` in place (every rank passes a buffer of the same shape)."""
+        if self.rank == root:
+            x = _host_view(tensor)
+            self.mpi.Bcast(_as_send(x), root)
+            self._count("bcast", _b.nbytes(x))
+            return tensor
+        tmp = _b.recv_target(tensor)
+        self.mpi.Bcast(_as_send(tmp), root)
+        return _b.finish_recv(tensor, tmp)
+
+    def allreduce(self, tensor: _b.Buffer, op: str = "sum", *, out: _b.Buffer | None = None) -> _b.Buffer:
+        """Element-wise reduction across ranks; returns a new tensor (or ``out``), the same on every rank.
+
+        ``op`` is ``sum``, ``max``, ``min``, ``prod`` or ``avg`` (sum / size, floating dtypes only).
+        16-bit floats are reduced in float32 and cast back (MPI has no portable bf16/fp16 sum).
+        ``out`` (same shape and dtype; may be ``tensor`` itself) avoids allocating the result.
+        """
+        mop = _op(op)
+        x = _host_view(tensor)
+        rdt = _b.reduction_dtype(x)
+        xin = _b.cast(x, rdt)
+        direct = (out is not None and xin is x and tuple(out.shape) == tuple(x.shape)
+                  and _b.direct_target(out, x))
+        res = out if direct else _b.empty_like_shape(xin, tuple(xin.shape))
+        if res is tensor and direct:
+            self.mpi.Allreduce(MPI.IN_PLACE, _as_send(res), mop)
+        else:
+            self.mpi.Allreduce(_as_send(xin), _as_send(res), mop)
+        self._count("allreduce", 2 * _b.nbytes(x) * (self.size - 1) // max(self.size, 1))
+        if op == "avg":
+            res /= self.size
+        if direct:
+            return out
+        res = _to_device(_b.cast(res, x.dtype), tensor)
+        return res if out is None else _b.finish_recv(out, res)
+
+    def reduce_scatter(self, tensor: _b.Buffer, op: str = "sum") -> _b.Buffer:
+        """Reduce across ranks, then rank r keeps block r of dim 0 (dim 0 must divide by the size)."""
+        mop = _op(op)
+        _check_dim0(tensor, "reduce_scatter")
+        n0, p = tensor.shape[0], self.size
+        if n0 % p:
+            raise ValueError(
+                f"reduce_scatter: dim 0 of size {n0} does not divide by {p} ranks of {self.name!r}; "
+                f"pad dim 0 to {-(-n0 // p) * p}"
+            )
+        x = _host_view(tensor)
+        xin = _b.cast(x, _b.reduction_dtype(x))
+        out = _b.empty_like_shape(xin, (n0 // p, *xin.shape[1:]))
+        self.mpi.Reduce_scatter_block(_as_send(xin), _as_send(out), mop)
+        self._count("reduce_scatter", _b.nbytes(x) * (p - 1) // p)
+        if op == "avg":
+            out /= p
+        return _to_device(_b.cast(out, x.dtype), tensor)
+
+    def allgather(self, tensor: _b.Buffer, *, out: _b.Buffer | None = None) -> _b.Buffer:
+        """Concatenate every rank's tensor along dim 0 (same shape on every rank); ``out`` to reuse a buffer."""
+        _check_dim0(tensor, "allgather")
+        x = _host_view(tensor)
+        shape = (x.shape[0] * self.size, *x.shape[1:])
+        direct = out is not None and tuple(out.shape) == shape and _b.direct_target(out, x)
+        res = out if direct else _b.empty_like_shape(x, shape)
+        self.mpi.Allgather(_as_send(x), _as_send(res))
+        self._count("allgather", _b.nbytes(x) * (self.size - 1))
+        if direct:
+            return out
+        return _to_device(res, tensor) if out is None else _b.finish_recv(out, _to_device(res, tensor))
+
+    def allgatherv(self, tensor: _b.Buffer) -> tuple[_b.Buffer, list[int]]:
+        """Concatenate along dim 0 when ranks hold different dim-0 sizes; returns ``(tensor, counts)``."""
+        _check_dim0(tensor, "allgatherv")
+        x = _host_view(tensor)
+        counts = self.mpi.allgather(int(x.shape[0]))
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        out = _b.empty_like_shape(x, (sum(counts), *x.shape[1:]))
+        sizes = [c * row for c in counts]
+        displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64).tolist()
+        spec = _as_send(out)
+        self.mpi.Allgatherv(_as_send(x), [spec[0], sizes, displs, spec[-1]])
+        self._count("allgather", _b.nbytes(x) * (self.size - 1))
+        return _to_device(out, tensor), counts
+
+    def alltoall(self, tensor: _b.Buffer, *, out: _b.Buffer | None = None) -> _b.Buffer:
+        """Split dim 0 into ``size`` equal blocks, block j to rank j; returns the received blocks in rank order."""
+        _check_dim0(tensor, "alltoall")
+        n0, p = tensor.shape[0], self.size
+        if n0 % p:
+            raise ValueError(
+                f"alltoall: dim 0 of size {n0} does not divide by {p} ranks of {self.name!r}; "
+                f"pad dim 0 to {-(-n0 // p) * p} or use alltoallv with explicit counts"
+            )
+        x = _host_view(tensor)
+        direct = out is not None and tuple(out.shape) == tuple(x.shape) and _b.direct_target(out, x)
+        res = out if direct else _b.empty_like_shape(x, tuple(x.shape))
+        self.mpi.Alltoall(_as_send(x), _as_send(res))
+        self._count("alltoall", _b.nbytes(x) * (p - 1) // p)
+        if direct:
+            return out
+        return _to_device(res, tensor) if out is None else _b.finish_recv(out, _to_device(res, tensor))
+
+    def _alltoallv_specs(self, x, send_counts, recv_counts):
+        p = self.size
+        sc = [int(c) for c in send_counts]
+        if len(sc) != p:
+            raise ValueError(
+                f"alltoallv: send_counts has {len(sc)} entries but {self.name!r} has {p} ranks; "
+                f"give one count (rows of dim 0) per destination rank"
+            )
+        if any(c < 0 for c in sc):
+            raise ValueError(f"alltoallv: send_counts {sc} has a negative count; counts are rows of dim 0, >= 0")
+        if sum(sc) != x.shape[0]:
+            raise ValueError(
+                f"alltoallv: send_counts {sc} sum to {sum(sc)} but dim 0 has {x.shape[0]} rows; "
+                f"the counts must cover dim 0 exactly"
+            )
+        if recv_counts is None:
+            rc = np.empty(p, dtype=np.int64)
+            self.mpi.Alltoall(np.asarray(sc, dtype=np.int64), rc)
+            rc = rc.tolist()
+        else:
+            rc = [int(c) for c in recv_counts]
+            if len(rc) != p:
+                raise ValueError(f"alltoallv: recv_counts has {len(rc)} entries, expected {p} (one per rank)")
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        out = _b.empty_like_shape(x, (sum(rc), *x.shape[1:]))
+        ss = [c * row for c in sc]
+        rs = [c * row for c in rc]
+        sd = np.concatenate([[0], np.cumsum(ss)[:-1]]).astype(np.int64).tolist()
+        rd = np.concatenate([[0], np.cumsum(rs)[:-1]]).astype(np.int64).tolist()
+        s_spec, r_spec = _as_send(x), _as_send(out)
+        item = _b.nbytes(x) // max(x.shape[0], 1) if x.shape[0] else 0
+        sent = (sum(sc) - sc[self.rank]) * item
+        return [s_spec[0], ss, sd, s_spec[-1]], [r_spec[0], rs, rd, r_spec[-1]], out, rc, sent
+
+    def alltoallv(
+        self,
+        tensor: _b.Buffer,
+        send_counts: Sequence[int],
+        recv_counts: Sequence[int] | None = None,
+    ) -> tuple[_b.Buffer, list[int]]:
+        """Rows ``[sum(send_counts[:j]), +send_counts[j])`` of dim 0 go to rank j.
+
+        Returns ``(received, recv_counts)``, the received rows concatenated in source-rank order. When
+        ``recv_counts`` is not given it is learned with one small alltoall of the counts.
+        """
+        _check_dim0(tensor, "alltoallv")
+        x = _host_view(tensor)
+        s, r, out, rc, sent = self._alltoallv_specs(x, send_counts, recv_counts)
+        self.mpi.Alltoallv(s, r)
+        self._count("alltoallv", sent)
+        return _to_device(out, tensor), rc
+
+    # ------------------------------------------------------------------ non-blocking collectives
+    def iallreduce(self, tensor: _b.Buffer, op: str = "sum") -> Request:
+        """Non-blocking :meth:`allreduce`; ``wait()`` returns the reduced tensor."""
+        mop = _op(op)
+        x = _host_view(tensor)
+        xin = _b.cast(x, _b.reduction_dtype(x))
+        out = _b.empty_like_shape(xin, tuple(xin.shape))
+        req = self.mpi.Iallreduce(_as_send(xin), _as_send(out), mop)
+        self._count("allreduce", 2 * _b.nbytes(x) * (self.size - 1) // max(self.size, 1))
+        size = self.size
+
+        def finish():
+            if op == "avg":
+                out.__itruediv__(size)
+            return _to_device(_b.cast(out, x.dtype), tensor)
+
+        return Request([req], keep=(xin, out), finish=finish, what=f"iallreduce on {self.name}")
+
+    def iallgather(self, tensor: _b.Buffer) -> Request:
+        """Non-blocking :meth:`allgather`."""
+        _check_dim0(tensor, "iallgather")
+        x = _host_view(tensor)
+        out = _b.empty_like_shape(x, (x.shape[0] * self.size, *x.shape[1:]))
+        req = self.mpi.Iallgather(_as_send(x), _as_send(out))
+        self._count("allgather", _b.nbytes(x) * (self.size - 1))
+        return Request([req], keep=(x, out), finish=lambda: _to_device(out, tensor),
+                       what=f"iallgather on {self.name}")
+
+    def ialltoallv(
+        self, tensor: _b.Buffer, send_counts: Sequence[int], recv_counts: Sequence[int] | None = None
+    ) -> Request:
+        """Non-blocking :meth:`alltoallv`; ``wait()`` returns ``(received, recv_counts)``.
+
+        If ``recv_counts`` is omitted they are exchanged first with a blocking alltoall of the counts.
+        """
+        _check_dim0(tensor, "ialltoallv")
+        x = _host_view(tensor)
+        s, r, out, rc, sent = self._alltoallv_specs(x, send_counts, recv_counts)
+        req = self.mpi.Ialltoallv(s, r)
+        self._count("alltoallv", sent)
+        return Request([req], keep=(x, out, s, r), finish=lambda: (_to_device(out, tensor), rc),
+                       what=f"ialltoallv on {self.name}")
+
+    # ------------------------------------------------------------------ objects (pickled)
+    def send_object(self, obj: Any, dest: int, tag: int = 0) -> None:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        self.mpi.send(data, dest, tag)
+        self._count("send", len(data))
+
+    def recv_object(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Any:
+        return pickle.loads(self.mpi.recv(source=source, tag=tag))
+
+    def bcast_object(self, obj: Any, root: int = 0) -> Any:
+        return self.mpi.bcast(obj, root)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        return self.mpi.allgather(obj)
+
+    def gather_object(self, obj: Any, root: int = 0) -> list[Any] | None:
+        return self.mpi.gather(obj, root)
+
+    def allreduce_object(self, value: Any, op: str = "sum") -> Any:
+        """Reduce Python numbers (or anything supporting the op) across ranks."""
+        return self.mpi.allreduce(value, op=_op(op))
+
+    # ------------------------------------------------------------------ structure
+    def split(self, color: int, key: int | None = None, *, name: str | None = None) -> "Communicator":
+        """Ranks with the same ``color`` form a new communicator, ordered by ``key`` (default: rank)."""
+        sub = self.mpi.Split(int(color), self.rank if key is None else int(key))
+        return Communicator(sub, name=name or f"{self.name}.split{color}")
+
+    def dup(self, *, name: str | None = None) -> "Communicator":
+        """A communicator with the same ranks and an isolated message space."""
+        return Communicator(self.mpi.Dup(), name=name or self.name)
+
+    def free(self) -> None:
+        if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.mpi != MPI.COMM_NULL:
+            self.mpi.Free()
+
+    def abort(self, code: int = 1) -> None:
+        """Take the whole job down (every rank of every communicator)."""
+        MPI.COMM_WORLD.Abort(code)
+
+
+_WORLD: Communicator | None = None
+
+
+def world() -> Communicator:
+    """COMM_WORLD as a :class:`Communicator`; also installs loom's abort-on-exception hook."""
+    global _WORLD
+    if _WORLD is None:
+        from . import safety
+
+        safety.install()
+        _WORLD = Communicator(MPI.COMM_WORLD, name="world")
+    return _WORLD
+
+
+def stats() -> dict[str, dict[str, int]]:
+    """Bytes this rank sent, per communicator name and operation (a copy)."""
+    return {name: dict(ops) for name, ops in _COUNTERS.items() if ops}
+
+
+def reset_stats() -> None:
+    for ops in _COUNTERS.values():
+        ops.clear()

@@ -1,0 +1,286 @@
+"""Job-level safety: one failing rank takes the job down, optional check mode and watchdog.
+
+* **Abort on exception.** :func:`install` (called by :func:`loom.comm.world`) replaces ``sys.excepthook`` so
+  that an uncaught exception on any rank prints its traceback (prefixed with the rank) and calls
+  ``MPI_Abort`` on COMM_WORLD, like ``python -m mpi4py``: the other ranks never wait for a dead peer.
+* **Check mode** (``LOOM_CHECK=1`` or ``configure(check=True)``): before every collective, ranks exchange a
+  small signature (operation, dtype, shape, counts, root) with one ``allgather`` and compare; any
+  disagreement, or a locally invalid argument, raises :class:`CollectiveMismatchError` / ``ValueError``
+  on *every* rank with a message naming the ranks and values. Costs one small collective per call.
+* **Watchdog** (``LOOM_TIMEOUT=seconds`` or ``configure(timeout=...)``): a daemon thread watches the
+  operation each thread is in; one running past the limit is reported (operation, communicator, rank,
+  seconds, shape) and the job is aborted. mpi4py releases the GIL inside MPI calls, so the watchdog runs
+  while the main thread is stuck in a blocking call.
+
+Both modes are installed by wrapping :class:`Communicator` methods, so when they are off the hot path pays
+nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+from mpi4py import MPI
+
+from .errors import CollectiveMismatchError
+
+__all__ = ["install", "configure", "check_enabled", "watchdog_timeout"]
+
+_INSTALLED = False
+_CHECK = False
+_TIMEOUT: float | None = None
+_ORIGINALS: dict[str, Callable] = {}
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _env_timeout() -> float | None:
+    raw = os.environ.get("LOOM_TIMEOUT", "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"LOOM_TIMEOUT={raw!r} is not a number of seconds; set e.g. LOOM_TIMEOUT=60") from None
+    if value <= 0:
+        raise ValueError(f"LOOM_TIMEOUT={raw!r} must be > 0 seconds (unset it to disable the watchdog)")
+    return value
+
+
+def _abort_hook(exc_type, exc, tb) -> None:
+    rank = MPI.COMM_WORLD.Get_rank()
+    lines = traceback.format_exception(exc_type, exc, tb)
+    sys.stderr.write("".join(f"[rank {rank}] {ln}" for chunk in lines for ln in chunk.splitlines(True)))
+    sys.stderr.write(f"[rank {rank}] loom: uncaught {exc_type.__name__}; aborting the job (MPI_Abort)\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    MPI.COMM_WORLD.Abort(1)
+
+
+def install() -> None:
+    """Install the abort hook (multi-rank jobs only) and the modes chosen by ``LOOM_CHECK``/``LOOM_TIMEOUT``."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    if MPI.COMM_WORLD.Get_size() > 1:
+        sys.excepthook = _abort_hook
+    configure(check=_env_flag("LOOM_CHECK"), timeout=_env_timeout())
+
+
+def check_enabled() -> bool:
+    return _CHECK
+
+
+def watchdog_timeout() -> float | None:
+    return _TIMEOUT
+
+
+# ---------------------------------------------------------------------------------------------- check mode
+def _desc(x: Any) -> tuple:
+    return (str(getattr(x, "dtype", type(x).__name__)), tuple(int(s) for s in getattr(x, "shape", ())))
+
+
+def _sig_reduce(name):
+    def sig(self, tensor, op="sum"):
+        return (name, op, *_desc(tensor)), None
+    return sig
+
+
+def _sig_gather(name, trailing_only: bool):
+    def sig(self, tensor):
+        dt, shape = _desc(tensor)
+        if not shape:
+            return (name, dt, shape), f"{name} needs at least one dim, got a scalar"
+        return (name, dt, shape[1:] if trailing_only else shape), None
+    return sig
+
+
+def _sig_bcast(self, tensor, root=0):
+    err = None if 0 <= root < self.size else f"root {root} is not a rank of {self.name!r} (size {self.size})"
+    return ("bcast", root, *_desc(tensor)), err
+
+
+def _sig_alltoallv(name):
+    def sig(self, tensor, send_counts, recv_counts=None):
+        dt, shape = _desc(tensor)
+        sc = [int(c) for c in send_counts]
+        err = None
+        if not shape:
+            err = f"{name} needs at least one dim, got a scalar"
+        elif len(sc) != self.size:
+            err = f"send_counts has {len(sc)} entries, expected {self.size} (one per rank)"
+        elif any(c < 0 for c in sc) or sum(sc) != shape[0]:
+            err = f"send_counts {sc} must be >= 0 and sum to dim 0 = {shape[0]}"
+        rc = None if recv_counts is None else [int(c) for c in recv_counts]
+        return (name, dt, shape[1:]), err, sc, rc
+    return sig
+
+
+def _sig_plain(name):
+    def sig(self, *args, **kwargs):
+        return (name,), None
+    return sig
+
+
+_SIGNATURES: dict[str, Callable] = {
+    "barrier": _sig_plain("barrier"),
+    "allreduce": _sig_reduce("allreduce"),
+    "iallreduce": _sig_reduce("allreduce"),
+    "reduce_scatter": _sig_reduce("reduce_scatter"),
+    "allgather": _sig_gather("allgather", trailing_only=False),
+    "iallgather": _sig_gather("allgather", trailing_only=False),
+    "allgatherv": _sig_gather("allgatherv", trailing_only=True),
+    "alltoall": _sig_gather("alltoall", trailing_only=False),
+    "bcast": _sig_bcast,
+    "alltoallv": _sig_alltoallv("alltoallv"),
+    "ialltoallv": _sig_alltoallv("alltoallv"),
+    "split": _sig_plain("split"),
+    "dup": _sig_plain("dup"),
+}
+
+
+def _check_collective(self, method: str, args, kwargs) -> None:
+    """Exchange signatures; raise the same error on every rank when anything disagrees."""
+    res = _SIGNATURES[method](self, *args, **kwargs)
+    sig, err = res[0], res[1]
+    extra = res[2:] if len(res) > 2 else None
+    everyone = self.mpi.allgather((sig, err, extra))
+    where = f"loom check mode: {method} on communicator {self.name!r} (size {self.size})"
+    errors = [(r, e) for r, (_, e, _) in enumerate(everyone) if e]
+    if errors:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in errors)
+        raise ValueError(f"{where}: invalid arguments: {detail}")
+    sigs = [s for s, _, _ in everyone]
+    if any(s != sigs[0] for s in sigs):
+        groups: dict[tuple, list[int]] = {}
+        for r, s in enumerate(sigs):
+            groups.setdefault(s, []).append(r)
+        detail = "; ".join(f"ranks {rs}: {s}" for s, rs in groups.items())
+        raise CollectiveMismatchError(
+            f"{where}: ranks disagree (operation, op/root, dtype, shape): {detail}. "
+            f"Every rank must call the same collective with matching tensors"
+        )
+    if extra is not None:  # alltoallv: recv_counts given by a rank must match what the peers send it
+        matrix = [e[0] for _, _, e in everyone]
+        bad = []
+        for r, (_, _, e) in enumerate(everyone):
+            rc = e[1]
+            expect = [matrix[s][r] for s in range(self.size)]
+            if rc is not None and rc != expect:
+                bad.append(f"rank {r} expects {rc} but peers send {expect}")
+        if bad:
+            raise CollectiveMismatchError(f"{where}: recv_counts disagree with send_counts: {'; '.join(bad)}")
+
+
+# ---------------------------------------------------------------------------------------------- watchdog
+_INFLIGHT: dict[int, tuple[str, float]] = {}
+_WATCHDOG: threading.Thread | None = None
+
+
+def _watchdog_loop() -> None:
+    rank = MPI.COMM_WORLD.Get_rank()
+    while _TIMEOUT is not None:
+        limit = _TIMEOUT
+        now = time.monotonic()
+        for tid, (what, t0) in list(_INFLIGHT.items()):
+            if now - t0 > limit:
+                sys.stderr.write(
+                    f"[rank {rank}] loom watchdog: stuck for {now - t0:.1f} s (LOOM_TIMEOUT={limit:g}) in {what}; "
+                    f"a peer probably never joined this operation. Aborting the job.\n"
+                )
+                sys.stderr.flush()
+                MPI.COMM_WORLD.Abort(3)
+        time.sleep(min(0.25, limit / 4))
+
+
+def _describe(self, method: str, args) -> str:
+    shapes = ", ".join(f"{_desc(a)[0]}{list(_desc(a)[1])}" for a in args if hasattr(a, "shape"))
+    return f"{method}({shapes}) on communicator {self.name!r} rank {self.rank}/{self.size}"
+
+
+def _wrap(method: str, fn: Callable) -> Callable:
+    collective = method in _SIGNATURES
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        if _CHECK and collective and self.size > 1:
+            _check_collective(self, method, args, kwargs)
+        if _TIMEOUT is None:
+            return fn(self, *args, **kwargs)
+        tid = threading.get_ident()
+        outer = tid in _INFLIGHT
+        if not outer:
+            _INFLIGHT[tid] = (_describe(self, method, args), time.monotonic())
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            if not outer:
+                _INFLIGHT.pop(tid, None)
+
+    wrapper.__loom_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_wait(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wait(self, timeout=None):
+        if _TIMEOUT is None or self.done:
+            return fn(self, timeout)
+        tid = threading.get_ident()
+        _INFLIGHT[tid] = (f"wait on {self._what}", time.monotonic())
+        try:
+            return fn(self, timeout)
+        finally:
+            _INFLIGHT.pop(tid, None)
+
+    return wait
+
+
+_WRAPPED = (
+    "send", "recv", "sendrecv", "barrier", "bcast", "allreduce", "reduce_scatter", "allgather", "allgatherv",
+    "alltoall", "alltoallv", "iallreduce", "iallgather", "ialltoallv", "split", "dup",
+    "send_object", "recv_object", "bcast_object", "allgather_object", "gather_object", "allreduce_object",
+)
+
+
+def configure(*, check: bool | None = None, timeout: float | None | bool = False) -> None:
+    """Turn check mode and the watchdog on or off at run time (every rank must make the same call).
+
+    Args:
+        check: ``True``/``False`` to switch check mode; ``None`` leaves it as is.
+        timeout: seconds for the watchdog, ``None`` to switch it off; ``False`` (default) leaves it as is.
+    """
+    global _CHECK, _TIMEOUT, _WATCHDOG
+    from .communicator import Communicator
+    from .progress import Request
+
+    if check is not None:
+        _CHECK = bool(check)
+    if timeout is not False:
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"watchdog timeout {timeout!r} must be a positive number of seconds or None")
+        _TIMEOUT = None if timeout is None else float(timeout)
+    active = _CHECK or _TIMEOUT is not None
+    if active and not _ORIGINALS:
+        for name in _WRAPPED:
+            _ORIGINALS[name] = getattr(Communicator, name)
+            setattr(Communicator, name, _wrap(name, _ORIGINALS[name]))
+        _ORIGINALS["Request.wait"] = Request.wait
+        Request.wait = _wrap_wait(Request.wait)
+    elif not active and _ORIGINALS:
+        Request.wait = _ORIGINALS.pop("Request.wait")
+        for name, fn in _ORIGINALS.items():
+            setattr(Communicator, name, fn)
+        _ORIGINALS.clear()
+    if _TIMEOUT is not None and (_WATCHDOG is None or not _WATCHDOG.is_alive()):
+        _WATCHDOG = threading.Thread(target=_watchdog_loop, name="loom-watchdog", daemon=True)
+        _WATCHDOG.start()

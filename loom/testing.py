@@ -1,0 +1,97 @@
+"""The multi-rank test harness: launch real ranks under ``mpiexec`` with a timeout, run checks written once.
+
+Test side (pytest)::
+
+    from loom.testing import run_ranks
+    @pytest.mark.parametrize("n", [1, 2, 3, 4])
+    def test_comm(n):
+        run_ranks(n, "tests/mpi/check_comm.py")          # fails with every rank's output on error or hang
+
+Rank side (``tests/mpi/check_comm.py``)::
+
+    from loom.testing import mpi_checks
+    def check_allreduce(comm): ...                       # assert like any test; every rank asserts
+    if __name__ == "__main__":
+        mpi_checks(globals())                            # runs every check_* in file order
+
+A failing check raises on its rank; loom's abort hook then prints the traceback and takes the job down, so
+the launcher returns non-zero and the test prints it. A hang hits the timeout and the process group is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Mapping
+
+from .comm import launch
+
+__all__ = ["run_ranks", "mpi_checks", "seeded"]
+
+
+def run_ranks(
+    n: int,
+    script: str,
+    *args: str,
+    timeout: float = 180,
+    env: Mapping[str, str] | None = None,
+    expect_fail: bool = False,
+) -> subprocess.CompletedProcess:
+    """Run ``python script args`` on ``n`` ranks; raise ``AssertionError`` with the output unless it exits 0.
+
+    With ``expect_fail=True`` the job must exit non-zero instead (for abort/safety tests); the completed
+    process is returned either way so the caller can inspect ``stdout``/``stderr``.
+    """
+    full_env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    if env:
+        full_env.update(env)
+    t0 = time.monotonic()
+    try:
+        proc = launch.run(n, [sys.executable, script, *args], timeout=timeout, env=full_env, capture=True)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(
+            f"{script} on {n} ranks did not finish within {timeout} s (hang?)\n"
+            f"--- stdout\n{exc.output}\n--- stderr\n{exc.stderr}"
+        ) from None
+    proc.elapsed = time.monotonic() - t0  # type: ignore[attr-defined]
+    failed = proc.returncode != 0
+    if failed != expect_fail:
+        what = "succeeded but was expected to fail" if expect_fail else f"exited with {proc.returncode}"
+        raise AssertionError(f"{script} on {n} ranks {what}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return proc
+
+
+def seeded(comm, base: int = 0):
+    """A ``torch.Generator`` seeded identically on every rank (for a shared reference) plus a fresh base seed."""
+    import torch
+
+    seed = comm.bcast_object(int.from_bytes(os.urandom(4), "little") + base)
+    g = torch.Generator().manual_seed(seed)
+    return g
+
+
+def mpi_checks(namespace: Mapping[str, Any], *, prefix: str = "check_") -> None:
+    """Run every ``check_*`` function in ``namespace`` on ``loom.comm.world()``; rank 0 reports each one.
+
+    ``LOOM_ONLY=name1,name2`` restricts to some checks (handy while debugging).
+    """
+    import torch
+
+    from .comm import world
+
+    torch.set_num_threads(1)
+    comm = world()
+    only = {s for s in os.environ.get("LOOM_ONLY", "").split(",") if s}
+    checks: list[tuple[str, Callable]] = [
+        (k, v) for k, v in namespace.items() if k.startswith(prefix) and callable(v) and (not only or k in only)
+    ]
+    if not checks:
+        raise RuntimeError(f"no {prefix}* functions found to run")
+    for name, fn in checks:
+        t0 = time.perf_counter()
+        fn(comm)
+        comm.barrier()
+        if comm.rank == 0:
+            print(f"PASS {name} ({time.perf_counter() - t0:.2f} s, {comm.size} ranks)", flush=True)

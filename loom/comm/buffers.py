@@ -28,6 +28,7 @@ from mpi4py import MPI
 
 __all__ = [
     "Buffer",
+    "as_bytes",
     "as_send",
     "mpi_dtype",
     "nbytes",
@@ -115,8 +116,6 @@ def mpi_dtype(x: Buffer) -> Any:
 
 def nbytes(x: Buffer) -> int:
     """Payload size of ``x`` in bytes."""
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
     return x.nbytes
 
 
@@ -142,8 +141,24 @@ def host_view(x: Buffer) -> Buffer:
     return x
 
 
+_BYTE = MPI.BYTE
+
+
+def as_bytes(x: Buffer) -> list:
+    """``[buffer, MPI.BYTE]`` over ``x``'s bytes: how every non-reducing operation moves data.
+
+    Moving raw bytes makes every dtype (bf16, fp16, bool, complex) travel the same way and keeps the spec
+    cheap; only reductions need the element type (:func:`as_send`). Same preconditions as :func:`as_send`.
+    """
+    if isinstance(x, torch.Tensor):
+        if x.is_cuda:
+            return [x.view(torch.uint8) if x.dim() else x.reshape(1).view(torch.uint8), _BYTE]
+        return [_fromaddress(x.data_ptr(), x.nbytes), _BYTE]
+    return [x, _BYTE]
+
+
 def as_send(x: Buffer) -> list:
-    """``[buffer, count, datatype]`` for reading ``x``; the caller keeps ``x`` alive until MPI is done.
+    """``[buffer, datatype]`` (typed, for reductions) over ``x``; the caller keeps ``x`` alive until MPI is done.
 
     ``x`` must already be a host view (:func:`host_view`) when it may be non-contiguous, on a device or
     require grad; the fast paths below assume a contiguous CPU buffer.
@@ -152,9 +167,8 @@ def as_send(x: Buffer) -> list:
         if x.device.type == "cuda":
             # CUDA-aware MPI: mpi4py understands __cuda_array_interface__ / DLPack for device memory.
             return [x, _TORCH_MPI[x.dtype]]
-        n = x.numel()
-        return [_fromaddress(x.data_ptr(), n * x.element_size()), n, _TORCH_MPI[x.dtype]]
-    return [x, x.size, _NUMPY_MPI[x.dtype]]
+        return [_fromaddress(x.data_ptr(), x.nbytes), _TORCH_MPI[x.dtype]]
+    return [x, _NUMPY_MPI[x.dtype]]
 
 
 def empty_like_shape(x: Buffer, shape: tuple[int, ...], *, device=None) -> Buffer:

@@ -62,6 +62,18 @@ class Backoff:
         return min(self.max_sleep_s, max(self.min_sleep_s, waited * self.frac))
 
 
+def _status_errors(reqs: list) -> str:
+    """The per-request MPI error strings behind an MPI_ERR_IN_STATUS (e.g. a truncated receive)."""
+    msgs = []
+    for req in reqs:
+        try:
+            st = MPI.Status()
+            req.Wait(st)
+        except MPI.Exception as exc:
+            msgs.append(exc.Get_error_string())
+    return "; ".join(msgs) + ("" if not msgs else " (a receive buffer smaller than the message it matched?)")
+
+
 class Request:
     """A pending loom operation: ``wait()``, ``test()``, or ``await request``.
 
@@ -110,7 +122,7 @@ class Request:
                 self._complete()
                 return True
         except MPI.Exception as exc:
-            raise CommError(f"{self._what} failed: {exc}") from exc
+            raise CommError(f"{self._what} failed: {_status_errors(self._reqs) or exc}") from exc
         return False
 
     def poll(self) -> tuple[bool, Any]:

@@ -1,0 +1,17 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.chdir(ROOT)  # run_ranks paths are relative to the repository root
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_root = pytest.mark.skip(reason="needs root for network namespaces and tc (CI runs as root)")
+    if hasattr(os, "geteuid") and os.geteuid() != 0:
+        for item in items:
+            if "root" in item.keywords:
+                item.add_marker(skip_root)

@@ -1,0 +1,324 @@
+"""loom.comm checks, run on every rank: ``mpiexec -n K python tests/mpi/check_comm.py`` (K = 1..4).
+
+Every operation is compared with a numpy/torch reference computed locally from data every rank can
+regenerate (a generator seeded by a fresh base seed and the owning rank), on random data, for several dtypes,
+non-contiguous inputs and outputs, zero-length counts and uneven splits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import torch
+
+from loom.comm import Mesh, Request, stats, reset_stats, wait_all
+from loom.testing import mpi_checks
+
+BASE = None
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8,
+          torch.bool, torch.complex128]
+
+
+def data(rank: int, shape, dtype=torch.float64, salt: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s tensor for this check: reproducible on every rank."""
+    g = torch.Generator().manual_seed(BASE * 7919 + rank * 131 + salt)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) if not dtype.is_complex else \
+            torch.randn(shape, generator=g, dtype=dtype)
+    return torch.randint(0, 100, shape, generator=g).to(dtype)
+
+
+def setup(comm):
+    global BASE
+    BASE = comm.bcast_object(int(np.random.SeedSequence().entropy % (2**31)) if comm.rank == 0 else None)
+
+
+def check_setup(comm):
+    torch.set_default_dtype(torch.float64)
+    setup(comm)
+    assert isinstance(BASE, int)
+
+
+def check_sendrecv_ring(comm):
+    p, r = comm.size, comm.rank
+    nxt, prv = (r + 1) % p, (r - 1) % p
+    for salt, dtype in enumerate(DTYPES):
+        x = data(r, (3, 5), dtype, salt)
+        out = torch.empty((3, 5), dtype=dtype)
+        comm.sendrecv(x, nxt, out, prv, tag=salt)
+        assert torch.equal(out, data(prv, (3, 5), dtype, salt)), dtype
+
+
+def check_send_recv_traps(comm):
+    """Transposed sources, strided views, non-contiguous targets, numpy, requires_grad, zero-size."""
+    p, r = comm.size, comm.rank
+    if p < 2:
+        return
+    if r == 0:
+        a = data(0, (4, 6), salt=1)
+        comm.send(a.t(), 1, tag=1)                       # transposed: must arrive in logical order
+        comm.send(a[:, ::2], 1, tag=2)                   # strided view: mpi4py alone raises BufferError
+        comm.send(a.t().numpy(), 1, tag=3)               # numpy F-order
+        comm.send(a.clone().requires_grad_(True), 1, tag=4)
+        comm.send(torch.empty(0, 3), 1, tag=5)
+        comm.send(a.to(torch.bfloat16), 1, tag=6)
+    elif r == 1:
+        a = data(0, (4, 6), salt=1)
+        out = torch.empty(6, 4)
+        comm.recv(out, 0, 1)
+        assert torch.equal(out, a.t())
+        out2 = torch.empty(4, 3)
+        comm.recv(out2, 0, 2)
+        assert torch.equal(out2, a[:, ::2])
+        out3 = np.empty((6, 4))
+        comm.recv(out3, 0, 3)
+        np.testing.assert_array_equal(out3, a.t().numpy())
+        out4 = torch.empty(4, 6)
+        comm.recv(out4, 0, 4)                            # sent from a requires_grad tensor
+        assert torch.equal(out4, a)
+        comm.recv(torch.empty(0, 3), 0, 5)
+        out6 = torch.empty(4, 6, dtype=torch.bfloat16)
+        comm.recv(out6, 0, 6)
+        assert torch.equal(out6, a.to(torch.bfloat16))
+    comm.barrier()
+
+
+def check_recv_into_strided_view(comm):
+    p, r = comm.size, comm.rank
+    if p < 2:
+        return
+    if r == 0:
+        comm.send(data(0, (4, 4), salt=2), 1, tag=7)
+    elif r == 1:
+        big = torch.full((8, 4), -1.0)
+        comm.recv(big[::2], 0, 7)
+        assert torch.equal(big[::2], data(0, (4, 4), salt=2))
+        assert torch.all(big[1::2] == -1.0)              # untouched rows stay untouched
+    comm.barrier()
+
+
+def check_nonblocking_p2p(comm):
+    p, r = comm.size, comm.rank
+    outs = [torch.empty(7) for _ in range(p)]
+    reqs = [comm.irecv(outs[s], s, tag=11) for s in range(p)]
+    reqs += [comm.isend(data(r, (7,), salt=10 + d), d, tag=11) for d in range(p)]
+    results = wait_all(reqs)
+    for s in range(p):
+        assert results[s] is outs[s]
+        assert torch.equal(outs[s], data(s, (7,), salt=10 + r))
+    # test() polling and await from asyncio
+    out = torch.empty(5)
+    rq = comm.irecv(out, (r - 1) % p, tag=12)
+    sq = comm.isend(data(r, (5,), salt=20), (r + 1) % p, tag=12)
+
+    async def both():
+        return await rq, await sq
+
+    got, _ = asyncio.run(both())
+    assert got is out and torch.equal(out, data((r - 1) % p, (5,), salt=20))
+    assert rq.test() and sq.done
+    assert Request.completed(3).wait() == 3
+
+
+def check_bcast(comm):
+    p = comm.size
+    for root in range(p):
+        for salt, dtype in enumerate([torch.float64, torch.bfloat16, torch.int32]):
+            x = data(root, (2, 3), dtype, salt) if comm.rank == root else torch.zeros(2, 3, dtype=dtype)
+            y = comm.bcast(x, root)
+            assert y is x and torch.equal(x, data(root, (2, 3), dtype, salt))
+    # numpy and a non-contiguous target
+    big = np.zeros((4, 3))
+    comm.bcast(big[::2], 0) if comm.rank else comm.bcast(data(0, (2, 3)).numpy(), 0)
+    if comm.rank:
+        np.testing.assert_array_equal(big[::2], data(0, (2, 3)).numpy())
+
+
+def check_allreduce(comm):
+    p = comm.size
+    for op, ref in [("sum", lambda xs: sum(xs)), ("max", lambda xs: torch.stack(xs).amax(0)),
+                    ("min", lambda xs: torch.stack(xs).amin(0)), ("prod", lambda xs: torch.stack(xs).prod(0)),
+                    ("avg", lambda xs: sum(xs) / p)]:
+        xs = [data(s, (5, 3), salt=30) for s in range(p)]
+        got = comm.allreduce(xs[comm.rank], op)
+        torch.testing.assert_close(got, ref(xs), rtol=1e-12, atol=1e-12)
+    # integers exact
+    xi = [data(s, (9,), torch.int64, 31) for s in range(p)]
+    assert torch.equal(comm.allreduce(xi[comm.rank]), sum(xi))
+    # 16-bit floats: reduced in float32, compared with the float32 reference cast back (1 rounding)
+    for dtype in (torch.bfloat16, torch.float16):
+        xs = [data(s, (64,), dtype, 32) for s in range(p)]
+        got = comm.allreduce(xs[comm.rank])
+        ref = sum(x.float() for x in xs).to(dtype)
+        assert got.dtype == dtype and torch.equal(got, ref), dtype
+    # transposed input and out= (also in place)
+    xs = [data(s, (4, 6), salt=33) for s in range(p)]
+    got = comm.allreduce(xs[comm.rank].t())
+    torch.testing.assert_close(got, sum(xs).t(), rtol=1e-12, atol=1e-12)
+    buf = xs[comm.rank].clone()
+    assert comm.allreduce(buf, out=buf) is buf
+    torch.testing.assert_close(buf, sum(xs), rtol=1e-12, atol=1e-12)
+    # numpy
+    npx = [data(s, (3,), salt=34).numpy() for s in range(p)]
+    np.testing.assert_allclose(comm.allreduce(npx[comm.rank]), sum(npx), rtol=1e-12)
+    # results identical on every rank (bitwise)
+    everyone = comm.allgather(got.reshape(1, -1).contiguous())
+    assert all(torch.equal(everyone[0], e) for e in everyone)
+
+
+def check_reduce_scatter(comm):
+    p = comm.size
+    xs = [data(s, (2 * p, 3), salt=40) for s in range(p)]
+    got = comm.reduce_scatter(xs[comm.rank])
+    torch.testing.assert_close(got, sum(xs)[2 * comm.rank: 2 * comm.rank + 2], rtol=1e-12, atol=1e-12)
+    if p > 1:
+        try:
+            comm.reduce_scatter(torch.zeros(p + 1))
+        except ValueError as exc:
+            assert "does not divide" in str(exc) and "pad dim 0" in str(exc)
+        else:
+            raise AssertionError("reduce_scatter accepted an indivisible dim 0")
+
+
+def check_allgather(comm):
+    p = comm.size
+    for dtype in (torch.float64, torch.bfloat16, torch.bool):
+        xs = [data(s, (2, 3), dtype, 50) for s in range(p)]
+        assert torch.equal(comm.allgather(xs[comm.rank]), torch.cat(xs))
+    # transposed input
+    xs = [data(s, (3, 2), salt=51) for s in range(p)]
+    assert torch.equal(comm.allgather(xs[comm.rank].t()), torch.cat([x.t() for x in xs]))
+    # uneven dim 0 including zero rows
+    ys = [data(s, (s % 3, 4), salt=52) for s in range(p)]
+    got, counts = comm.allgatherv(ys[comm.rank])
+    assert counts == [s % 3 for s in range(p)] and torch.equal(got, torch.cat(ys))
+
+
+def check_alltoall(comm):
+    p = comm.size
+    xs = [data(s, (p * 2, 3), salt=60) for s in range(p)]
+    got = comm.alltoall(xs[comm.rank])
+    ref = torch.cat([xs[s][2 * comm.rank: 2 * comm.rank + 2] for s in range(p)])
+    assert torch.equal(got, ref)
+
+
+def _counts(s: int, p: int, salt: int) -> list[int]:
+    g = torch.Generator().manual_seed(BASE + 17 * s + salt)
+    c = torch.randint(0, 4, (p,), generator=g)
+    c[torch.rand(p, generator=g) < 0.3] = 0              # plenty of zero-length pieces
+    return c.tolist()
+
+
+def check_alltoallv(comm):
+    p, r = comm.size, comm.rank
+    for salt, dtype in enumerate([torch.float64, torch.bfloat16, torch.int16]):
+        counts = [_counts(s, p, salt) for s in range(p)]
+        xs = [data(s, (sum(counts[s]), 3), dtype, 70 + salt) for s in range(p)]
+        got, rc = comm.alltoallv(xs[r], counts[r])
+        assert rc == [counts[s][r] for s in range(p)]
+        pieces = []
+        for s in range(p):
+            off = sum(counts[s][:r])
+            pieces.append(xs[s][off: off + counts[s][r]])
+        assert torch.equal(got, torch.cat(pieces)), dtype
+        got2, _ = comm.alltoallv(xs[r], counts[r], rc)    # with known recv counts
+        assert torch.equal(got2, got)
+    # transposed input rows
+    counts = [_counts(s, p, 9) for s in range(p)]
+    xs = [data(s, (4, sum(counts[s])), salt=79) for s in range(p)]
+    got, _ = comm.alltoallv(xs[r].t(), counts[r])
+    ref = torch.cat([xs[s].t()[sum(counts[s][:r]): sum(counts[s][:r]) + counts[s][r]] for s in range(p)])
+    assert torch.equal(got, ref)
+    # bad counts: clear local error
+    for bad, needle in [([1] * (p + 1), "entries"), ([-1] + [0] * (p - 1), "negative"), ([5] + [0] * (p - 1), "sum")]:
+        try:
+            comm.alltoallv(torch.zeros(2, 1), bad)
+        except ValueError as exc:
+            assert needle in str(exc), str(exc)
+        else:
+            raise AssertionError(f"alltoallv accepted counts {bad}")
+
+
+def check_nonblocking_collectives(comm):
+    p, r = comm.size, comm.rank
+    xs = [data(s, (6,), salt=80) for s in range(p)]
+    q1 = comm.iallreduce(xs[r], "avg")
+    q2 = comm.iallgather(xs[r].reshape(2, 3))
+    counts = [_counts(s, p, 81) for s in range(p)]
+    ys = [data(s, (sum(counts[s]), 2), salt=82) for s in range(p)]
+    q3 = comm.ialltoallv(ys[r], counts[r])
+    red, gath, (a2a, rc) = wait_all([q1, q2, q3])
+    torch.testing.assert_close(red, sum(xs) / p, rtol=1e-12, atol=1e-12)
+    assert torch.equal(gath, torch.cat([x.reshape(2, 3) for x in xs]))
+    assert torch.equal(a2a, torch.cat([ys[s][sum(counts[s][:r]): sum(counts[s][:r]) + counts[s][r]]
+                                       for s in range(p)]))
+
+
+def check_objects(comm):
+    p, r = comm.size, comm.rank
+    assert comm.allgather_object({"r": r}) == [{"r": s} for s in range(p)]
+    assert comm.bcast_object("hi" if r == 0 else None) == "hi"
+    assert comm.allreduce_object(r + 1) == p * (p + 1) // 2
+    if p > 1:
+        if r == 0:
+            comm.send_object(("x", 1), 1, tag=5)
+        elif r == 1:
+            assert comm.recv_object(0, 5) == ("x", 1)
+
+
+def check_mesh_and_split(comm):
+    p, r = comm.size, comm.rank
+    shapes = [{"dp": p}]
+    if p % 2 == 0:
+        shapes.append({"dp": p // 2, "sp": 2})
+        shapes.append({"pp": 2, "dp": p // 2})
+    for shape in shapes:
+        mesh = Mesh(shape)
+        assert mesh.rank_of(**mesh.coords) == r
+        for axis in shape:
+            sub = mesh[axis]
+            assert sub.size == shape[axis] and sub.rank == mesh.coords[axis] and sub.name == axis
+            members = sub.allgather_object(r)
+            # members differ only in this axis' coordinate, and are ordered by it
+            expect = [mesh.rank_of(**{axis: i}) for i in range(shape[axis])]
+            assert members == expect, (shape, axis, members, expect)
+        flat = mesh[tuple(shape)]
+        assert flat.size == p and flat.rank == r
+    try:
+        Mesh(dp=p + 1)
+    except ValueError as exc:
+        assert f"has {p}" in str(exc) and "product" in str(exc)
+    else:
+        raise AssertionError("Mesh accepted a wrong product")
+    sub = comm.split(r % 2, name="halves")
+    assert sub.size == len(range(r % 2, p, 2))
+    d = comm.dup(name="dupe")
+    assert d.allreduce_object(1) == p
+
+
+def check_byte_accounting(comm):
+    p, r = comm.size, comm.rank
+    reset_stats()
+    x = torch.zeros(4 * p, dtype=torch.float32)   # 16p bytes
+    comm.allreduce(x)
+    comm.allgather(x)
+    comm.alltoall(x)
+    counts = [1] * p
+    comm.alltoallv(torch.zeros(p, 3, dtype=torch.float64), counts, counts)
+    if p % 2 == 0:
+        Mesh(dp=p // 2, sp=2)["sp"].allreduce(x)
+    st = stats()
+    nb = 16 * p
+    assert st["world"].get("allreduce", 0) == 2 * nb * (p - 1) // p
+    assert st["world"].get("allgather", 0) == nb * (p - 1)
+    assert st["world"].get("alltoall", 0) == nb * (p - 1) // p
+    assert st["world"].get("alltoallv", 0) == 24 * (p - 1)
+    if p % 2 == 0:
+        assert st["sp"]["allreduce"] == 2 * nb * 1 // 2
+
+
+if __name__ == "__main__":
+    mpi_checks(globals())

@@ -1,0 +1,86 @@
+"""Safety behaviours, one scenario per launch (argv[1]); see tests/integration/test_comm_mpi.py."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import torch
+
+from loom.comm import CollectiveMismatchError, world
+
+
+def scenario_raise(comm):
+    """The last rank raises while the others wait for it: the job must die, not hang."""
+    if comm.rank == comm.size - 1:
+        raise ValueError("boom from the last rank")
+    comm.recv(torch.empty(1), comm.size - 1, tag=1)   # would wait forever
+
+
+def scenario_mismatch(comm):
+    """Check mode: every rank gets the same clear error for mismatched collectives, then the job goes on."""
+    shape = (3,) if comm.rank == 0 else (4,)
+    try:
+        comm.allreduce(torch.zeros(shape))
+    except CollectiveMismatchError as exc:
+        msg = str(exc)
+        assert "allreduce" in msg and "(3,)" in msg and "(4,)" in msg, msg
+        print(f"rank {comm.rank} caught: {msg}", flush=True)
+    else:
+        raise AssertionError("mismatched allreduce was not caught")
+    bad = [1] * comm.size if comm.rank else [2] * comm.size    # rank 0's counts do not cover dim 0
+    try:
+        comm.alltoallv(torch.zeros(comm.size, 2), bad)
+    except ValueError as exc:
+        assert "rank 0" in str(exc) and "send_counts" in str(exc), str(exc)
+        print(f"rank {comm.rank} caught counts: {exc}", flush=True)
+    else:
+        raise AssertionError("bad alltoallv counts were not caught")
+    total = comm.allreduce(torch.ones(2))                       # still usable afterwards
+    assert torch.equal(total, torch.full((2,), float(comm.size)))
+
+
+def scenario_watchdog(comm):
+    """LOOM_TIMEOUT: rank 0 waits in a barrier that rank 1 never joins; the watchdog reports and aborts."""
+    if comm.rank == 1:
+        time.sleep(60)
+    comm.barrier()
+
+
+def scenario_idle(comm):
+    """A rank waiting on a request must not burn a core: CPU time / wall time of the wait, both ways."""
+    if comm.rank == 1:
+        time.sleep(1.5)
+        comm.send(torch.ones(4), 0, tag=3)
+        time.sleep(1.5)
+        comm.send(torch.ones(4), 0, tag=4)
+        return
+    if comm.rank != 0:
+        return
+    out = torch.empty(4)
+    req = comm.irecv(out, 1, tag=3)
+    w0, c0 = time.perf_counter(), time.process_time()
+    req.wait()
+    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+    print(f"idle wait: {wall:.2f} s wall, {cpu * 1e3:.1f} ms cpu = {100 * cpu / wall:.2f} % of a core", flush=True)
+    assert torch.equal(out, torch.ones(4))
+
+    async def waiter():
+        return await comm.irecv(out, 1, tag=4)
+
+    w0, c0 = time.perf_counter(), time.process_time()
+    asyncio.run(waiter())
+    wall2, cpu2 = time.perf_counter() - w0, time.process_time() - c0
+    print(f"idle await: {wall2:.2f} s wall, {cpu2 * 1e3:.1f} ms cpu = {100 * cpu2 / wall2:.2f} % of a core",
+          flush=True)
+    assert cpu / wall < 0.05 and cpu2 / wall2 < 0.05, (cpu / wall, cpu2 / wall2)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    c = world()
+    globals()[f"scenario_{sys.argv[1]}"](c)
+    c.barrier()
+    if c.rank == 0:
+        print("scenario done", flush=True)

@@ -1,0 +1,79 @@
+"""loom.comm in one process (a world of size 1, no launcher): buffers, errors, mesh arithmetic, CLI."""
+
+import numpy as np
+import pytest
+import torch
+
+from loom.bench import omb
+from loom.cli import main as loom_main, pop_ranks
+from loom.comm import Mesh, buffers, world
+
+
+def test_host_view_makes_contiguous_copies_of_transposed_and_strided():
+    a = torch.arange(12.0).reshape(3, 4)
+    for v in (a.t(), a[:, ::2], a.t()[::2]):
+        h = buffers.host_view(v)
+        assert h.is_contiguous() and torch.equal(h, v)
+    g = torch.ones(3, requires_grad=True)
+    assert not buffers.host_view(g).requires_grad
+
+
+def test_unsupported_dtype_is_a_clear_error():
+    with pytest.raises(TypeError, match="cannot be sent by loom.comm"):
+        buffers.mpi_dtype(np.zeros(2, dtype="U3"))
+
+
+def test_recv_into_grad_leaf_is_refused():
+    with pytest.raises(ValueError, match="requires grad"):
+        buffers.recv_target(torch.zeros(2, requires_grad=True))
+
+
+def test_single_rank_collectives_are_identities():
+    c = world()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    assert torch.equal(c.allreduce(x), x)
+    assert torch.equal(c.allgather(x), x)
+    assert torch.equal(c.alltoall(x), x)
+    y, counts = c.alltoallv(x, [4])
+    assert counts == [4] and torch.equal(y, x)
+    assert torch.equal(c.reduce_scatter(x), x)
+
+
+@pytest.mark.parametrize("op", ["mean", "SUM", ""])
+def test_unknown_reduce_op_lists_valid_ones(op):
+    with pytest.raises(ValueError, match="valid: sum, max, min, prod, avg"):
+        world().allreduce(torch.ones(1), op)
+
+
+def test_scalar_collective_explains_the_fix():
+    with pytest.raises(ValueError, match="reshape"):
+        world().allgather(torch.tensor(1.0))
+
+
+def test_mesh_errors_and_layout():
+    with pytest.raises(ValueError, match="product"):
+        Mesh(dp=2)
+    with pytest.raises(ValueError, match="sizes are integers"):
+        Mesh(dp=0)
+    m = Mesh(dp=1, sp=1)
+    assert m.coords == {"dp": 0, "sp": 0} and m.rank_of() == 0
+    with pytest.raises(KeyError, match="its axes are dp, sp"):
+        m["tp"]
+
+
+def test_omb_sizes_and_parse():
+    assert omb.sizes(1, 8) == [1, 2, 4, 8]
+    assert omb.sizes(0, 2) == [0, 1, 2]
+    assert omb.sizes(3, 16) == [4, 8, 16]
+    assert omb.parse_size("64M") == 64 << 20 and omb.parse_size("1K") == 1024 and omb.parse_size("7") == 7
+    with pytest.raises(Exception, match="byte count"):
+        omb.parse_size("lots")
+
+
+def test_cli_unknown_command_and_ranks_flag(capsys):
+    assert loom_main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+    assert pop_ranks(["--ranks", "4", "-x", "1"]) == (4, ["-x", "1"])
+    assert pop_ranks(["--ranks=2"]) == (2, [])
+    assert pop_ranks(["a"]) == (None, ["a"])
+    assert loom_main(["bench", "nope"]) == 2

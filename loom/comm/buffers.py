@@ -152,7 +152,7 @@ def as_bytes(x: Buffer) -> list:
     """
     if isinstance(x, torch.Tensor):
         if x.is_cuda:
-            return [x.view(torch.uint8) if x.dim() else x.reshape(1).view(torch.uint8), _BYTE]
+            return [x.reshape(-1).view(torch.uint8), _BYTE]
         return [_fromaddress(x.data_ptr(), x.nbytes), _BYTE]
     return [x, _BYTE]
 

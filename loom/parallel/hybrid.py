@@ -1,0 +1,326 @@
+"""HyPar-Flow-style hybrid parallelism: one API for data, pipeline (model) and hybrid parallel training.
+
+``HybridParallel(model, partitions=P, replicas=R, micro_batches=M)`` lays a ``Mesh(pp=P, dp=R)`` over the
+ranks, captures the model as a graph (:mod:`loom.parallel.partition`), keeps stage ``pp.rank`` on this rank,
+and trains it with a pipeline schedule (:mod:`loom.parallel.pipeline`) whose gradients are averaged over the
+replicas (:mod:`loom.parallel.data`).
+
+Plan of :meth:`HybridParallel.train_step` on each rank:
+
+1. split this replica's batch into ``M`` equal micro-batches along dim 0 (every stage rank of a replica holds
+   the same batch, so graph inputs are read locally by any stage that needs them);
+2. run the schedule (``gpipe`` or ``1f1b``): forwards receive/send live sets from/to the neighbouring stages,
+   the last stage computes ``loss_fn(out_m, target_m) / M`` and backward sends gradients upstream;
+3. the dp reducer averages each stage's gradients over replicas in buckets as soon as the last micro-batch's
+   backward finishes them (``iallreduce``, overlapped with the remaining backward; or the user's hook);
+4. the loss: one ``allreduce(sum)`` of a scalar over ``pp`` (only the last stage contributes) and one
+   ``allreduce(avg)`` over ``dp``, so every rank returns the mean loss over the global batch.
+
+With ``loss_fn`` a mean over the batch, gradients equal single-process training on the global batch
+(``R`` replicas x ``M`` micro-batches of equal size): the tests check loss and parameters to 1e-10 in fp64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..comm import Communicator, Mesh, world
+from .data import GradHook, GradReducer
+from .partition import Graph, capture, split_units
+from .pipeline import SCHEDULES, Stage, schedule as make_schedule
+
+__all__ = ["HybridConfig", "HybridParallel"]
+
+
+@dataclass(kw_only=True, slots=True)
+class HybridConfig:
+    """How to parallelise a model."""
+
+    partitions: int = 1
+    """Pipeline stages (size of the ``pp`` axis)."""
+    replicas: int | None = None
+    """Model replicas (size of the ``dp`` axis); ``None``: world size // partitions."""
+    micro_batches: int = 1
+    """Micro-batches per replica batch; the batch must divide by it."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``gpipe`` or ``1f1b``."""
+    balance: str | list[int] = "params"
+    """``params`` (min-max parameter count), ``time`` (profiled forward time) or layer counts per stage."""
+    bucket_mb: float = 25.0
+    """Gradient allreduce bucket size in MiB."""
+
+    def __post_init__(self) -> None:
+        for name in ("partitions", "micro_batches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        r = self.replicas
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
+            raise ValueError(f"replicas={r!r} must be an integer >= 1 (or None for world size // partitions)")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if isinstance(self.balance, str):
+            if self.balance not in ("params", "time"):
+                raise ValueError(f"balance={self.balance!r} is not 'params', 'time' or a list of layer counts")
+        elif not isinstance(self.balance, (list, tuple)) or not all(isinstance(c, int) for c in self.balance):
+            raise ValueError(f"balance={self.balance!r} must be 'params', 'time' or a list of ints")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb={self.bucket_mb} must be > 0")
+
+
+def _as_tuple(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _pp_codec(policy: Any) -> Any:
+    """The pipeline codec of a ``loom.compress.CompressionPolicy`` (``None`` if it has none)."""
+    codec_for = getattr(policy, "codec_for", None)
+    if not callable(codec_for):
+        raise TypeError(f"compression={policy!r} is not a loom.compress.CompressionPolicy (no codec_for(axis))")
+    return codec_for("pp")
+
+
+class HybridParallel:
+    """Train ``model`` with ``partitions`` pipeline stages x ``replicas`` data-parallel replicas.
+
+    Args:
+        model: ``nn.Sequential``, any ``torch.fx``-traceable ``nn.Module``, or a built Keras 3 model on the
+            torch backend (Sequential or Functional). Every rank passes the same model (replicas' stage
+            weights are broadcast from replica 0 at construction).
+        partitions: pipeline stages.
+        replicas: data-parallel replicas (default world size // partitions).
+        micro_batches: micro-batches per replica batch.
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        balance: ``"params"``, ``"time"`` (needs ``sample_inputs``) or a list of layer counts per stage.
+        comm: communicator to lay the ``Mesh(pp=partitions, dp=replicas)`` over (default: the world).
+        mesh: an existing mesh with ``pp`` and ``dp`` axes (e.g. also an ``sp`` axis) instead of ``comm``.
+        pp: explicit pipeline communicator (rank = stage); with ``dp`` instead of ``comm``/``mesh``.
+        dp: explicit data-parallel communicator.
+        grad_hook: ``hook(flat_bucket, dp_comm, bucket_index) -> mean over dp`` (e.g.
+            ``loom.compress.dp_hook(policy)``); default ``dp.allreduce(t, op="avg")`` (non-blocking).
+        compression: a ``loom.compress.CompressionPolicy``; its ``pp`` codec compresses pipeline traffic.
+        sample_inputs: one micro-batch of inputs, for ``balance="time"``.
+        bucket_mb: gradient bucket size in MiB.
+
+    Raises:
+        ValueError: ``partitions x replicas`` differs from the ranks available, more partitions than layers,
+            a bad ``balance``/``schedule``, or compression of a 1F1B pipeline.
+        TraceError: the model cannot be captured (the message says which construct and what to do).
+    """
+
+    def __init__(self, model: Any, *, partitions: int = 1, replicas: int | None = None, micro_batches: int = 1,
+                 schedule: str = "1f1b", balance: str | list[int] = "params", comm: Communicator | None = None,
+                 mesh: Mesh | None = None, pp: Communicator | None = None, dp: Communicator | None = None,
+                 grad_hook: GradHook | None = None, compression: Any = None,
+                 sample_inputs: Any = None, bucket_mb: float = 25.0):
+        self.config = HybridConfig(partitions=partitions, replicas=replicas, micro_batches=micro_batches,
+                                   schedule=schedule, balance=balance, bucket_mb=bucket_mb)
+        self.model = model
+        self.pp, self.dp = self._comms(comm, mesh, pp, dp)
+        self.partitions, self.replicas = self.pp.size, self.dp.size
+        self.micro_batches = micro_batches
+        self.schedule = schedule
+        codec = None
+        if compression is not None:
+            try:
+                import loom.compress  # noqa: F401
+            except ImportError as exc:
+                raise ValueError("compression= needs loom.compress, which is not available in this build; "
+                                 "drop compression= or install loom with the compress extra") from exc
+            codec = _pp_codec(compression) if self.partitions > 1 else None
+            if codec is not None and schedule != "gpipe":
+                raise ValueError(f"pipeline compression sends with blocking loom.compress.send, which can deadlock "
+                                 f"the {schedule!r} steady state; use schedule='gpipe' with a pp codec")
+        self.graph: Graph = capture(model)
+        sample = _as_tuple(sample_inputs) if sample_inputs is not None else None
+        costs = None
+        if balance == "time":
+            if sample is None:
+                raise ValueError("balance='time' profiles the layers on a sample micro-batch: pass sample_inputs=")
+            # Every rank must cut at the same place: replica 0's stage-0 timings win.
+            costs = self.graph.time_costs(sample)
+            costs = self.dp.bcast_object(costs, 0)
+            costs = self.pp.bcast_object(costs, 0)
+        self.counts = split_units(self.graph, self.partitions, balance, sample, costs)
+        pp_comm = self.pp.dup(name="pp") if self.partitions > 1 else None
+        self.stage = Stage(self.graph, self.counts, pp_comm, codec=codec)
+        self._params = self.stage.parameters()
+        self._check_shared()
+        self.reducer: GradReducer | None = None
+        if self.replicas > 1:
+            with torch.no_grad():
+                for t in self.stage.tensors():
+                    t.copy_(self.dp.bcast(t.detach().clone(), 0))
+            self.reducer = GradReducer(self._params, self.dp, grad_hook=grad_hook, bucket_mb=bucket_mb)
+
+    # ------------------------------------------------------------------ setup
+    def _comms(self, comm, mesh, pp, dp) -> tuple[Communicator, Communicator]:
+        cfg = self.config
+        if pp is not None or dp is not None:
+            if pp is None or dp is None or comm is not None or mesh is not None:
+                raise ValueError("give both pp= and dp= communicators (and neither comm= nor mesh=), or neither")
+        elif mesh is not None:
+            if comm is not None:
+                raise ValueError("give comm= or mesh=, not both")
+            for ax in ("pp", "dp"):
+                if ax not in mesh:
+                    raise ValueError(f"mesh {mesh!r} has no {ax!r} axis; build it as Mesh(pp=..., dp=..., ...)")
+            pp, dp = mesh["pp"], mesh["dp"]
+        else:
+            comm = comm or world()
+            r = cfg.replicas if cfg.replicas is not None else max(comm.size // cfg.partitions, 1)
+            if cfg.partitions * r != comm.size:
+                raise ValueError(f"partitions={cfg.partitions} x replicas={r} = {cfg.partitions * r} ranks but the "
+                                 f"communicator {comm.name!r} has {comm.size}; choose partitions x replicas = "
+                                 f"{comm.size} (or launch with -n {cfg.partitions * r})")
+            m = Mesh(pp=cfg.partitions, dp=r, comm=comm)
+            pp, dp = m["pp"], m["dp"]
+        if pp.size != cfg.partitions:
+            raise ValueError(f"partitions={cfg.partitions} but the pp communicator has {pp.size} ranks")
+        if cfg.replicas is not None and dp.size != cfg.replicas:
+            raise ValueError(f"replicas={cfg.replicas} but the dp communicator has {dp.size} ranks")
+        return pp, dp
+
+    def _check_shared(self) -> None:
+        """A tensor read by two stages (tied weights across stages) would train as two copies: refuse it."""
+        if self.partitions == 1:
+            return
+        mine = {id(t) for t in self.stage.tensors()}
+        owners = self.pp.allgather_object(sorted(self._keys(mine)))
+        seen: dict[str, int] = {}
+        for s, keys in enumerate(owners):
+            for k in keys:
+                if k in seen and seen[k] != s:
+                    raise ValueError(f"model tensor {k!r} is read by stages {seen[k]} and {s} (weights shared across "
+                                     f"stages); pass balance=[...] layer counts that keep its users in one stage")
+                seen[k] = s
+
+    def _keys(self, ids: set[int]) -> set[str]:
+        out = set()
+        for k, v in self._named().items():
+            if id(v) in ids:
+                out.add(k)
+        return out
+
+    def _named(self) -> dict[str, torch.Tensor]:
+        if isinstance(self.model, nn.Module):
+            return dict(self.model.state_dict(keep_vars=True))
+        return {f"t{i}": t for i, t in enumerate(self.stage.tensors())}
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def stage_index(self) -> int:
+        """This rank's pipeline stage."""
+        return self.stage.index
+
+    @property
+    def replica_index(self) -> int:
+        """This rank's data-parallel replica."""
+        return self.dp.rank
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        """This rank's stage parameters (hand them to any torch optimizer)."""
+        return iter(self._params)
+
+    def named_layers(self) -> list[str]:
+        """Labels of this stage's graph nodes (for inspection)."""
+        return [n.label for n in self.stage.nodes]
+
+    def _split(self, x: Any, what: str) -> list[tuple]:
+        xs = _as_tuple(x)
+        m = self.micro_batches
+        chunks = []
+        for t in xs:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{what} must be tensors (or a tuple of tensors), got {type(t).__name__}")
+            if t.ndim == 0 or t.shape[0] % m:
+                n = t.shape[0] if t.ndim else 0
+                raise ValueError(f"{what} batch of {n} rows is not divisible by micro_batches={m}; use a batch "
+                                 f"that is a multiple of {m} per replica or change micro_batches")
+            chunks.append(t.chunk(m) if m > 1 else (t,))
+        return [tuple(c[i] for c in chunks) for i in range(m)]
+
+    def _key(self, mb: tuple) -> tuple:
+        return tuple((tuple(t.shape), t.dtype) for t in mb)
+
+    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> float:
+        """One forward/backward of this replica's batch; returns the mean loss over the global batch.
+
+        Gradients are accumulated into ``.grad`` of :meth:`parameters` (averaged over replicas), as
+        ``loss.backward()`` would; call ``optimizer.step()`` / ``zero_grad()`` around it as usual.
+        ``loss_fn(output, target)`` must return the *mean* over its micro-batch.
+        """
+        mbs = self._split(inputs, "inputs")
+        tgts = self._split(targets, "targets") if self.stage.last else [None] * self.micro_batches
+        m = self.micro_batches
+        if self.reducer is not None:
+            self.reducer.start(m)
+        slots: dict[int, Any] = {}
+        total = torch.zeros(1, dtype=torch.float64)
+        for op, i in make_schedule(self.schedule, self.stage.index, self.partitions, m):
+            if op == "F":
+                tgt = None
+                if self.stage.last:
+                    tgt = tgts[i][0] if len(tgts[i]) == 1 else tgts[i]
+                slot, _ = self.stage.forward(self._key(mbs[i]), mbs[i], tgt, loss_fn)
+                if slot.loss is not None:
+                    total += slot.loss.detach().double().reshape(())
+                slots[i] = slot
+            else:
+                self.stage.backward(slots.pop(i), 1.0 / m)
+        if self.reducer is not None:
+            self.reducer.finish()
+        self.stage.wait()
+        return self._mean_loss(total / m)
+
+    def _mean_loss(self, local: torch.Tensor) -> float:
+        if self.partitions > 1:
+            local = self.pp.allreduce(local, op="sum")
+        if self.replicas > 1:
+            local = self.dp.allreduce(local, op="avg")
+        return float(local.item())
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any, targets: Any = None, loss_fn: Callable | None = None) -> Any:
+        """Forward only. With ``loss_fn`` returns the mean loss over the global batch (every rank); otherwise
+        this replica's output (micro-batches concatenated), on every stage rank of the replica."""
+        mbs = self._split(inputs, "inputs")
+        want_loss = loss_fn is not None
+        tgts = self._split(targets, "targets") if (want_loss and self.stage.last) else [None] * self.micro_batches
+        total = torch.zeros(1, dtype=torch.float64)
+        outs = []
+        for i in range(self.micro_batches):
+            tgt = None
+            if tgts[i] is not None:
+                tgt = tgts[i][0] if len(tgts[i]) == 1 else tgts[i]
+            slot, out = self.stage.forward(self._key(mbs[i]), mbs[i], tgt, loss_fn, grad=False)
+            if slot.loss is not None:
+                total += slot.loss.double().reshape(())
+            outs.append(out)
+        self.stage.wait()
+        if want_loss:
+            return self._mean_loss(total / self.micro_batches)
+        res = None
+        if self.stage.last:
+            res = torch.cat(outs) if isinstance(outs[0], torch.Tensor) else outs
+        if self.partitions > 1:
+            res = self.pp.bcast_object(res, self.partitions - 1)
+        return res
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model state on every rank: each stage contributes the tensors it trains (one
+        ``allgather_object`` over ``pp``); tensors no stage reads keep their initial values."""
+        named = self._named()
+        mine = {id(t) for t in self.stage.tensors()}
+        own = {k: v.detach().clone() for k, v in named.items() if id(v) in mine}
+        full = {k: v.detach().clone() for k, v in named.items()}
+        if self.partitions > 1:
+            for part in self.pp.allgather_object(own):
+                full.update(part)
+        else:
+            full.update(own)
+        return full

@@ -1,0 +1,198 @@
+"""Pipeline parallelism over a captured :class:`~loom.parallel.partition.Graph`: stages, schedules, p2p.
+
+A stage rank runs its contiguous slice of the graph on one micro-batch at a time. Between neighbouring
+stages travels the boundary's *live set* (every value a later stage still reads, so skip connections that
+cross several stages are forwarded hop by hop); backward sends the gradient of each live tensor that
+requires grad the other way.
+
+Communication plan of one training step on stage ``s`` of ``P`` (pp communicator, dup'd for isolation):
+
+* forward of micro-batch ``m``: blocking ``recv`` of each live tensor from ``s-1`` (tag ``ACT``) into a fresh
+  buffer that becomes an autograd leaf; compute; ``isend`` of each live tensor to ``s+1``;
+* backward of ``m``: blocking ``recv`` of the gradients from ``s+1`` (tag ``GRAD``), ``autograd.backward`` of
+  the stage outputs with them (the last stage backpropagates ``loss_m / M`` instead), ``isend`` of the
+  received leaves' gradients to ``s-1``;
+* all sends are non-blocking and waited at the end of the step, so the only blocking calls are receives and
+  the 1F1B steady state (send forward while the neighbour sends backward) cannot deadlock;
+* shapes: the first time a micro-batch input shape is seen, the sender first sends a pickled description of
+  the live set (shapes, dtypes, requires_grad, and non-tensor values such as ``x.size(0)``; tag ``META``);
+  both sides cache it by that shape, so steady-state steps send tensors only.
+
+Schedules (:func:`schedule`): ``gpipe`` (all forwards, then all backwards) and ``1f1b`` (``P-s-1`` warm-up
+forwards, then one-forward-one-backward, then the remaining backwards; activation memory bounded by ``P``
+micro-batches instead of ``M``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..comm import Communicator, Request
+from .partition import Graph, resolve, run_node
+
+__all__ = ["SCHEDULES", "schedule", "Stage"]
+
+SCHEDULES = ("gpipe", "1f1b")
+
+ACT, GRAD, META = 11, 12, 13
+
+
+def schedule(kind: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
+    """The ordered ``("F"|"B", micro_batch)`` actions of ``stage`` under ``kind``.
+
+    Raises:
+        ValueError: unknown schedule.
+    """
+    m = micro_batches
+    if kind == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    if kind == "1f1b":
+        warm = min(stages - stage - 1, m)
+        ops = [("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            ops += [("F", warm + i), ("B", i)]
+        ops += [("B", i) for i in range(m - warm, m)]
+        return ops
+    raise ValueError(f"schedule={kind!r} is not one of {', '.join(SCHEDULES)}")
+
+
+@dataclass(slots=True)
+class _Slot:
+    """What one micro-batch leaves on a stage between its forward and its backward."""
+
+    leaves: list[torch.Tensor | None]  # received live tensors (autograd leaves), None for non-tensors
+    outs: list[torch.Tensor]  # sent live tensors that require grad (backward roots)
+    loss: torch.Tensor | None  # last stage only
+
+
+class Stage:
+    """Stage ``index`` of ``graph`` split as ``counts``, talking to its neighbours on ``comm``.
+
+    Args:
+        graph: the captured model.
+        counts: units per stage (from :func:`~loom.parallel.partition.split_units`).
+        comm: the pipeline communicator (rank = stage index); ``None`` when there is one stage.
+        codec: optional ``loom.compress`` codec for activations and gradients (blocking sends; gpipe only).
+    """
+
+    def __init__(self, graph: Graph, counts: Sequence[int], comm: Communicator | None, *, codec: Any = None):
+        self.graph = graph
+        self.counts = list(counts)
+        self.stages = len(counts)
+        self.index = comm.rank if comm is not None else 0
+        self.comm = comm
+        self.codec = codec
+        self.nodes = graph.stage_nodes(counts, self.index)
+        live = graph.live_sets(counts)
+        self.live_in: list[str] = live[self.index - 1] if self.index > 0 else []
+        self.live_out: list[str] = live[self.index] if self.index < self.stages - 1 else []
+        self.first = self.index == 0
+        self.last = self.index == self.stages - 1
+        self._meta_in: dict[Any, list] = {}
+        self._meta_sent: set[Any] = set()
+        self._pending: list[Request] = []
+
+    # ------------------------------------------------------------------ parameters
+    def tensors(self) -> list[torch.Tensor]:
+        """Every model tensor (parameters and buffers) this stage reads, de-duplicated, in node order."""
+        seen: dict[int, torch.Tensor] = {}
+        for n in self.nodes:
+            for p in n.params:
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The trainable tensors of this stage."""
+        return [p for p in self.tensors() if p.requires_grad]
+
+    # ------------------------------------------------------------------ p2p
+    def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
+        t = t.detach().contiguous()
+        if self.codec is not None:
+            from ..compress import send as csend  # lazy: compression is optional
+
+            csend(t, dest, self.comm, self.codec, tag=tag)
+        else:
+            self._pending.append(self.comm.isend(t, dest, tag))
+
+    def _recv(self, shape, dtype, source: int, tag: int) -> torch.Tensor:
+        out = torch.empty(shape, dtype=dtype)
+        if self.codec is not None:
+            from ..compress import recv as crecv
+
+            return crecv(out, source, self.comm, self.codec, tag=tag)
+        return self.comm.recv(out, source, tag)
+
+    def _recv_live(self, key: Any, grad: bool) -> list[Any]:
+        meta = self._meta_in.get(key)
+        if meta is None:
+            meta = self._meta_in[key] = self.comm.recv_object(self.index - 1, META)
+        vals: list[Any] = []
+        for m in meta:
+            if m[0] == "t":
+                t = self._recv(m[1], m[2], self.index - 1, ACT)
+                if grad and m[3]:
+                    t.requires_grad_(True)
+                vals.append(t)
+            else:
+                vals.append(m[1])
+        return vals
+
+    def _send_live(self, key: Any, vals: list[Any]) -> None:
+        if key not in self._meta_sent:
+            meta = [("t", tuple(v.shape), v.dtype, bool(v.requires_grad)) if isinstance(v, torch.Tensor)
+                    else ("v", v) for v in vals]
+            self.comm.send_object(meta, self.index + 1, META)
+            self._meta_sent.add(key)
+        for v in vals:
+            if isinstance(v, torch.Tensor):
+                self._send(v, self.index + 1, ACT)
+
+    def wait(self) -> None:
+        """Complete every outstanding send of this step."""
+        for r in self._pending:
+            r.wait()
+        self._pending.clear()
+
+    # ------------------------------------------------------------------ compute
+    def _run(self, inputs: Sequence[Any], received: list[Any]) -> dict[str, Any]:
+        env: dict[str, Any] = dict(zip(self.graph.inputs, inputs))
+        env.update(zip(self.live_in, received))
+        for n in self.nodes:
+            env[n.name] = run_node(n, env)
+        return env
+
+    def forward(self, key: Any, inputs: Sequence[Any], target: Any, loss_fn: Callable | None,
+                grad: bool = True) -> tuple[_Slot, Any]:
+        """Run micro-batch ``inputs`` through this stage; returns its backward slot and (last stage) output."""
+        received = self._recv_live((key, grad), grad) if not self.first else []
+        env = self._run(inputs, received)
+        leaves = [r if isinstance(r, torch.Tensor) and r.requires_grad else None for r in received]
+        if not self.last:
+            vals = [env[name] for name in self.live_out]
+            self._send_live((key, grad), vals)
+            outs = [v for v in vals if isinstance(v, torch.Tensor) and v.requires_grad]
+            return _Slot(leaves, outs, None), None
+        out = resolve(self.graph.output, env)
+        loss = loss_fn(out, target) if loss_fn is not None else None
+        return _Slot(leaves, [], loss), out
+
+    def backward(self, slot: _Slot, scale: float) -> None:
+        """Backward of one micro-batch: gradients in from ``s+1`` (or ``loss * scale``), out to ``s-1``."""
+        if self.last:
+            if slot.loss is None:
+                raise ValueError("train_step needs a loss_fn returning a scalar tensor")
+            if slot.loss.requires_grad:
+                (slot.loss * scale).backward()
+        else:
+            grads = [self._recv(o.shape, o.dtype, self.index + 1, GRAD) for o in slot.outs]
+            if slot.outs:
+                torch.autograd.backward(slot.outs, grads)
+        if not self.first:
+            for leaf in slot.leaves:
+                if leaf is not None:
+                    g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                    self._send(g, self.index - 1, GRAD)

@@ -146,8 +146,9 @@ def _bw(argv: list[str], bidirectional: bool) -> int:
     ack = np.zeros(1, np.uint8)
 
     def mk_loom(size):
-        bufs = [_buf(args.buffer, size) for _ in range(WINDOW)]
-        rbufs = [_buf(args.buffer, size) for _ in range(WINDOW)] if bidirectional else bufs
+        # One send and one receive buffer reused across the window, as osu_bw does (bounded memory at 64 MiB).
+        sb, rb = _buf(args.buffer, size), _buf(args.buffer, size)
+        bufs, rbufs = [sb] * WINDOW, [rb] * WINDOW
         if r == 0:
             def f():
                 reqs = [comm.isend(b, 1, 1) for b in bufs]
@@ -168,8 +169,8 @@ def _bw(argv: list[str], bidirectional: bool) -> int:
         return f
 
     def mk_raw(size):
-        bufs = [_buf(args.buffer, size) for _ in range(WINDOW)]
-        rbufs = [_buf(args.buffer, size) for _ in range(WINDOW)] if bidirectional else bufs
+        sb, rb = _buf(args.buffer, size), _buf(args.buffer, size)
+        bufs, rbufs = [sb] * WINDOW, [rb] * WINDOW
         if r == 0:
             def f():
                 reqs = [raw.Isend(b, 1, 1) for b in bufs]

@@ -1,0 +1,430 @@
+"""Configuration of a ``loom train`` run: one TOML file plus ``--section.key=value`` overrides.
+
+A run is a :class:`Config` made of sections (``[model]``, ``[mesh]``, ``[sequence]``, ``[compress]``,
+``[optim]``, ``[data]``, ``[train]``, ``[checkpoint]``); each section is a ``kw_only`` slots dataclass that
+validates itself in ``__post_init__``, and :meth:`Config.validate_world` checks the cross-section rules
+(sizes that must divide, the mesh against the world size). Unknown sections or keys are errors that list the
+valid names, so a typo never silently trains the default.
+
+Example::
+
+    cfg = load_config("configs/demo.toml", ["--train.steps=50", "--mesh.dp=2"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "MeshConfig",
+    "SequenceConfig",
+    "CompressConfig",
+    "OptimConfig",
+    "DataConfig",
+    "TrainConfig",
+    "CheckpointConfig",
+    "Config",
+    "load_config",
+    "parse_overrides",
+    "config_to_dict",
+    "config_from_dict",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix (the CLI prints it and exits with code 2)."""
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The Llama-style decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU or MoE FFN."""
+
+    layers: int = 2
+    """Number of transformer blocks."""
+    hidden: int = 64
+    """Model width (embedding size)."""
+    heads: int = 4
+    """Attention (query) heads; ``hidden`` must divide by it."""
+    kv_heads: int = 2
+    """Key/value heads (grouped-query attention); ``heads`` must divide by it."""
+    vocab: int = 256
+    """Vocabulary size; 256 for the byte-level tokenizer."""
+    ffn: str = "swiglu"
+    """FFN kind: ``swiglu``, ``gelu`` or ``moe`` (needs loom.parallel.moe)."""
+    ffn_mult: float = 2.6667
+    """FFN inner width as a multiple of ``hidden`` (rounded up to a multiple of 8)."""
+    experts: int = 4
+    """MoE only: number of experts."""
+    top_k: int = 2
+    """MoE only: experts per token."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output projection."""
+
+    def __post_init__(self) -> None:
+        for k in ("layers", "hidden", "heads", "kv_heads", "vocab", "experts", "top_k"):
+            v = getattr(self, k)
+            _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                  f"model.{k} = {v!r} must be an integer >= 1")
+        _need(self.hidden % self.heads == 0,
+              f"model.hidden = {self.hidden} is not divisible by model.heads = {self.heads}; "
+              f"choose hidden as a multiple of heads (e.g. {self.heads * max(1, self.hidden // self.heads)})")
+        _need((self.hidden // self.heads) % 2 == 0,
+              f"head size hidden/heads = {self.hidden // self.heads} must be even for rotary embeddings")
+        _need(self.heads % self.kv_heads == 0,
+              f"model.heads = {self.heads} is not divisible by model.kv_heads = {self.kv_heads}; "
+              f"grouped-query attention needs kv_heads to divide heads")
+        _need(self.ffn in ("swiglu", "gelu", "moe"), f"model.ffn = {self.ffn!r}; valid: swiglu, gelu, moe")
+        _need(self.top_k <= self.experts, f"model.top_k = {self.top_k} exceeds model.experts = {self.experts}")
+        _need(self.ffn_mult > 0, f"model.ffn_mult = {self.ffn_mult} must be > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        return int(math.ceil(self.hidden * self.ffn_mult / 8) * 8)
+
+
+@dataclass(kw_only=True, slots=True)
+class MeshConfig:
+    """Parallel axes; their product must equal the number of ranks."""
+
+    dp: int = 1
+    """Data parallel: replicas that each take a slice of the global batch."""
+    pp: int = 1
+    """Pipeline parallel: stages that each hold a contiguous range of layers."""
+    sp: int = 1
+    """Sequence parallel (Ulysses / FPDT): ranks that each hold a slice of every sequence."""
+    ep: int = 1
+    """Expert parallel (MoE only)."""
+
+    def __post_init__(self) -> None:
+        for k in ("dp", "pp", "sp", "ep"):
+            v = getattr(self, k)
+            _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+                  f"mesh.{k} = {v!r} must be an integer >= 1")
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.pp * self.sp * self.ep
+
+    def axes(self) -> dict[str, int]:
+        """The axes of size > 1 in mesh order (``dp`` outermost, ``sp`` fastest), at least ``dp``."""
+        out = {k: getattr(self, k) for k in ("dp", "pp", "ep", "sp") if getattr(self, k) > 1}
+        return out or {"dp": 1}
+
+
+@dataclass(kw_only=True, slots=True)
+class SequenceConfig:
+    """Sequence parallelism inside attention."""
+
+    algorithm: str = "ulysses"
+    """``ulysses`` (all-to-all heads <-> sequence) or ``fpdt`` (Ulysses plus chunked attention with offload)."""
+    chunks: int = 1
+    """FPDT: chunks each rank's sequence slice is processed in (1 = plain Ulysses)."""
+    offload: bool = False
+    """FPDT: keep inactive key/value chunks in host memory (a no-op copy on CPU-only machines)."""
+
+    def __post_init__(self) -> None:
+        _need(self.algorithm in ("ulysses", "fpdt"), f"sequence.algorithm = {self.algorithm!r}; valid: ulysses, fpdt")
+        _need(isinstance(self.chunks, int) and self.chunks >= 1, f"sequence.chunks = {self.chunks!r} must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class CompressConfig:
+    """Gradient compression on the data-parallel allreduce (per mesh axis)."""
+
+    policy: str = "none"
+    """``none`` or a loom.compress policy name (``hybrid``, ...) applied through its dp hook."""
+    bucket_mb: float = 4.0
+    """Gradients are flattened into buckets of about this many MiB; one hook call per bucket."""
+
+    def __post_init__(self) -> None:
+        _need(isinstance(self.policy, str) and self.policy, "compress.policy must be a non-empty name ('none' to disable)")
+        _need(self.bucket_mb > 0, f"compress.bucket_mb = {self.bucket_mb} must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """AdamW with linear warm-up then cosine (or constant) schedule."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Final learning rate of the cosine schedule."""
+    warmup: int = 10
+    """Linear warm-up steps."""
+    schedule: str = "cosine"
+    """``cosine`` or ``constant`` after warm-up."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to norms)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+
+    def __post_init__(self) -> None:
+        _need(self.lr > 0, f"optim.lr = {self.lr} must be > 0")
+        _need(0 <= self.min_lr <= self.lr, f"optim.min_lr = {self.min_lr} must be in [0, optim.lr = {self.lr}]")
+        _need(self.warmup >= 0, f"optim.warmup = {self.warmup} must be >= 0")
+        _need(self.schedule in ("cosine", "constant"), f"optim.schedule = {self.schedule!r}; valid: cosine, constant")
+        _need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)")
+        _need(self.grad_clip >= 0, f"optim.grad_clip = {self.grad_clip} must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Byte-level text: by default the Python standard library's sources, or any file/directory."""
+
+    path: str = ""
+    """A text file or a directory (all files under it, sorted); empty = the stdlib .py files via sysconfig."""
+    glob: str = "*.py"
+    """File pattern when ``path`` is a directory (and for the default corpus)."""
+    max_bytes: int = 4_000_000
+    """Read at most this many bytes of corpus (files in sorted order), 0 = all."""
+    heldout: float = 0.05
+    """Fraction of the corpus (its tail) kept out of training for evaluation."""
+    seq_len: int = 128
+    """Tokens per sequence (split over ``mesh.sp`` ranks)."""
+    batch: int = 8
+    """Global batch in sequences per step (split over ``mesh.dp`` ranks and pipeline micro-batches)."""
+    micro_batches: int = 1
+    """Pipeline micro-batches per step (``mesh.pp`` > 1)."""
+
+    def __post_init__(self) -> None:
+        _need(self.seq_len >= 2, f"data.seq_len = {self.seq_len} must be >= 2")
+        _need(self.batch >= 1, f"data.batch = {self.batch} must be >= 1")
+        _need(self.micro_batches >= 1, f"data.micro_batches = {self.micro_batches} must be >= 1")
+        _need(0 < self.heldout < 1, f"data.heldout = {self.heldout} must be in (0, 1)")
+        _need(self.max_bytes >= 0, f"data.max_bytes = {self.max_bytes} must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The run itself."""
+
+    steps: int = 100
+    """Optimizer steps to train for (in total, counting resumed ones)."""
+    seed: int = 0
+    """Seeds the initialization and the data order."""
+    dtype: str = "float32"
+    """Parameter/compute dtype on CPU: ``float32`` or ``float64`` (tests), ``bfloat16`` on CUDA."""
+    eval_every: int = 25
+    """Evaluate on held-out batches every N steps (and at the end); 0 disables."""
+    eval_batches: int = 2
+    """Held-out batches (each ``data.batch`` sequences) per evaluation."""
+    log_every: int = 1
+    """Progress/metrics granularity in steps."""
+    out: str = "runs/train"
+    """Run directory: metrics.jsonl, plots/, checkpoints/."""
+    progress: str = "auto"
+    """Rank 0 display: ``bar`` (rich), ``lines`` (one line per log step), ``none``, ``auto`` (bar on a terminal)."""
+    plots: bool = True
+    """Write PNG plots at the end."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda`` (each rank uses ``cuda:local_rank``)."""
+
+    def __post_init__(self) -> None:
+        _need(self.steps >= 1, f"train.steps = {self.steps} must be >= 1")
+        _need(self.dtype in ("float32", "float64", "bfloat16"),
+              f"train.dtype = {self.dtype!r}; valid: float32, float64, bfloat16")
+        _need(self.eval_every >= 0 and self.eval_batches >= 1, "train.eval_every must be >= 0, eval_batches >= 1")
+        _need(self.log_every >= 1, f"train.log_every = {self.log_every} must be >= 1")
+        _need(self.progress in ("auto", "bar", "lines", "none"),
+              f"train.progress = {self.progress!r}; valid: auto, bar, lines, none")
+        _need(self.device in ("cpu", "cuda"), f"train.device = {self.device!r}; valid: cpu, cuda")
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Checkpoints (atomic, ``torch.load(weights_only=True)``-loadable)."""
+
+    every: int = 50
+    """Write a checkpoint every N steps (and at the end); 0 = only at the end."""
+    keep: int = 2
+    """Keep the newest N checkpoints."""
+    dir: str = ""
+    """Directory; empty = ``<train.out>/checkpoints``."""
+
+    def __post_init__(self) -> None:
+        _need(self.every >= 0, f"checkpoint.every = {self.every} must be >= 0")
+        _need(self.keep >= 1, f"checkpoint.keep = {self.keep} must be >= 1")
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "mesh": MeshConfig,
+    "sequence": SequenceConfig,
+    "compress": CompressConfig,
+    "optim": OptimConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """A whole run: one instance of each section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    sequence: SequenceConfig = field(default_factory=SequenceConfig)
+    compress: CompressConfig = field(default_factory=CompressConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        m, d, s, mesh = self.model, self.data, self.sequence, self.mesh
+        _need(d.batch % mesh.dp == 0,
+              f"data.batch = {d.batch} is not divisible by mesh.dp = {mesh.dp}; "
+              f"use a multiple of {mesh.dp} (e.g. {mesh.dp * max(1, d.batch // mesh.dp)})")
+        per_dp = d.batch // mesh.dp
+        _need(per_dp % d.micro_batches == 0,
+              f"per-replica batch {per_dp} (data.batch / mesh.dp) is not divisible by data.micro_batches = "
+              f"{d.micro_batches}; change one of them")
+        unit = mesh.sp * s.chunks
+        if d.seq_len % unit:
+            need = -(-d.seq_len // unit) * unit
+            raise ConfigError(
+                f"data.seq_len = {d.seq_len} is not divisible by mesh.sp = {mesh.sp} x sequence.chunks = "
+                f"{s.chunks}; use data.seq_len = {need} or change mesh.sp / sequence.chunks")
+        _need(m.heads % mesh.sp == 0,
+              f"model.heads = {m.heads} is not divisible by mesh.sp = {mesh.sp}; Ulysses gives each sp rank "
+              f"heads/sp heads: choose sp dividing {m.heads}")
+        _need(mesh.pp <= m.layers,
+              f"mesh.pp = {mesh.pp} exceeds model.layers = {m.layers}; every pipeline stage needs a layer")
+        if mesh.ep > 1:
+            _need(m.ffn == "moe", f"mesh.ep = {mesh.ep} needs model.ffn = 'moe' (got {m.ffn!r})")
+            _need(m.experts % mesh.ep == 0,
+                  f"model.experts = {m.experts} is not divisible by mesh.ep = {mesh.ep}")
+
+    def validate_world(self, world_size: int) -> None:
+        """Raise :class:`ConfigError` unless the mesh covers exactly ``world_size`` ranks."""
+        mesh = self.mesh
+        if mesh.size != world_size:
+            raise ConfigError(
+                f"mesh dp={mesh.dp} x pp={mesh.pp} x sp={mesh.sp} x ep={mesh.ep} = {mesh.size} ranks but the job "
+                f"has {world_size}; launch with --ranks {mesh.size} (mpiexec -n {mesh.size}) or set "
+                f"--mesh.dp/--mesh.pp/--mesh.sp so their product is {world_size}")
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
+    """Check a TOML value against the field's default type (ints are accepted for floats)."""
+    want = type(default)
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if want is bool and not isinstance(value, bool):
+        raise ConfigError(f"{section}.{key} = {value!r} must be true or false")
+    if want is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{section}.{key} = {value!r} must be an integer")
+    if want is str and not isinstance(value, str):
+        raise ConfigError(f"{section}.{key} = {value!r} must be a string")
+    if want is float and not isinstance(value, (int, float)):
+        raise ConfigError(f"{section}.{key} = {value!r} must be a number")
+    return value
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Build a :class:`Config` from ``{"section": {"key": value}}``; unknown names raise listing valid ones."""
+    sections: dict[str, Any] = {}
+    for name, values in data.items():
+        if name not in _SECTIONS:
+            raise ConfigError(f"unknown config section [{name}]; valid sections: {', '.join(_SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{name}] must be a table of key = value, got {values!r}")
+        cls = _SECTIONS[name]
+        valid = _field_names(cls)
+        defaults = cls()
+        kwargs = {}
+        for key, value in values.items():
+            if key not in valid:
+                raise ConfigError(f"unknown key {name}.{key}; valid keys in [{name}]: {', '.join(valid)}")
+            kwargs[key] = _coerce(name, key, value, getattr(defaults, key))
+        sections[name] = cls(**kwargs)
+    return Config(**sections)
+
+
+def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """Plain nested dict (TOML/JSON/checkpoint friendly)."""
+    return {name: {k: getattr(getattr(cfg, name), k) for k in _field_names(cls)} for name, cls in _SECTIONS.items()}
+
+
+def _parse_value(text: str) -> Any:
+    """A TOML scalar (``3``, ``1e-3``, ``true``, ``"x"``); anything else is taken as a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``["--train.steps=5", "--mesh.dp", "2"]`` -> ``{"train": {"steps": 5}, "mesh": {"dp": 2}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    i = 0
+    args = list(args)
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or "." not in a.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument {a!r}; overrides look like --section.key=value "
+                              f"(sections: {', '.join(_SECTIONS)})")
+        if "=" in a:
+            name, text = a[2:].split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {a} needs a value: {a}=VALUE")
+            name, text = a[2:], args[i + 1]
+            i += 1
+        section, _, key = name.partition(".")
+        if section not in _SECTIONS:
+            raise ConfigError(f"unknown config section in {a!r}; valid sections: {', '.join(_SECTIONS)}")
+        if key not in _field_names(_SECTIONS[section]):
+            raise ConfigError(f"unknown key {section}.{key} in {a!r}; valid keys in [{section}]: "
+                              f"{', '.join(_field_names(_SECTIONS[section]))}")
+        out.setdefault(section, {})[key] = _parse_value(text)
+        i += 1
+    return out
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """Read ``path`` (TOML; ``None`` = all defaults) and apply ``--section.key=value`` overrides."""
+    data: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; pass --config PATH to a TOML file "
+                              f"(see configs/demo.toml)")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+    for section, values in parse_overrides(overrides).items():
+        if section in data and not isinstance(data[section], dict):
+            raise ConfigError(f"[{section}] in {path} is not a table")
+        data.setdefault(section, {}).update(values)
+    return config_from_dict(data)

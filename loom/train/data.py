@@ -1,0 +1,118 @@
+"""Byte-level text data with a data order that is a pure function of ``(seed, step)``.
+
+Default corpus: the Python standard library's own ``.py`` sources, found through ``sysconfig`` — present on
+every machine that runs loom, no download. Files are read in sorted order (up to ``data.max_bytes``), joined
+with a separator, and the tail ``data.heldout`` fraction is held out for evaluation.
+
+Batches: step ``s`` draws ``data.batch`` random windows of ``seq_len + 1`` bytes with a generator seeded by
+``(seed, s)``; every rank draws the same windows and keeps its own slice (rows by ``dp`` coordinate, columns
+by ``sp`` coordinate). Because nothing depends on what came before, a resumed run sees exactly the batches
+the uninterrupted run would have, and any mesh sees the same global batch as one rank does.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ConfigError, DataConfig
+
+__all__ = ["Corpus", "stdlib_files", "load_corpus", "batch_windows", "encode", "decode"]
+
+_SEP = b"\n\n"
+
+
+def stdlib_files(pattern: str = "*.py") -> list[Path]:
+    """The standard library's source files (no site-packages), sorted by path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    out: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        out.extend(Path(dirpath) / f for f in sorted(filenames) if fnmatch.fnmatch(f, pattern))
+    return out
+
+
+def _files(cfg: DataConfig) -> tuple[list[Path], str]:
+    if not cfg.path:
+        files = stdlib_files(cfg.glob)
+        return files, f"Python {sysconfig.get_python_version()} standard library ({cfg.glob})"
+    p = Path(cfg.path).expanduser()
+    if p.is_file():
+        return [p], str(p)
+    if p.is_dir():
+        files = sorted(f for f in p.rglob(cfg.glob) if f.is_file())
+        if not files:
+            raise ConfigError(f"data.path = {cfg.path!r} has no files matching data.glob = {cfg.glob!r}; "
+                              f"set --data.glob (e.g. '*') or point data.path at a text file")
+        return files, f"{p} ({cfg.glob})"
+    raise ConfigError(f"data.path = {cfg.path!r} is neither a file nor a directory; give a text file or directory "
+                      f"(empty = the Python standard library)")
+
+
+def encode(text: str) -> torch.Tensor:
+    """Byte-level tokenization: UTF-8 bytes as int64 token ids (vocab 256)."""
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+def decode(tokens) -> str:
+    """Inverse of :func:`encode`; invalid UTF-8 sequences are replaced."""
+    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+@dataclass(slots=True)
+class Corpus:
+    """Train and held-out byte streams (uint8 tensors)."""
+
+    train: torch.Tensor
+    heldout: torch.Tensor
+    description: str
+    files: int
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    """Read the configured corpus and split it; raises :class:`ConfigError` when too small for ``seq_len``."""
+    files, desc = _files(cfg)
+    chunks: list[bytes] = []
+    total = 0
+    used = 0
+    for f in files:
+        try:
+            b = f.read_bytes()
+        except OSError:
+            continue
+        if cfg.max_bytes and total + len(b) > cfg.max_bytes:
+            b = b[: cfg.max_bytes - total]
+        chunks.append(b)
+        total += len(b) + len(_SEP)
+        used += 1
+        if cfg.max_bytes and total >= cfg.max_bytes:
+            break
+    data = torch.frombuffer(bytearray(_SEP.join(chunks)), dtype=torch.uint8)
+    n_held = int(len(data) * cfg.heldout)
+    need = cfg.seq_len + 2
+    if n_held < need or len(data) - n_held < need:
+        raise ConfigError(
+            f"corpus {desc} has {len(data)} bytes: too small for data.seq_len = {cfg.seq_len} with "
+            f"data.heldout = {cfg.heldout}; use more text or a shorter seq_len")
+    return Corpus(train=data[: len(data) - n_held].clone(), heldout=data[len(data) - n_held:].clone(),
+                  description=desc, files=used)
+
+
+def batch_windows(stream: torch.Tensor, *, seed: int, step: int, batch: int, seq_len: int,
+                  stream_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of step ``step``: ``(inputs, targets)``, each ``[batch, seq_len]`` int64.
+
+    Window starts come from a generator seeded by ``(seed, stream_id, step)`` only, which is what makes
+    resume and every mesh see exactly the same data.
+    """
+    g = torch.Generator().manual_seed((seed * 1_000_003 + stream_id * 7_919 + step) % (2**63 - 1))
+    starts = torch.randint(0, len(stream) - seq_len - 1, (batch,), generator=g)
+    idx = starts[:, None] + torch.arange(seq_len + 1)[None, :]
+    win = stream[idx].long()
+    return win[:, :-1].contiguous(), win[:, 1:].contiguous()

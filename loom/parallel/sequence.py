@@ -1,0 +1,513 @@
+"""Sequence parallelism for long-context attention: DeepSpeed-Ulysses and FPDT, both autograd-exact.
+
+Vocabulary: ``P`` is the size of the sequence-parallel communicator (the ``sp`` mesh axis), ``u`` the number
+of chunks per rank, ``c`` the chunk length, so a global sequence of ``n`` tokens gives ``s = n / P = u * c``
+tokens per rank. Activations are ``[batch, seq, heads, head_dim]`` ("sequence layout"; the layout of
+``torch.nn.functional.scaled_dot_product_attention`` after ``transpose(1, 2)``).
+
+Token layouts (:func:`shard_sequence` / :func:`gather_sequence`):
+
+* Ulysses (``chunks=1``): rank ``r`` holds the contiguous range ``[r s, (r+1) s)``.
+* FPDT (``chunks=u``): the sequence is cut into ``u P`` pieces of ``c`` tokens and rank ``r`` holds pieces
+  ``r, r+P, r+2P, ...``; local chunk ``i`` is global piece ``i P + r``, so after the all-to-all of local chunk
+  ``i`` every rank holds the *contiguous* global range ``[i P c, (i+1) P c)`` for its ``H / P`` heads. This is
+  what lets causal attention of chunk ``i`` start before chunk ``i+1`` has been communicated (FPDT paper,
+  Sec. 4.1). ``chunks=1`` is the Ulysses layout.
+
+Plans:
+
+* :func:`ulysses_attention`: one packed all-to-all (q, k, v concatenated along heads) from sequence- to
+  head-sharding, local attention over the whole sequence for ``H / P`` heads, one all-to-all back. The
+  backward mirrors it: one all-to-all of the output gradient, local attention backward, one packed
+  all-to-all of (dq, dk, dv). 2 all-to-alls per layer forward, 2 backward.
+* :func:`fpdt_attention`: per chunk, one packed all-to-all of (q_i, k_i, v_i); attention of q chunk ``i``
+  against kv chunks ``j`` (``j <= i`` when causal) with an online-softmax merge of per-block outputs through
+  their log-sum-exp, in fp32 (fp64 for fp64 inputs); one all-to-all of the output chunk back. Head-layout
+  q/k/v/out chunks and the log-sum-exp go to the chunk store (host memory with ``offload=True``) and come back
+  one chunk ahead of use. Backward is a second custom pipeline, kv chunk outer and q chunk inner (as in
+  FlashAttention-2): per chunk one all-to-all of the output gradient; per kv chunk ``j`` the exact block
+  gradients from the saved log-sum-exp, then one packed all-to-all of (dq_j, dk_j, dv_j) back (causal: dq_j
+  is complete once kv chunk ``j`` is done; non-causal: dq chunks go back at the end). 2u all-to-alls forward
+  and 2u backward per layer, each 1/u the size of Ulysses'.
+
+GQA/MQA: ``kv_heads`` must divide ``heads``; when ``kv_heads`` is not a multiple of ``P`` (it must then
+divide ``P``) each kv head is replicated ``P / kv_heads`` times before the all-to-all, and autograd sums the
+replicas' gradients.
+
+Kernel: on CPU the SDPA flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and its
+backward, which return and consume the log-sum-exp); elsewhere, or with ``LOOM_ATTN_KERNEL=torch``, a
+pure-torch block kernel in the accumulation dtype. No flash-attn dependency.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .offload import chunk_store
+
+__all__ = [
+    "ulysses_attention",
+    "fpdt_attention",
+    "shard_sequence",
+    "gather_sequence",
+    "local_positions",
+    "seq_to_heads",
+    "heads_to_seq",
+    "check_sizes",
+    "alltoall_stats",
+    "reset_alltoall_stats",
+    "attention_kernel",
+]
+
+_A2A = {"count": 0}
+
+
+def alltoall_stats() -> dict[str, int]:
+    """How many all-to-alls this process's sequence-parallel code issued (P > 1 only)."""
+    return dict(_A2A)
+
+
+def reset_alltoall_stats() -> None:
+    _A2A["count"] = 0
+
+
+def attention_kernel(device: torch.device) -> str:
+    """``"flash"`` (the CPU SDPA flash kernel with log-sum-exp) or ``"torch"`` (pure-torch blocks)."""
+    choice = os.environ.get("LOOM_ATTN_KERNEL", "auto")
+    if choice not in ("auto", "flash", "torch"):
+        raise ValueError(f"LOOM_ATTN_KERNEL={choice!r}; valid: auto, flash, torch")
+    if choice == "torch":
+        return "torch"
+    ok = device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    return "flash" if ok else "torch"
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------- validation
+def check_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: int, chunks: int = 1) -> None:
+    """Raise ``ValueError`` naming the size and the fix unless the shapes fit ``p`` ranks and ``chunks``."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [batch, seq_local, heads, head_dim]; got dims {q.dim()}, {k.dim()}, "
+                         f"{v.dim()}")
+    b, s, h, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[1] != s or k.shape[3] != d:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [batch={b}, seq_local={s}, "
+                         f"kv_heads, head_dim={d}] like q {tuple(q.shape)}")
+    hk = k.shape[2]
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks={chunks!r}; chunks is an integer >= 1")
+    if h % hk:
+        raise ValueError(f"heads {h} is not divisible by kv_heads {hk}; GQA needs kv_heads to divide heads")
+    if h % p:
+        raise ValueError(f"heads {h} is not divisible by sp size {p}; use a head count that is a multiple of "
+                         f"{p} or a smaller sp axis")
+    if hk % p and p % hk:
+        raise ValueError(f"kv_heads {hk} is neither a multiple nor a divisor of sp size {p}; kv heads can only "
+                         f"be split or replicated evenly; choose kv_heads in a multiple or divisor of {p}")
+    if s % chunks:
+        n = s * p
+        need = -(-n // (p * chunks)) * p * chunks
+        raise ValueError(f"sequence length {n} ({s} per rank) is not divisible by sp size {p} x chunks "
+                         f"{chunks}; pad to {need} or change chunks")
+
+
+def _replicate_kv(k: torch.Tensor, v: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    hk = k.shape[2]
+    if hk % p == 0:
+        return k, v
+    r = p // hk
+    return k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+def _pieces(n: int, p: int, chunks: int, what: str) -> int:
+    if n % (p * chunks):
+        need = -(-n // (p * chunks)) * p * chunks
+        raise ValueError(f"{what} length {n} is not divisible by sp size {p} x chunks {chunks}; pad to {need} "
+                         f"or change chunks")
+    return n // (p * chunks)
+
+
+def shard_sequence(x: torch.Tensor, comm, *, chunks: int = 1, dim: int = 1) -> torch.Tensor:
+    """This rank's shard of a global tensor along ``dim`` in the FPDT layout (``chunks=1``: Ulysses).
+
+    Args:
+        x: the global tensor (the same on every rank).
+        comm: the sequence-parallel communicator (only ``rank``/``size`` are read).
+        chunks: chunks per rank ``u``; rank ``r`` gets pieces ``r, r+P, ...`` of ``u P`` equal pieces.
+        dim: the sequence dim.
+
+    Returns:
+        A new contiguous tensor with ``x.shape[dim] / P`` entries along ``dim``.
+    """
+    dim = dim % x.dim()
+    p, r = comm.size, comm.rank
+    c = _pieces(x.shape[dim], p, chunks, "sequence")
+    y = x.unflatten(dim, (chunks, p, c)).select(dim + 1, r)
+    return y.flatten(dim, dim + 1).contiguous()
+
+
+def gather_sequence(x_local: torch.Tensor, comm, *, chunks: int = 1, dim: int = 1) -> torch.Tensor:
+    """The global tensor from every rank's shard (inverse of :func:`shard_sequence`; one allgather).
+
+    Not differentiable: it is for checking results against single-process references and for logging.
+    """
+    dim = dim % x_local.dim()
+    p = comm.size
+    s = x_local.shape[dim]
+    if s % chunks:
+        raise ValueError(f"local length {s} along dim {dim} is not divisible by chunks {chunks}")
+    c = s // chunks
+    x0 = x_local.detach().movedim(dim, 0).contiguous()
+    allx = comm.allgather(x0) if p > 1 else x0  # [P * u * c, ...] rank-major
+    rest = allx.shape[1:]
+    y = allx.reshape(p, chunks, c, *rest).transpose(0, 1).reshape(p * s, *rest)
+    return y.movedim(0, dim).contiguous()
+
+
+def local_positions(seq_local: int, comm, *, chunks: int = 1, device=None) -> torch.Tensor:
+    """Global token positions (int64) of this rank's ``seq_local`` tokens in the layout of ``chunks`` (RoPE)."""
+    p, r = comm.size, comm.rank
+    if seq_local % chunks:
+        raise ValueError(f"local length {seq_local} is not divisible by chunks {chunks}")
+    c = seq_local // chunks
+    starts = (torch.arange(chunks, device=device) * p + r) * c
+    return (starts[:, None] + torch.arange(c, device=device)[None, :]).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------- all-to-all
+def _s2h(xs: Sequence[torch.Tensor], comm) -> list[torch.Tensor]:
+    """Sequence- to head-sharding: each ``[B, s, H_x, D]`` becomes ``[B, P s, H_x / P, D]``; one packed alltoall."""
+    p = comm.size
+    if p == 1:
+        return list(xs)
+    b, s, _, d = xs[0].shape
+    heads = [x.shape[2] // p for x in xs]
+    parts = [x.reshape(b, s, p, h, d) for x, h in zip(xs, heads)]
+    packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
+    send = packed.permute(2, 0, 1, 3, 4).contiguous()  # [P(dest head group), B, s, hsum, D]
+    recv = comm.alltoall(send)  # [P(src = sequence piece), B, s, hsum, D]
+    _A2A["count"] += 1
+    y = recv.permute(1, 0, 2, 3, 4).reshape(b, p * s, sum(heads), d)
+    return list(torch.split(y, heads, dim=2)) if len(xs) > 1 else [y]
+
+
+def _h2s(xs: Sequence[torch.Tensor], comm) -> list[torch.Tensor]:
+    """Head- to sequence-sharding: each ``[B, P s, h_x, D]`` becomes ``[B, s, P h_x, D]``; one packed alltoall."""
+    p = comm.size
+    if p == 1:
+        return list(xs)
+    b, n, _, d = xs[0].shape
+    s = n // p
+    heads = [x.shape[2] for x in xs]
+    packed = xs[0] if len(xs) == 1 else torch.cat(list(xs), dim=2)
+    send = packed.reshape(b, p, s, sum(heads), d).permute(1, 0, 2, 3, 4).contiguous()
+    recv = comm.alltoall(send)  # [P(src head group), B, s, hsum, D]
+    _A2A["count"] += 1
+    y = recv.permute(1, 2, 0, 3, 4)  # [B, s, P, hsum, D]
+    outs = torch.split(y, heads, dim=3) if len(xs) > 1 else [y]
+    return [o.reshape(b, s, p * h, d) for o, h in zip(outs, heads)]
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm, *xs):
+        ctx.comm = comm
+        return tuple(_s2h(xs, comm))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        return (None, *_h2s(gs, ctx.comm))  # undefined grads arrive as zeros (materialize_grads)
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm, *xs):
+        ctx.comm = comm
+        return tuple(_h2s(xs, comm))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        return (None, *_s2h(gs, ctx.comm))
+
+
+def seq_to_heads(*xs: torch.Tensor, comm) -> tuple[torch.Tensor, ...]:
+    """Differentiable packed all-to-all ``[B, s, H, D] -> [B, P s, H / P, D]`` (backward: :func:`heads_to_seq`)."""
+    return _SeqToHeads.apply(comm, *xs)
+
+
+def heads_to_seq(*xs: torch.Tensor, comm) -> tuple[torch.Tensor, ...]:
+    """Differentiable packed all-to-all ``[B, P s, h, D] -> [B, s, P h, D]`` (backward: :func:`seq_to_heads`)."""
+    return _HeadsToSeq.apply(comm, *xs)
+
+
+# ---------------------------------------------------------------------------------------------- Ulysses
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    comm,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """DeepSpeed-Ulysses attention over the sequence shards of ``comm``.
+
+    Plan: one packed all-to-all (q, k, v) from sequence- to head-sharding, SDPA over the full sequence for
+    ``H / P`` heads, one all-to-all of the output back (backward: the mirror image, 2 all-to-alls).
+
+    Args:
+        q: ``[batch, seq_local, heads, head_dim]``, this rank's contiguous sequence shard.
+        k: ``[batch, seq_local, kv_heads, head_dim]``; ``kv_heads`` divides ``heads``.
+        v: like ``k``.
+        comm: the sequence-parallel communicator (``P = comm.size``).
+        causal: causal mask over global positions.
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``[batch, seq_local, heads, head_dim]``, equal to single-process SDPA on the gathered tensors.
+
+    Raises:
+        ValueError: heads not divisible by ``P``, kv_heads neither a multiple nor a divisor of ``P``.
+    """
+    p = comm.size
+    check_sizes(q, k, v, p, 1)
+    k, v = _replicate_kv(k, v, p)
+    qh, kh, vh = seq_to_heads(q, k, v, comm=comm) if p > 1 else (q, k, v)
+    o = F.scaled_dot_product_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2),
+                                       is_causal=causal, scale=scale,
+                                       enable_gqa=qh.shape[2] != kh.shape[2]).transpose(1, 2)
+    if p == 1:
+        return o
+    return heads_to_seq(o, comm=comm)[0]
+
+
+# ---------------------------------------------------------------------------------------------- block kernels
+def _block_forward(q, k, v, causal: bool, scale: float, kernel: str):
+    """Attention of one q block against one kv block: ``(out [B,h,Lq,D], lse [B,h,Lq])`` (SDPA layout)."""
+    if kernel == "flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    acc = _acc_dtype(q.dtype)
+    b, h, lq, d = q.shape
+    hk = k.shape[1]
+    g = h // hk
+    qa = q.to(acc).reshape(b, hk, g, lq, d)
+    ka = k.to(acc)[:, :, None]
+    va = v.to(acc)[:, :, None]
+    sc = torch.matmul(qa, ka.transpose(-1, -2)) * scale
+    if causal:
+        lk = k.shape[2]
+        sc = sc.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(sc, dim=-1)
+    out = torch.matmul(torch.exp(sc - lse[..., None]), va)
+    return out.reshape(b, h, lq, d), lse.reshape(b, h, lq)
+
+
+def _block_backward(do, q, k, v, out, lse, causal: bool, scale: float, kernel: str):
+    """Exact gradient contributions of one (q block, kv block) pair given the *merged* out and lse."""
+    if kernel == "flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, causal, scale=scale)
+    acc = _acc_dtype(q.dtype)
+    b, h, lq, d = q.shape
+    hk, lk = k.shape[1], k.shape[2]
+    g = h // hk
+    qa = q.to(acc).reshape(b, hk, g, lq, d)
+    ka = k.to(acc)[:, :, None]
+    va = v.to(acc)[:, :, None]
+    doa = do.to(acc).reshape(b, hk, g, lq, d)
+    delta = (doa * out.to(acc).reshape(b, hk, g, lq, d)).sum(-1, keepdim=True)
+    sc = torch.matmul(qa, ka.transpose(-1, -2)) * scale
+    if causal:
+        sc = sc.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    pr = torch.exp(sc - lse.to(acc).reshape(b, hk, g, lq, 1))
+    dv = torch.matmul(pr.transpose(-1, -2), doa).sum(2)
+    dp = torch.matmul(doa, va.transpose(-1, -2))
+    ds = pr * (dp - delta)
+    dq = torch.matmul(ds, ka).reshape(b, h, lq, d) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qa).sum(2) * scale
+    return dq, dk, dv
+
+
+def _merge(o_acc, l_acc, o, l):
+    """Online-softmax merge of two partial results through their log-sum-exp (in the accumulation dtype)."""
+    o = o.to(o_acc.dtype if o_acc is not None else _acc_dtype(o.dtype))
+    l = l.to(o.dtype)
+    if o_acc is None:
+        return o, l
+    l_new = torch.logaddexp(l_acc, l)
+    return o_acc * torch.exp(l_acc - l_new)[..., None] + o * torch.exp(l - l_new)[..., None], l_new
+
+
+# ---------------------------------------------------------------------------------------------- FPDT
+class _FPDTAttention(torch.autograd.Function):
+    """The chunk pipeline; see the module docstring for the plan. Saves only chunk-store handles."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm, chunks, causal, scale, offload):
+        u = chunks
+        b, sl, h_all, d = q.shape
+        c = sl // u
+        kernel = attention_kernel(q.device)
+        store = chunk_store(offload, q.device)
+        out = torch.empty_like(q)
+        hq, hk, hv, ho, hl = [], [], [], [], []
+
+        def scatter(i):
+            sl_i = slice(i * c, (i + 1) * c)
+            qi, ki, vi = _s2h([q[:, sl_i], k[:, sl_i], v[:, sl_i]], comm)
+            # SDPA layout [B, heads, P c, D], contiguous so that the chunk store moves one block.
+            qi, ki, vi = (t.transpose(1, 2).contiguous() for t in (qi, ki, vi))
+            hq.append(store.put(qi))
+            hk.append(store.put(ki))
+            hv.append(store.put(vi))
+            return qi, ki, vi
+
+        def attend(i, qi, own_kv):
+            js = list(range(i + 1)) if causal else list(range(u))
+            o_acc = l_acc = None
+            for n, j in enumerate(js):
+                if own_kv is not None and j == i:
+                    kj, vj = own_kv
+                else:
+                    kj, vj = store.get(hk[j]), store.get(hv[j])
+                if n + 1 < len(js) and not (own_kv is not None and js[n + 1] == i):
+                    store.prefetch(hk[js[n + 1]])  # double buffering: the next kv chunk is on its way
+                    store.prefetch(hv[js[n + 1]])
+                o, l = _block_forward(qi, kj, vj, causal and j == i, scale, kernel)
+                o_acc, l_acc = _merge(o_acc, l_acc, o, l)
+                del kj, vj, o, l
+            oi = o_acc.to(q.dtype)
+            ho.append(store.put(oi))
+            hl.append(store.put(l_acc))
+            (o_seq,) = _h2s([oi.transpose(1, 2)], comm)
+            out[:, i * c:(i + 1) * c] = o_seq
+
+        if causal:
+            for i in range(u):
+                qi, ki, vi = scatter(i)
+                attend(i, qi, (ki, vi))
+                del qi, ki, vi
+        else:
+            for i in range(u):
+                scatter(i)
+            for i in range(u):
+                if i + 1 < u:
+                    store.prefetch(hq[i + 1])
+                attend(i, store.get(hq[i]), None)
+        ctx.comm, ctx.u, ctx.causal, ctx.scale, ctx.kernel = comm, u, causal, scale, kernel
+        ctx.store, ctx.handles = store, (hq, hk, hv, ho, hl)
+        ctx.shapes = (q.shape, k.shape, q.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, gout):
+        comm, u, causal, scale, kernel, store = ctx.comm, ctx.u, ctx.causal, ctx.scale, ctx.kernel, ctx.store
+        hq, hk, hv, ho, hl = ctx.handles
+        qshape, kshape, dtype = ctx.shapes
+        c = qshape[1] // u
+        acc = _acc_dtype(dtype)
+        gout = gout.to(dtype)
+        dq = torch.empty(qshape, dtype=dtype, device=gout.device)
+        dk = torch.empty(kshape, dtype=dtype, device=gout.device)
+        dv = torch.empty(kshape, dtype=dtype, device=gout.device)
+        hdo = []
+        for i in range(u):
+            (doi,) = _s2h([gout[:, i * c:(i + 1) * c]], comm)
+            hdo.append(store.put(doi.transpose(1, 2).contiguous()))
+        hdq: list[int | None] = [None] * u
+
+        def put_dq(j, t):
+            (dq_seq,) = _h2s([t.to(dtype).transpose(1, 2)], comm)
+            dq[:, j * c:(j + 1) * c] = dq_seq
+
+        for j in range(u):
+            kj, vj = store.get(hk[j]), store.get(hv[j])
+            dk_j = dv_j = None
+            irange = list(range(j, u)) if causal else list(range(u))
+            for n, i in enumerate(irange):
+                if n + 1 < len(irange):
+                    nxt = irange[n + 1]
+                    for hs in (hq, ho, hl, hdo):
+                        store.prefetch(hs[nxt])
+                    if hdq[nxt] is not None:
+                        store.prefetch(hdq[nxt])
+                qi, oi, li, doi = store.get(hq[i]), store.get(ho[i]), store.get(hl[i]), store.get(hdo[i])
+                g_q, g_k, g_v = _block_backward(doi, qi, kj, vj, oi, li, causal and i == j, scale, kernel)
+                del qi, oi, li, doi
+                dk_j = g_k.to(acc) if dk_j is None else dk_j + g_k
+                dv_j = g_v.to(acc) if dv_j is None else dv_j + g_v
+                if hdq[i] is None:
+                    hdq[i] = store.put(g_q.to(acc))
+                else:
+                    store.replace(hdq[i], store.get(hdq[i]) + g_q)
+                del g_q, g_k, g_v
+            sends = [dk_j.to(dtype).transpose(1, 2), dv_j.to(dtype).transpose(1, 2)]
+            if causal:  # dq_j got its last contribution from kv chunk j: send it with dk_j, dv_j
+                sends.insert(0, store.pop(hdq[j]).to(dtype).transpose(1, 2))
+                hdq[j] = None
+                g = _h2s(sends, comm)
+                dq[:, j * c:(j + 1) * c] = g[0]
+                g = g[1:]
+            else:
+                g = _h2s(sends, comm)
+            dk[:, j * c:(j + 1) * c] = g[0]
+            dv[:, j * c:(j + 1) * c] = g[1]
+            del kj, vj, dk_j, dv_j, sends, g
+        if not causal:
+            for i in range(u):
+                put_dq(i, store.pop(hdq[i]))
+        for hs in (hq, hk, hv, ho, hl, hdo):
+            for h in hs:
+                store.free(h)
+        ctx.store = None
+        return dq, dk, dv, None, None, None, None, None
+
+
+def fpdt_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    comm,
+    *,
+    chunks: int,
+    causal: bool = True,
+    offload: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Fully pipelined distributed attention (FPDT) over the sequence shards of ``comm``.
+
+    Args:
+        q: ``[batch, seq_local, heads, head_dim]`` in the FPDT layout of ``chunks`` (see
+            :func:`shard_sequence`); ``seq_local`` divisible by ``chunks``.
+        k: ``[batch, seq_local, kv_heads, head_dim]``; ``kv_heads`` divides ``heads``.
+        v: like ``k``.
+        comm: the sequence-parallel communicator (``P = comm.size``; ``P = 1`` is chunked local attention).
+        chunks: chunks per rank ``u`` (``chunks=1`` computes exactly what Ulysses computes).
+        causal: causal mask over global positions.
+        offload: keep saved chunks in host memory (:class:`loom.parallel.offload.HostPool`) between uses.
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+
+    Returns:
+        ``[batch, seq_local, heads, head_dim]`` in the same layout, equal to single-process SDPA on the
+        gathered tensors (forward and backward).
+
+    Raises:
+        ValueError: heads or kv_heads do not split over ``P``, or the sequence is not divisible by
+            ``P x chunks`` (the message names the length to pad to).
+    """
+    p = comm.size
+    check_sizes(q, k, v, p, chunks)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    k, v = _replicate_kv(k, v, p)
+    return _FPDTAttention.apply(q, k, v, comm, chunks, bool(causal), float(scale), bool(offload))

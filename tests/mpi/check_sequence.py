@@ -1,0 +1,158 @@
+"""Ulysses and FPDT attention against single-process SDPA on the gathered tensors (run on 1-4 ranks).
+
+Tolerance: 1e-10 absolute in fp64 for outputs and dq/dk/dv; bf16 against an fp32 reference at 3e-2 relative
+to the largest reference entry (at least 1).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from loom.parallel.sequence import (
+    fpdt_attention,
+    gather_sequence,
+    local_positions,
+    shard_sequence,
+    ulysses_attention,
+)
+from loom.testing import mpi_checks, seeded
+
+TOL = 1e-10
+
+
+def _kv_options(p: int, h: int) -> list[int]:
+    ok = [x for x in range(1, h + 1) if h % x == 0 and (x % p == 0 or p % x == 0)]
+    out = [h, 1]
+    mid = [x for x in ok if 1 < x < h]
+    return out + mid[:1]
+
+
+def _reference(q, k, v, causal, go):
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
+                                       is_causal=causal, enable_gqa=qs.shape[2] != ks.shape[2]).transpose(1, 2)
+    return (o.detach(), *torch.autograd.grad(o, (qs, ks, vs), go))
+
+
+def _compare(comm, fn, b, n, h, hk, d, chunks, causal, g, dtype=torch.float64, tol=TOL, ref_dtype=None):
+    ref_dtype = ref_dtype or dtype
+    q = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, n, hk, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, n, hk, d, generator=g, dtype=torch.float64)
+    go = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
+    ref = _reference(*(t.to(ref_dtype) for t in (q, k, v)), causal, go.to(ref_dtype))
+    loc = [shard_sequence(t.to(dtype), comm, chunks=chunks).requires_grad_() for t in (q, k, v)]
+    out = fn(*loc)
+    grads = torch.autograd.grad(out, loc, shard_sequence(go.to(dtype), comm, chunks=chunks))
+    for name, mine, want in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
+        got = gather_sequence(mine.detach(), comm, chunks=chunks).double()
+        want = want.double()
+        # fp64: absolute; bf16: relative to the reference's largest entry (gradients sum many terms)
+        err = (got - want).abs().max().item() / (1.0 if dtype == torch.float64 else max(1.0, want.abs().max().item()))
+        assert err <= tol, f"{name} error {err:.3g} > {tol} (P={comm.size}, b={b}, n={n}, h={h}, hk={hk}, " \
+                           f"chunks={chunks}, causal={causal}, dtype={dtype})"
+
+
+def check_shard_gather(comm):
+    g = seeded(comm)
+    p = comm.size
+    for chunks, dim in itertools.product((1, 2, 3, 4), (0, 1, 2)):
+        shape = [3, 5, 4]
+        shape[dim] = p * chunks * 2
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        loc = shard_sequence(x, comm, chunks=chunks, dim=dim)
+        assert loc.shape[dim] == 2 * chunks
+        assert torch.equal(gather_sequence(loc, comm, chunks=chunks, dim=dim), x)
+        # every local piece is the global piece i P + r, and positions agree with it
+        pos = local_positions(2 * chunks, comm, chunks=chunks)
+        idx = torch.arange(shape[dim])
+        assert torch.equal(shard_sequence(idx, comm, chunks=chunks, dim=0), pos)
+        assert torch.equal(loc, x.index_select(dim, pos))
+
+
+def check_ulysses_exact(comm):
+    g = seeded(comm, 1)
+    p = comm.size
+    h = 12 if p == 3 else 8
+    for idx, (causal, hk) in enumerate(itertools.product((True, False), _kv_options(p, h))):
+        b = 1 + idx % 2
+        _compare(comm, lambda q, k, v: ulysses_attention(q, k, v, comm, causal=causal),
+                 b, 3 * p, h, hk, 4, 1, causal, g)
+
+
+def check_fpdt_exact(comm):
+    g = seeded(comm, 2)
+    p = comm.size
+    h = 12 if p == 3 else 8
+    combos = list(itertools.product((True, False), _kv_options(p, h), (1, 2, 3, 4), (False, True)))
+    for idx, (causal, hk, chunks, offload) in enumerate(combos):
+        b = 1 + idx % 2
+        _compare(comm, lambda q, k, v: fpdt_attention(q, k, v, comm, chunks=chunks, causal=causal,
+                                                      offload=offload),
+                 b, p * chunks * 2, h, hk, 4, chunks, causal, g)
+
+
+def check_fpdt_torch_kernel(comm):
+    """The pure-torch block kernel (used off-CPU) is exact too."""
+    g = seeded(comm, 3)
+    p = comm.size
+    h = 12 if p == 3 else 8
+    os.environ["LOOM_ATTN_KERNEL"] = "torch"
+    try:
+        for causal, hk, chunks in itertools.product((True, False), _kv_options(p, h)[:2], (1, 3)):
+            _compare(comm, lambda q, k, v: fpdt_attention(q, k, v, comm, chunks=chunks, causal=causal),
+                     2, p * chunks * 2, h, hk, 4, chunks, causal, g)
+    finally:
+        del os.environ["LOOM_ATTN_KERNEL"]
+
+
+def check_bf16_against_fp32(comm):
+    g = seeded(comm, 4)
+    p = comm.size
+    h = 12 if p == 3 else 8
+    for chunks in (1, 2):
+        _compare(comm, lambda q, k, v: fpdt_attention(q, k, v, comm, chunks=chunks, causal=True),
+                 1, p * chunks * 8, h, 1 if p == 3 else 2, 16, chunks, True, g,
+                 dtype=torch.bfloat16, tol=3e-2, ref_dtype=torch.float32)
+        _compare(comm, lambda q, k, v: ulysses_attention(q, k, v, comm, causal=True),
+                 1, p * 8, h, h, 16, 1, True, g, dtype=torch.bfloat16, tol=3e-2, ref_dtype=torch.float32)
+
+
+def check_errors(comm):
+    p = comm.size
+    q = torch.zeros(1, 6, 4 * p, 2)
+    k = torch.zeros(1, 6, 4 * p, 2)
+    for bad, fn in [
+        ("chunks 4", lambda: fpdt_attention(q, k, k, comm, chunks=4)),
+        ("divisible by kv_heads", lambda: ulysses_attention(q, torch.zeros(1, 6, 5, 2), torch.zeros(1, 6, 5, 2), comm)),
+        ("pad to", lambda: shard_sequence(torch.zeros(1, 4 * p + 1), comm, chunks=2)),
+    ]:
+        try:
+            fn()
+        except ValueError as exc:
+            assert "pad to" in str(exc) or "divisible" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"no ValueError for {bad}")
+    if p > 1:
+        q1 = torch.zeros(1, 4, 4 * p + 1, 2)
+        try:
+            ulysses_attention(q1, q1, q1, comm)
+        except ValueError as exc:
+            assert f"sp size {p}" in str(exc), str(exc)
+        else:
+            raise AssertionError("heads not divisible by P did not raise")
+    if p == 4:
+        try:  # kv_heads 3 is neither a divisor nor a multiple of 4
+            ulysses_attention(torch.zeros(1, 6, 12, 2), torch.zeros(1, 6, 3, 2), torch.zeros(1, 6, 3, 2), comm)
+        except ValueError as exc:
+            assert "kv_heads 3" in str(exc), str(exc)
+        else:
+            raise AssertionError("kv_heads 3 on 4 ranks did not raise")
+
+
+if __name__ == "__main__":
+    mpi_checks(globals())

@@ -114,6 +114,12 @@ def mpi_dtype(x: Buffer) -> Any:
         ) from None
 
 
+def is_floating(x: Buffer) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.dtype.is_floating_point or x.dtype.is_complex
+    return x.dtype.kind in "fc"
+
+
 def nbytes(x: Buffer) -> int:
     """Payload size of ``x`` in bytes."""
     return x.nbytes
@@ -155,6 +161,25 @@ def as_bytes(x: Buffer) -> list:
             return [x.reshape(-1).view(torch.uint8), _BYTE]
         return [_fromaddress(x.data_ptr(), x.nbytes), _BYTE]
     return [x, _BYTE]
+
+
+_T_RED = {k: v for k, v in _TORCH_MPI.items() if k not in _UPCAST}
+_NP_RED = {k: v for k, v in _NUMPY_MPI.items() if k not in _UPCAST}
+
+
+def fast_typed(x: Buffer) -> list | None:
+    """Typed spec for the common case (contiguous CPU buffer of an MPI-reducible dtype), else ``None``."""
+    t = type(x)
+    if t is np.ndarray:
+        if x.flags.c_contiguous and x.flags.writeable:
+            mt = _NP_RED.get(x.dtype)
+            if mt is not None:
+                return [x, mt]
+    elif t is torch.Tensor and x.is_cpu and not x.requires_grad and x.is_contiguous():
+        mt = _T_RED.get(x.dtype)
+        if mt is not None:
+            return [_fromaddress(x.data_ptr(), x.nbytes), mt]
+    return None
 
 
 def as_send(x: Buffer) -> list:

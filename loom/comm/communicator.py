@@ -102,7 +102,7 @@ class Communicator:
         name: label for byte accounting and error messages (a mesh axis name, ``"world"``, ...).
     """
 
-    __slots__ = ("mpi", "name", "rank", "size", "bytes_sent", "__weakref__")
+    __slots__ = ("mpi", "name", "rank", "size", "bytes_sent", "_vcache", "__weakref__")
 
     def __init__(self, mpi_comm: MPI.Intracomm, *, name: str = "world"):
         if not isinstance(mpi_comm, MPI.Intracomm):
@@ -112,6 +112,7 @@ class Communicator:
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
         self.bytes_sent: dict[str, int] = _COUNTERS.setdefault(name, {})
+        self._vcache: dict[tuple, tuple] = {}
 
     def __repr__(self) -> str:
         return f"Communicator(name={self.name!r}, rank={self.rank}, size={self.size})"
@@ -209,6 +210,27 @@ class Communicator:
         ``out`` (same shape and dtype; may be ``tensor`` itself) avoids allocating the result.
         """
         mop = _op(op)
+        if op == "avg" and not _b.is_floating(tensor):
+            raise TypeError(f"allreduce op 'avg' needs a floating dtype, got {tensor.dtype}; use op='sum' "
+                            f"and divide, or cast with .to(torch.float32)")
+        if out is not None and tuple(out.shape) != tuple(tensor.shape):
+            raise ValueError(f"allreduce: out has shape {tuple(out.shape)} but the input has "
+                             f"{tuple(tensor.shape)}; pass an out of the same shape (or none)")
+        # Fast path: contiguous CPU buffers of an MPI-reducible dtype, no staging, no casts.
+        if op != "avg" and (sin := _b.fast_typed(tensor)) is not None:
+            res = out if out is not None and type(out) is type(tensor) and out.dtype == tensor.dtype else None
+            if res is None and out is None:
+                res = (np.empty(tensor.shape, tensor.dtype) if type(tensor) is _ndarray
+                       else torch.empty(tensor.shape, dtype=tensor.dtype))
+            sout = _b.fast_typed(res) if res is not None else None
+            if sout is not None:
+                if res is tensor:
+                    self.mpi.Allreduce(MPI.IN_PLACE, sout, mop)
+                else:
+                    self.mpi.Allreduce(sin, sout, mop)
+                d = self.bytes_sent
+                d["allreduce"] = d.get("allreduce", 0) + 2 * tensor.nbytes * (self.size - 1) // self.size
+                return res
         x = _host_view(tensor)
         rdt = _b.reduction_dtype(x)
         xin = _b.cast(x, rdt)
@@ -291,6 +313,23 @@ class Communicator:
         return _to_device(res, tensor) if out is None else _b.finish_recv(out, _to_device(res, tensor))
 
     def _alltoallv_specs(self, x, send_counts, recv_counts):
+        """Byte counts/displacements for Alltoallv, validated once per distinct (counts, row size) and cached."""
+        row = _row_bytes(x)
+        key = (tuple(send_counts), None if recv_counts is None else tuple(recv_counts), row)
+        cached = self._vcache.get(key)
+        if cached is None or recv_counts is None:
+            cached = self._alltoallv_layout(x, send_counts, recv_counts, row)
+            if recv_counts is not None:
+                if len(self._vcache) > 64:
+                    self._vcache.clear()
+                self._vcache[key] = cached
+        elif cached[5] != x.shape[0]:
+            self._alltoallv_layout(x, send_counts, recv_counts, row)  # raises the clear error
+        ss, sd, rs, rd, rc, _, sent, nrecv = cached
+        out = _b.empty_like_shape(x, (nrecv, *x.shape[1:]))
+        return ([_as_bytes(x)[0], ss, sd, _BYTE], [_as_bytes(out)[0], rs, rd, _BYTE], out, rc, sent)
+
+    def _alltoallv_layout(self, x, send_counts, recv_counts, row):
         p = self.size
         sc = [int(c) for c in send_counts]
         if len(sc) != p:
@@ -311,15 +350,11 @@ class Communicator:
             rc = rc.tolist()
         else:
             rc = [int(c) for c in recv_counts]
-            if len(rc) != p:
-                raise ValueError(f"alltoallv: recv_counts has {len(rc)} entries, expected {p} (one per rank)")
-        row = _row_bytes(x)
-        out = _b.empty_like_shape(x, (sum(rc), *x.shape[1:]))
+            if len(rc) != p or any(c < 0 for c in rc):
+                raise ValueError(f"alltoallv: recv_counts {rc} must have {p} entries (one per rank), all >= 0")
         ss = [c * row for c in sc]
         rs = [c * row for c in rc]
-        sent = (sum(ss) - ss[self.rank])
-        return ([_as_bytes(x)[0], ss, _displs(ss), _BYTE], [_as_bytes(out)[0], rs, _displs(rs), _BYTE],
-                out, rc, sent)
+        return ss, _displs(ss), rs, _displs(rs), rc, x.shape[0], sum(ss) - ss[self.rank], sum(rc)
 
     def alltoallv(
         self,

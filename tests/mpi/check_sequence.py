@@ -19,6 +19,7 @@ from loom.parallel.sequence import (
     shard_sequence,
     ulysses_attention,
 )
+from loom.models.llama import Llama, LlamaConfig
 from loom.testing import mpi_checks, seeded
 
 TOL = 1e-10
@@ -152,6 +153,44 @@ def check_errors(comm):
             assert "kv_heads 3" in str(exc), str(exc)
         else:
             raise AssertionError("kv_heads 3 on 4 ranks did not raise")
+
+
+def _model_run(cfg, comm, tok, tgt):
+    m = Llama(cfg, comm).double()
+    chunks = cfg.layout_chunks
+    if cfg.sequence_parallel != "none":
+        tok, tgt = shard_sequence(tok, comm, chunks=chunks), shard_sequence(tgt, comm, chunks=chunks)
+    loss = m.loss(tok, tgt)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+
+def check_model_exact(comm):
+    """Loss and every weight gradient (summed over sp ranks) equal the unsharded model's, to 1e-10 in fp64."""
+    g = seeded(comm, 5)
+    p = comm.size
+    heads = 12 if p == 3 else 8
+    variants = [
+        dict(sequence_parallel="ulysses", kv_heads=3 if p == 3 else 2),
+        dict(sequence_parallel="fpdt", chunks=2, offload=True, checkpoint=True, kv_heads=1),
+        dict(sequence_parallel="fpdt", chunks=3, offload=False, ffn="gelu", tie_embeddings=True, kv_heads=heads),
+        dict(sequence_parallel="fpdt", chunks=1, loss_chunks=2, ffn_chunks=1, kv_heads=3 if p == 3 else 2),
+    ]
+    for kw in variants:
+        n = p * kw.get("chunks", 1) * 4
+        tok = torch.randint(0, 40, (2, n), generator=g)
+        tgt = torch.randint(0, 40, (2, n), generator=g)
+        tgt[0, :3] = -100
+        base = dict(layers=2, hidden=4 * heads, heads=heads, vocab=40, ffn=kw.get("ffn", "swiglu"),
+                    tie_embeddings=kw.get("tie_embeddings", False), kv_heads=kw["kv_heads"])
+        ref_loss, ref_grads = _model_run(LlamaConfig(**base), comm, tok, tgt)
+        loss, grads = _model_run(LlamaConfig(**{**base, **kw}), comm, tok, tgt)
+        total = comm.allreduce(loss.reshape(1)) if p > 1 else loss.reshape(1)
+        assert abs(total.item() - ref_loss.item()) <= TOL, (kw, total.item(), ref_loss.item())
+        for name, want in ref_grads.items():
+            got = comm.allreduce(grads[name]) if p > 1 else grads[name]
+            err = (got - want).abs().max().item()
+            assert err <= TOL, f"grad {name} error {err:.3g} with {kw} on {p} ranks"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,448 @@
+"""A Llama-style decoder whose attention runs without, with Ulysses, or with FPDT sequence parallelism.
+
+Architecture: token embedding; ``layers`` pre-norm blocks of RMSNorm -> grouped-query attention with rotary
+positions (RoPE at *global* token positions, interleaved pairs) -> residual, RMSNorm -> SwiGLU or GELU FFN ->
+residual; a final RMSNorm and an LM head (tied to the embedding or not). No biases.
+
+Sequence parallelism (``LlamaConfig.sequence_parallel``):
+
+* ``"none"``: every rank holds whole sequences; attention is SDPA.
+* ``"ulysses"``: tokens are sharded contiguously over the ``sp`` communicator
+  (``shard_sequence(x, comm, chunks=1)``); attention is :func:`~loom.parallel.sequence.ulysses_attention`.
+* ``"fpdt"``: tokens are sharded in the FPDT layout (``shard_sequence(x, comm, chunks=cfg.chunks)``);
+  attention is :func:`~loom.parallel.sequence.fpdt_attention` with ``cfg.chunks`` and ``cfg.offload``.
+
+Memory knobs, usable in every mode (``"fpdt"`` turns them on by default, FPDT paper Sec. 4.3):
+
+* ``ffn_chunks``: the FFN (with its RMSNorm) runs chunk by chunk along the sequence under recompute: the
+  ``[seq, ffn_hidden]`` intermediates exist for one chunk at a time, in forward and in backward.
+* ``loss_chunks``: LM head + cross-entropy chunk by chunk, recomputed in backward; the full
+  ``[seq, vocab]`` logits are never materialised (:func:`chunked_lm_loss`).
+* ``checkpoint``: each block keeps only its input and recomputes in backward; with ``offload`` that input
+  lives in host memory (:class:`~loom.parallel.offload.HostPool`) until the block's backward.
+
+Loss normalisation (what ``Llama.loss`` returns): ``sum of token cross-entropies on this rank`` divided by the
+number of non-ignored targets over the *whole* sequence, i.e. summed over the ``sp`` ranks (one small
+allreduce of the count, no gradient through it). So summing the returned value over ``sp`` ranks gives the
+global mean loss, and summing the parameter gradients over ``sp`` ranks gives the gradient of that mean;
+data-parallel replicas then average as usual. With ``"none"`` the value is the plain mean.
+
+Example::
+
+    cfg = LlamaConfig(layers=2, hidden=64, heads=4, kv_heads=2, vocab=256,
+                      sequence_parallel="fpdt", chunks=4, offload=True)
+    model = Llama(cfg, sp_comm=mesh["sp"])
+    tok = shard_sequence(tokens, mesh["sp"], chunks=cfg.layout_chunks)      # [batch, seq / sp]
+    tgt = shard_sequence(targets, mesh["sp"], chunks=cfg.layout_chunks)
+    loss = model.loss(tok, tgt)
+    loss.backward()
+    for p in model.parameters():                                           # sum over sp ranks
+        p.grad = mesh["sp"].allreduce(p.grad)
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel.offload import chunk_store
+from ..parallel.sequence import fpdt_attention, local_positions, ulysses_attention
+
+__all__ = ["LlamaConfig", "Llama", "build_llama", "chunked_lm_loss", "chunked_ffn", "SEQUENCE_PARALLEL"]
+
+SEQUENCE_PARALLEL = ("none", "ulysses", "fpdt")
+_FFN = ("swiglu", "gelu")
+
+
+@dataclass(kw_only=True, slots=True)
+class LlamaConfig:
+    """Shape of the decoder and how its sequence dimension is parallelised and chunked."""
+
+    layers: int = 2
+    """Number of transformer blocks."""
+    hidden: int = 64
+    """Model width."""
+    heads: int = 4
+    """Query heads; ``hidden`` divides by it and ``hidden / heads`` is even (RoPE)."""
+    kv_heads: int | None = None
+    """Key/value heads (GQA/MQA); divides ``heads``. Default: ``heads``."""
+    vocab: int = 256
+    """Vocabulary size."""
+    ffn: str = "swiglu"
+    """FFN kind: ``swiglu`` or ``gelu``."""
+    ffn_mult: float = 2.6667
+    """FFN inner width as a multiple of ``hidden``, rounded up to a multiple of 8."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the LM head."""
+    causal: bool = True
+    """Causal attention (a decoder); ``False`` for encoder-style experiments."""
+    sequence_parallel: str = "none"
+    """``none``, ``ulysses`` or ``fpdt``."""
+    chunks: int = 1
+    """FPDT chunks per rank (attention pipeline and token layout). Ignored unless ``fpdt``."""
+    offload: bool = False
+    """Keep FPDT chunks and (with ``checkpoint``) block inputs in host memory between uses."""
+    ffn_chunks: int | None = None
+    """FFN chunks along the local sequence (1 = unchunked). Default: ``chunks`` for fpdt, else 1."""
+    loss_chunks: int | None = None
+    """LM-head + loss chunks along the local sequence (1 = full logits). Default: ``chunks`` for fpdt, else 1."""
+    checkpoint: bool = False
+    """Recompute each block in backward, keeping only its input."""
+
+    def __post_init__(self) -> None:
+        for k in ("layers", "hidden", "heads", "vocab", "chunks"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"LlamaConfig.{k} = {v!r} must be an integer >= 1")
+        if self.kv_heads is None:
+            self.kv_heads = self.heads
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden = {self.hidden} is not divisible by heads = {self.heads}; choose hidden as "
+                             f"a multiple of heads")
+        if (self.hidden // self.heads) % 2:
+            raise ValueError(f"head size hidden/heads = {self.hidden // self.heads} must be even for RoPE")
+        if self.kv_heads < 1 or self.heads % self.kv_heads:
+            raise ValueError(f"heads = {self.heads} is not divisible by kv_heads = {self.kv_heads}; GQA needs "
+                             f"kv_heads to divide heads")
+        if self.ffn not in _FFN:
+            raise ValueError(f"ffn = {self.ffn!r}; valid: {', '.join(_FFN)}")
+        if self.sequence_parallel not in SEQUENCE_PARALLEL:
+            raise ValueError(f"sequence_parallel = {self.sequence_parallel!r}; valid: {', '.join(SEQUENCE_PARALLEL)}")
+        fp = self.sequence_parallel == "fpdt"
+        if self.ffn_chunks is None:
+            self.ffn_chunks = self.chunks if fp else 1
+        if self.loss_chunks is None:
+            self.loss_chunks = self.chunks if fp else 1
+        for k in ("ffn_chunks", "loss_chunks"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"LlamaConfig.{k} = {v!r} must be an integer >= 1")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        return int(-(-int(math.ceil(self.hidden * self.ffn_mult)) // 8) * 8)
+
+    @property
+    def layout_chunks(self) -> int:
+        """The ``chunks`` to pass to ``shard_sequence`` for this model's token layout."""
+        return self.chunks if self.sequence_parallel == "fpdt" else 1
+
+    @classmethod
+    def from_any(cls, obj: Any, **overrides: Any) -> "LlamaConfig":
+        """A config from any object or dict with (some of) the same field names, e.g. loom.train's ModelConfig."""
+        names = [f.name for f in fields(cls)]
+        src = obj if isinstance(obj, dict) else {n: getattr(obj, n) for n in names if hasattr(obj, n)}
+        return cls(**{**{k: v for k, v in src.items() if k in names}, **overrides})
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.to(x.dtype) * self.weight
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of ``[B, S, H, D]`` at the global positions ``pos`` (``[S]``), interleaved pairs."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d))
+    ang = pos.to(torch.float64)[:, None] * inv[None, :]
+    cos = ang.cos().to(x.dtype)[None, :, None, :]
+    sin = ang.sin().to(x.dtype)[None, :, None, :]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class _Recompute(torch.autograd.Function):
+    """Run ``fn(x)`` without saving activations; recompute it in backward (gradients returned out of place).
+
+    ``x``'s value is kept in ``store`` (host memory when offloading). Parameters are explicit inputs so their
+    gradients are returned by this function, never accumulated behind autograd's back.
+    """
+
+    @staticmethod
+    def forward(ctx, x, fn, store, *params):
+        ctx.fn, ctx.store, ctx.n = fn, store, len(params)
+        ctx.handle = store.put(x.detach())
+        ctx.save_for_backward(*params)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        params = ctx.saved_tensors
+        x = ctx.store.pop(ctx.handle).detach().requires_grad_()
+        with torch.enable_grad():
+            out = ctx.fn(x)
+        want = [x] + [p for p in params if p.requires_grad]
+        got = iter(torch.autograd.grad(out, want, g, allow_unused=True))
+        gx = next(got)
+        gp = [next(got) if p.requires_grad else None for p in params]
+        return (gx, None, None, *gp)
+
+
+def recompute(fn, x: torch.Tensor, params: list[nn.Parameter], store=None) -> torch.Tensor:
+    """``fn(x)`` whose activations are recomputed in backward; ``x`` kept in ``store`` (default: in place)."""
+    if not torch.is_grad_enabled():
+        return fn(x)
+    return _Recompute.apply(x, fn, store if store is not None else chunk_store(False, x.device), *params)
+
+
+def chunked_ffn(fn, x: torch.Tensor, chunks: int, params: list[nn.Parameter]) -> torch.Tensor:
+    """``fn`` applied to ``chunks`` slices of ``x`` along dim 1, each recomputed in backward.
+
+    Only one chunk's intermediates (``[B, s / chunks, ffn_hidden]``) are alive at a time, in forward and in
+    backward; the result is exactly ``fn(x)`` because ``fn`` is token-wise.
+    """
+    s = x.shape[1]
+    if chunks <= 1:
+        return fn(x)
+    if s % chunks:
+        raise ValueError(f"local sequence {s} is not divisible by ffn_chunks {chunks}; choose ffn_chunks dividing "
+                         f"{s}")
+    c = s // chunks
+    return torch.cat([recompute(fn, x[:, i * c:(i + 1) * c], params) for i in range(chunks)], dim=1)
+
+
+class _ChunkedLMLoss(torch.autograd.Function):
+    """Sum of cross-entropies of ``h @ w.T`` chunk by chunk; backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, h, w, targets, chunks, ignore_index):
+        b, s, _ = h.shape
+        c = s // chunks
+        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+        total = torch.zeros((), dtype=acc, device=h.device)
+        for i in range(chunks):
+            logits = (h[:, i * c:(i + 1) * c] @ w.t()).to(acc)
+            total = total + F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                            targets[:, i * c:(i + 1) * c].reshape(-1),
+                                            reduction="sum", ignore_index=ignore_index)
+            del logits
+        ctx.save_for_backward(h, w, targets)
+        ctx.chunks, ctx.ignore_index = chunks, ignore_index
+        return total
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w, targets = ctx.saved_tensors
+        b, s, d = h.shape
+        c = s // ctx.chunks
+        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+        dh = torch.empty_like(h)
+        dw = torch.zeros(w.shape, dtype=acc, device=w.device)
+        wa = w.to(acc)
+        for i in range(ctx.chunks):
+            hc = h[:, i * c:(i + 1) * c].reshape(-1, d).to(acc)
+            t = targets[:, i * c:(i + 1) * c].reshape(-1)
+            grad = torch.softmax(hc @ wa.t(), dim=-1)
+            valid = t != ctx.ignore_index
+            rows = torch.arange(t.numel(), device=t.device)
+            grad[rows[valid], t[valid]] -= 1
+            grad[~valid] = 0
+            grad = grad * g.to(acc)
+            dh[:, i * c:(i + 1) * c] = (grad @ wa).reshape(b, c, d).to(h.dtype)
+            dw += grad.t() @ hc
+            del grad
+        return dh, dw.to(w.dtype), None, None, None
+
+
+def chunked_lm_loss(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunks: int,
+                    ignore_index: int = -100) -> torch.Tensor:
+    """Summed cross-entropy of the logits ``h @ w.T`` without materialising them (``chunks`` > 1).
+
+    Args:
+        h: final hidden states ``[B, s, hidden]``.
+        w: LM head weight ``[vocab, hidden]``.
+        targets: ``[B, s]`` token ids; ``ignore_index`` entries contribute nothing.
+        chunks: slices along ``s``; ``1`` computes the full logits with ``F.cross_entropy``.
+
+    Returns:
+        A scalar: the *sum* over tokens (normalise by the token count yourself), fp32 (fp64 for fp64 input).
+    """
+    s = h.shape[1]
+    if chunks <= 1:
+        logits = h @ w.t()
+        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+        return F.cross_entropy(logits.to(acc).reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               reduction="sum", ignore_index=ignore_index)
+    if s % chunks:
+        raise ValueError(f"local sequence {s} is not divisible by loss_chunks {chunks}; choose loss_chunks "
+                         f"dividing {s}")
+    return _ChunkedLMLoss.apply(h, w, targets, chunks, ignore_index)
+
+
+# ---------------------------------------------------------------------------------------------- blocks
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, sp_comm=None):
+        super().__init__()
+        self.cfg, self.sp = cfg, sp_comm
+        hd = cfg.head_dim
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * hd, bias=False)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * hd, bias=False)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * hd, bias=False)
+        self.wo = nn.Linear(cfg.heads * hd, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        b, s, _ = x.shape
+        q = rope(self.wq(x).view(b, s, c.heads, c.head_dim), pos, c.rope_theta)
+        k = rope(self.wk(x).view(b, s, c.kv_heads, c.head_dim), pos, c.rope_theta)
+        v = self.wv(x).view(b, s, c.kv_heads, c.head_dim)
+        if c.sequence_parallel == "ulysses":
+            o = ulysses_attention(q, k, v, self.sp, causal=c.causal)
+        elif c.sequence_parallel == "fpdt":
+            o = fpdt_attention(q, k, v, self.sp, chunks=c.chunks, causal=c.causal, offload=c.offload)
+        else:
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=c.causal, enable_gqa=c.kv_heads != c.heads).transpose(1, 2)
+        return self.wo(o.reshape(b, s, c.heads * c.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.kind = cfg.ffn
+        h, f = cfg.hidden, cfg.ffn_hidden
+        self.w1 = nn.Linear(h, f, bias=False)
+        self.w2 = nn.Linear(f, h, bias=False)
+        self.w3 = nn.Linear(h, f, bias=False) if self.kind == "swiglu" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + ffn(norm(x))`` (the FFN chunked when configured)."""
+
+    def __init__(self, cfg: LlamaConfig, sp_comm=None):
+        super().__init__()
+        self.cfg = cfg
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = Attention(cfg, sp_comm)
+        self.ffn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.ffn = FeedForward(cfg)
+        self._ffn_params = [self.ffn_norm.weight, *self.ffn.parameters()]
+
+    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ffn(self.ffn_norm(x))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), pos)
+        return x + chunked_ffn(self._ffn, x, self.cfg.ffn_chunks, self._ffn_params)
+
+
+class Llama(nn.Module):
+    """The decoder. Tokens in, final hidden states / logits / loss out, on this rank's sequence shard.
+
+    Args:
+        cfg: a :class:`LlamaConfig`.
+        sp_comm: the sequence-parallel communicator (``mesh["sp"]``) for ``ulysses``/``fpdt``; default
+            ``loom.comm.world()``. Ignored for ``none``.
+
+    Parameters have the same names on every rank (``embed.weight``, ``blocks.<i>.attn.wq.weight``, ...,
+    ``norm.weight``, ``head.weight`` unless tied) and are initialised from generators seeded by those names,
+    so every rank builds identical weights without communicating.
+    """
+
+    def __init__(self, cfg: LlamaConfig, sp_comm=None):
+        super().__init__()
+        self.cfg = cfg
+        if cfg.sequence_parallel != "none" and sp_comm is None:
+            from ..comm import world
+
+            sp_comm = world()
+        self.sp = sp_comm if cfg.sequence_parallel != "none" else None
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.blocks = nn.ModuleList([Block(cfg, self.sp) for _ in range(cfg.layers)])
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                continue
+            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * std)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head weight ``[vocab, hidden]`` (the embedding when tied)."""
+        return self.embed.weight if self.head is None else self.head.weight
+
+    def positions(self, seq_local: int, device=None) -> torch.Tensor:
+        """Global positions of this rank's ``seq_local`` tokens in the model's layout."""
+        if self.sp is None:
+            return torch.arange(seq_local, device=device)
+        return local_positions(seq_local, self.sp, chunks=self.cfg.layout_chunks, device=device)
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Final normalised hidden states ``[B, s, hidden]`` for this rank's tokens ``[B, s]``."""
+        cfg = self.cfg
+        pos = self.positions(tokens.shape[1], tokens.device)
+        h = self.embed(tokens)
+        store = chunk_store(cfg.offload, h.device) if cfg.checkpoint else None
+        for blk in self.blocks:
+            if cfg.checkpoint:
+                h = recompute(lambda x, blk=blk: blk(x, pos), h, list(blk.parameters()), store)
+            else:
+                h = blk(h, pos)
+        return self.norm(h)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, s, vocab]`` (materialised: for generation and small checks; train with :meth:`loss`)."""
+        return self.hidden_states(tokens) @ self.head_weight.t()
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
+        """This rank's share of the mean next-token cross-entropy (see the module docstring).
+
+        Args:
+            tokens: ``[B, s]`` input ids on this rank (its shard in the model's layout).
+            targets: ``[B, s]`` target ids, sharded the same way; ``ignore_index`` entries are skipped.
+
+        Returns:
+            ``local loss sum / global target count`` (fp32; fp64 for an fp64 model). Summed over the ``sp``
+            ranks it is the mean loss of the whole sequence; with ``none`` it is that mean.
+        """
+        h = self.hidden_states(tokens)
+        total = chunked_lm_loss(h, self.head_weight, targets, self.cfg.loss_chunks, ignore_index)
+        count = torch.tensor([float((targets != ignore_index).sum())], dtype=torch.float64)
+        if self.sp is not None and self.sp.size > 1:
+            count = self.sp.allreduce(count)
+        return total / max(float(count[0]), 1.0)
+
+
+def build_llama(cfg: Any, *, sp_comm=None, dtype: torch.dtype = torch.float32, device: Any = "cpu",
+                **overrides: Any) -> Llama:
+    """A :class:`Llama` from a :class:`LlamaConfig` or any object/dict with the same field names.
+
+    ``overrides`` set config fields (``sequence_parallel="fpdt", chunks=4``); the model is moved to
+    ``dtype``/``device``.
+    """
+    c = cfg if isinstance(cfg, LlamaConfig) and not overrides else LlamaConfig.from_any(cfg, **overrides)
+    return Llama(c, sp_comm).to(device=device, dtype=dtype)

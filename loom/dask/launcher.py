@@ -1,0 +1,181 @@
+"""Turn an MPI job into a Dask cluster over ``mpi://``: rank 0 scheduler, rank 1 client, the rest workers.
+
+Plan of :func:`initialize` (every rank calls it):
+
+1. rank 0 starts a :class:`distributed.Scheduler` listening on ``mpi://`` and broadcasts its address with one
+   ``bcast_object`` (the only collective; every rank is in it before any event loop serves anything);
+2. ranks >= 2 start a :class:`distributed.Worker` (no nanny: the rank *is* the worker process) named
+   ``rank-K``, connect to the scheduler over ``mpi://`` and serve until the scheduler closes them;
+3. rank 1 points Dask's config at the scheduler, waits until every worker has registered and returns
+   ``True``: the caller's code after ``initialize()`` is the client. When it ends (normally, by an
+   exception, or by ``sys.exit``), an ``atexit`` hook (or :func:`shutdown`) closes the scheduler, which
+   closes the workers, so every rank leaves its loop and exits 0.
+
+Reliability: a worker rank that dies (killed, segfault) is reported by MPICH's launcher, which then ends the
+whole job with a non-zero exit code; the rank-to-role map printed at start-up (``LOOM_DASK_VERBOSE=1``) and
+the worker names (``rank-K``) say which worker it was. The scheduler's ``worker-ttl`` is shortened
+(:data:`WORKER_TTL`) so that, under a launcher that keeps the other ranks alive, a silent worker is dropped
+and its tasks are recomputed on the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+__all__ = ["initialize", "shutdown", "Roles", "WORKER_TTL"]
+
+logger = logging.getLogger(__name__)
+
+#: scheduler's ``distributed.scheduler.worker-ttl`` inside an MPI job (Dask's default is 5 minutes)
+WORKER_TTL = "10s"
+
+SCHEDULER_RANK = 0
+CLIENT_RANK = 1
+
+_STATE: dict = {"address": None, "shutdown": False}
+
+
+@dataclass(kw_only=True, slots=True)
+class Roles:
+    """Which rank does what in an MPI Dask job of ``size`` ranks."""
+
+    size: int
+    """number of ranks (>= 3: scheduler, client and at least one worker)"""
+
+    def __post_init__(self) -> None:
+        if self.size < 3:
+            raise ValueError(
+                f"a Dask job over MPI needs >= 3 ranks (rank 0 scheduler, rank 1 client, ranks 2.. workers); "
+                f"got {self.size}. Run with mpiexec -n 3 or more"
+            )
+
+    @property
+    def workers(self) -> list[int]:
+        return list(range(2, self.size))
+
+    def role(self, rank: int) -> str:
+        if rank == SCHEDULER_RANK:
+            return "scheduler"
+        if rank == CLIENT_RANK:
+            return "client"
+        return f"worker rank-{rank}"
+
+    def describe(self) -> str:
+        w = self.workers
+        span = f"rank {w[0]}" if len(w) == 1 else f"ranks {w[0]}-{w[-1]}"
+        return f"rank 0 scheduler, rank 1 client, {span} workers (named rank-K)"
+
+
+def _dask_config() -> dict:
+    return {
+        "distributed.scheduler.worker-ttl": WORKER_TTL,
+        # Workers are ranks: never let Dask spawn or kill processes of its own.
+        "distributed.worker.daemon": False,
+    }
+
+
+async def _run_scheduler(comm, roles: Roles, dashboard: bool) -> None:
+    from distributed import Scheduler
+
+    async with Scheduler(protocol="mpi", dashboard=dashboard, dashboard_address=":0" if dashboard else None,
+                         ) as scheduler:
+        address = scheduler.address
+        comm.bcast_object(address, SCHEDULER_RANK)
+        if os.environ.get("LOOM_DASK_VERBOSE"):
+            print(f"loom dask: scheduler at {address}; {roles.describe()}", file=sys.stderr, flush=True)
+        await scheduler.finished()
+
+
+async def _run_worker(comm, address: str, nthreads: int, memory_limit, local_directory) -> None:
+    from distributed import Worker
+
+    kwargs = {} if local_directory is None else {"local_directory": local_directory}
+    async with Worker(address, protocol="mpi", name=f"rank-{comm.rank}", nthreads=nthreads,
+                      memory_limit=memory_limit, dashboard=False, dashboard_address=None, **kwargs) as worker:
+        await worker.finished()
+
+
+def initialize(*, nthreads: int = 1, memory_limit: str | int | None = "auto", local_directory: str | None = None,
+               dashboard: bool = False, exit: bool = True, wait_timeout: float = 120.0) -> bool:
+    """Make this MPI job a Dask cluster over ``mpi://``; ``True`` on the client rank (rank 1).
+
+    Args:
+        nthreads: threads per worker rank.
+        memory_limit: per worker (Dask's syntax: ``"auto"``, ``"4GiB"``, bytes, or ``None`` for no limit).
+        local_directory: workers' spill directory (Dask's default when ``None``).
+        dashboard: start the scheduler's dashboard (needs bokeh).
+        exit: on the scheduler and worker ranks, ``sys.exit(0)`` once the cluster is shut down (the code
+            after ``initialize()`` then runs only on the client rank); with ``False`` they return ``False``.
+        wait_timeout: seconds the client rank waits for every worker to register.
+
+    Returns:
+        ``True`` on rank 1 (run the client code), ``False`` on the other ranks after shutdown (``exit=False``).
+    """
+    import dask
+
+    from loom.comm import world
+
+    if nthreads < 1:
+        raise ValueError(f"nthreads={nthreads} must be >= 1")
+    comm = world()
+    roles = Roles(size=comm.size)
+    dask.config.set(_dask_config())
+    import loom.dask.backend  # noqa: F401 - the entry point resolves it too; import early for clear errors
+
+    if comm.rank == SCHEDULER_RANK:
+        asyncio.run(_run_scheduler(comm, roles, dashboard))
+    else:
+        address = comm.bcast_object(None, SCHEDULER_RANK)
+        _STATE["address"] = address
+        if comm.rank == CLIENT_RANK:
+            dask.config.set({"scheduler-address": address})
+            _wait_for_workers(address, len(roles.workers), wait_timeout)
+            atexit.register(shutdown)
+            return True
+        asyncio.run(_run_worker(comm, address, nthreads, memory_limit, local_directory))
+    if exit:
+        sys.exit(0)
+    return False
+
+
+def _wait_for_workers(address: str, n: int, timeout: float) -> None:
+    from distributed import Client
+
+    with Client(address, timeout=timeout) as client:
+        client.wait_for_workers(n, timeout=timeout)
+
+
+def shutdown() -> None:
+    """From the client rank: close the scheduler and every worker (idempotent; registered ``atexit``)."""
+    if _STATE["shutdown"] or _STATE["address"] is None:
+        return
+    _STATE["shutdown"] = True
+
+    # The script's own clients first, so they do not try to reconnect to a scheduler that is going away.
+    from distributed import Client
+
+    for client in list(Client._instances):
+        if client.status not in ("closed", "closing"):
+            try:
+                client.close(timeout=10)
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                logger.debug("closing %r failed", client, exc_info=True)
+
+    async def close() -> None:
+        from distributed.core import rpc
+
+        async with rpc(_STATE["address"]) as scheduler:
+            try:
+                await scheduler.terminate()
+            except Exception:  # noqa: BLE001 - the scheduler closing its end may race with the reply
+                logger.debug("scheduler terminate reply lost", exc_info=True)
+
+    try:
+        asyncio.run(close())
+    except Exception as exc:  # noqa: BLE001 - best effort at exit; say why
+        print(f"loom dask: could not shut the cluster down cleanly: {exc!r}", file=sys.stderr, flush=True)

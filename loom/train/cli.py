@@ -58,7 +58,7 @@ def param_count(cfg: Config) -> tuple[int, int, int]:
     if m.ffn == "moe":
         ffn = m.experts * m.hidden * m.ffn_hidden * 3 + m.hidden * m.experts
     block = attn + ffn + 2 * m.hidden
-    outer = m.vocab * m.hidden * (1 if m.tie_embeddings else 2) + m.hidden
+    outer = m.vocab * m.hidden * 2 + m.hidden
     return outer, block, outer + block * m.layers
 
 

@@ -73,8 +73,6 @@ class ModelConfig:
     """Rotary embedding base."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
-    tie_embeddings: bool = False
-    """Share the input embedding with the output projection."""
 
     def __post_init__(self) -> None:
         for k in ("layers", "hidden", "heads", "kv_heads", "vocab", "experts", "top_k"):
@@ -114,21 +112,27 @@ class MeshConfig:
     """Sequence parallel (Ulysses / FPDT): ranks that each hold a slice of every sequence."""
     ep: int = 1
     """Expert parallel (MoE only)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule when pp > 1: ``1f1b`` or ``gpipe`` (forced to gpipe when the policy compresses pp)."""
 
     def __post_init__(self) -> None:
         for k in ("dp", "pp", "sp", "ep"):
             v = getattr(self, k)
             _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                   f"mesh.{k} = {v!r} must be an integer >= 1")
+        _need(self.schedule in ("1f1b", "gpipe"), f"mesh.schedule = {self.schedule!r}; valid: 1f1b, gpipe")
 
     @property
     def size(self) -> int:
         return self.dp * self.pp * self.sp * self.ep
 
     def axes(self) -> dict[str, int]:
-        """The axes of size > 1 in mesh order (``dp`` outermost, ``sp`` fastest), at least ``dp``."""
-        out = {k: getattr(self, k) for k in ("dp", "pp", "ep", "sp") if getattr(self, k) > 1}
-        return out or {"dp": 1}
+        """Mesh axes in order (``dp`` outermost, ``sp`` fastest: Ulysses traffic stays between neighbours)."""
+        out = {"dp": self.dp, "pp": self.pp}
+        if self.ep > 1:
+            out["ep"] = self.ep
+        out["sp"] = self.sp
+        return out
 
 
 @dataclass(kw_only=True, slots=True)
@@ -145,6 +149,8 @@ class SequenceConfig:
     def __post_init__(self) -> None:
         _need(self.algorithm in ("ulysses", "fpdt"), f"sequence.algorithm = {self.algorithm!r}; valid: ulysses, fpdt")
         _need(isinstance(self.chunks, int) and self.chunks >= 1, f"sequence.chunks = {self.chunks!r} must be >= 1")
+        _need(self.chunks == 1 or self.algorithm == "fpdt",
+              f"sequence.chunks = {self.chunks} needs sequence.algorithm = 'fpdt' (Ulysses does not chunk)")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,18 +1,19 @@
-"""The model the trainer drives, behind a small interface, and loom/train's reference Llama.
+"""The model ``loom train`` drives: a Llama-style decoder as an ``nn.Sequential`` of global-named stages.
 
-Interface the trainer needs (``TrainModel``): ``forward(tokens, start) -> logits`` on this rank's slice of
-the sequence (``tokens`` is ``[batch, seq_len / sp]`` starting at global position ``start``), parameters with
-globally unique names, and ``layer_names(i)`` so a pipeline can keep a contiguous range of blocks.
+Interface the trainer relies on: ``model(tokens) -> logits`` on this rank's slice of the sequence
+(``tokens`` ``[batch, seq_len / sp]``, global positions in ``model.positions.value``), an ``nn.Sequential``
+(``Embed``, ``Block`` x layers, ``Head``) so ``loom.parallel.HybridParallel`` can cut pipeline stages without
+tracing, and parameter names that are the same on every rank.
 
-:func:`build_model` uses ``loom.models.llama`` (engineer A's Llama with Ulysses/FPDT) when that module is
-importable and exposes ``build_llama``; otherwise the reference :class:`Llama` below, whose sequence
-parallelism is Ulysses through :class:`UlyssesAllToAll` (a differentiable all-to-all over the ``sp`` axis).
+Sequence parallelism inside attention uses ``loom.parallel.sequence`` (``ulysses_attention`` /
+``fpdt_attention``, engineer A's) when importable; otherwise the fallback below: Ulysses through
+:class:`UlyssesAllToAll`. Its plan (per attention layer, ``p = sp`` ranks): q, k, v are computed on the local
+``S/p`` tokens for all heads; one all-to-all per tensor turns ``[B, S/p, H, D]`` into ``[B, S, H/p, D]``
+(full sequence, a slice of the heads); causal attention runs locally; one all-to-all turns the output back
+into ``[B, S/p, H, D]``. Backward runs the same all-to-alls in reverse. Grouped-query k/v travel as
+``kv_heads`` heads when ``p`` divides them, else expanded to ``heads`` first.
 
-Ulysses plan (per attention layer, ``p = sp`` ranks): q, k, v are computed on the local ``S/p`` tokens for
-all heads; one all-to-all per tensor turns ``[B, S/p, H, D]`` into ``[B, S, H/p, D]`` (full sequence, a
-slice of the heads); causal attention runs locally; one all-to-all turns the output back into
-``[B, S/p, H, D]``. Backward runs the same all-to-alls in reverse. Grouped-query k/v travel as ``kv_heads``
-heads when ``p`` divides them, else expanded to ``heads`` first.
+(When ``loom.models.llama`` lands, :func:`build_model` is the one place to switch to it.)
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import Config, ModelConfig
+from .config import Config, ConfigError, ModelConfig, SequenceConfig
 
-__all__ = ["Llama", "UlyssesAllToAll", "build_model", "COMM_TIME", "model_source"]
+__all__ = ["Llama", "Positions", "UlyssesAllToAll", "build_model", "COMM_TIME", "model_source"]
 
 # Seconds spent inside sequence-parallel all-to-alls (forward and backward), read by the trainer's breakdown.
 COMM_TIME: dict[str, float] = {"sp": 0.0}
@@ -80,41 +81,73 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def _rope(x: torch.Tensor, start: int, theta: float) -> torch.Tensor:
-    """Rotary embedding of ``[B, S, H, D]`` at global positions ``start .. start+S-1``."""
-    b, s, h, d = x.shape
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    pos = torch.arange(start, start + s, dtype=torch.float64)
-    ang = pos[:, None] * inv[None, :]
+class Positions:
+    """Global token positions of this rank's slice, shared by every block (set once per sequence layout)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: torch.Tensor | None = None):
+        self.value = value
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of ``[B, S, H, D]`` at global positions ``pos`` (``[S]`` int64)."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d))
+    ang = pos.to(torch.float64)[:, None] * inv[None, :]
     cos = ang.cos().to(x.dtype)[None, :, None, :]
     sin = ang.sin().to(x.dtype)[None, :, None, :]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
+def _sequence_ops():
+    try:
+        from loom.parallel import sequence
+    except ImportError:
+        return None
+    return sequence if hasattr(sequence, "fpdt_attention") and hasattr(sequence, "ulysses_attention") else None
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, sp_comm=None):
+    """Grouped-query attention; over ``sp`` ranks with Ulysses or FPDT (``loom.parallel.sequence``)."""
+
+    def __init__(self, cfg: ModelConfig, pos: Positions, sp_comm=None, seq: SequenceConfig | None = None):
         super().__init__()
         self.cfg = cfg
+        self.pos = pos
         self.sp = sp_comm if (sp_comm is not None and sp_comm.size > 1) else None
+        self.seq = seq or SequenceConfig()
         hd = cfg.head_dim
         self.wq = nn.Linear(cfg.hidden, cfg.heads * hd, bias=False)
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * hd, bias=False)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.heads * hd, cfg.hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, c.heads, c.head_dim)
         k = self.wk(x).view(b, s, c.kv_heads, c.head_dim)
         v = self.wv(x).view(b, s, c.kv_heads, c.head_dim)
-        q, k = _rope(q, start, c.rope_theta), _rope(k, start, c.rope_theta)
-        group = c.heads // c.kv_heads
+        pos = self.pos.value if self.pos.value is not None else torch.arange(s, device=x.device)
+        q, k = _rope(q, pos, c.rope_theta), _rope(k, pos, c.rope_theta)
+        ops = _sequence_ops() if self.sp is not None else None
+        if ops is not None and self.seq.algorithm == "fpdt":
+            o = ops.fpdt_attention(q, k, v, self.sp, chunks=self.seq.chunks, causal=True, offload=self.seq.offload)
+        elif ops is not None:
+            o = ops.ulysses_attention(q, k, v, self.sp, causal=True)
+        else:
+            o = self._local_or_own_ulysses(q, k, v)
+        return self.wo(o.reshape(b, s, c.heads * c.head_dim))
+
+    def _local_or_own_ulysses(self, q, k, v) -> torch.Tensor:
+        c = self.cfg
         if self.sp is not None:
             p = self.sp.size
             if c.kv_heads % p:  # k/v heads cannot be split over sp: expand them to one per query head first
-                k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+                g = c.heads // c.kv_heads
+                k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
             q = UlyssesAllToAll.apply(q, self.sp, True)
             k = UlyssesAllToAll.apply(k, self.sp, True)
             v = UlyssesAllToAll.apply(v, self.sp, True)
@@ -125,7 +158,7 @@ class Attention(nn.Module):
         o = o.transpose(1, 2)
         if self.sp is not None:
             o = UlyssesAllToAll.apply(o.contiguous(), self.sp, False)
-        return self.wo(o.reshape(b, s, c.heads * c.head_dim))
+        return o
 
 
 class FeedForward(nn.Module):
@@ -145,67 +178,70 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, sp_comm=None):
+    def __init__(self, cfg: ModelConfig, pos: Positions, sp_comm=None, seq: SequenceConfig | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attn = Attention(cfg, sp_comm)
+        self.attn = Attention(cfg, pos, sp_comm, seq)
         self.ffn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.ffn = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), start)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
         return x + self.ffn(self.ffn_norm(x))
 
 
-class Llama(nn.Module):
-    """Reference Llama-style decoder (loom/train's own; used when ``loom.models.llama`` is absent).
+class Embed(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens)
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(h))
+
+
+class Llama(nn.Sequential):
+    """Reference Llama-style decoder as ``nn.Sequential(Embed, Block x layers, Head)``.
+
+    A ``Sequential`` so that ``loom.parallel.HybridParallel`` can cut it into pipeline stages without
+    tracing; parameter names (``0.embed.weight``, ``3.attn.wq.weight``, ...) are global, so per-stage
+    checkpoints merge into one model. ``positions`` (shared by all blocks) holds the global positions of this
+    rank's tokens: the sequence-parallel layout, or ``arange`` when ``None``.
 
     Args:
         cfg: model shape.
-        sp_comm: the ``sp`` sub-communicator (Ulysses) or ``None``.
-        layers: ``(lo, hi)``: build only blocks ``lo..hi-1``, plus the embedding when ``lo == 0`` and the final
-            norm/head when ``hi == cfg.layers`` (a pipeline stage). Parameter names stay global
-            (``blocks.<i>.…``) so stage checkpoints merge into one model.
+        sp_comm: the ``sp`` sub-communicator (Ulysses/FPDT) or ``None``.
+        seq: sequence-parallel settings (algorithm, chunks, offload).
     """
 
-    def __init__(self, cfg: ModelConfig, sp_comm=None, layers: tuple[int, int] | None = None):
-        super().__init__()
+    def __init__(self, cfg: ModelConfig, sp_comm=None, seq: SequenceConfig | None = None):
         if cfg.ffn == "moe":
-            raise ValueError("model.ffn = 'moe' needs loom.models.llama with MoE support (loom.parallel.moe), "
-                             "which is not available in this build; use ffn = 'swiglu' or 'gelu'")
+            raise ConfigError("model.ffn = 'moe' needs an MoE layer (loom.parallel.moe) that is not wired into "
+                              "loom train in this build; use ffn = 'swiglu' or 'gelu'")
+        pos = Positions()
+        super().__init__(Embed(cfg), *[Block(cfg, pos, sp_comm, seq) for _ in range(cfg.layers)], Head(cfg))
         self.cfg = cfg
-        lo, hi = layers or (0, cfg.layers)
-        self.lo, self.hi = lo, hi
-        self.first, self.last = lo == 0, hi == cfg.layers
-        self.embed = nn.Embedding(cfg.vocab, cfg.hidden) if self.first else None
-        self.blocks = nn.ModuleDict({str(i): Block(cfg, sp_comm) for i in range(lo, hi)})
-        if self.last:
-            self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-            self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-        else:
-            self.norm = self.head = None
+        self.positions = pos
         self._init_weights(cfg)
 
     def _init_weights(self, cfg: ModelConfig) -> None:
-        # Per-parameter generators seeded by the global name: every stage split initializes identically.
+        # One generator per parameter seeded by its global name: identical on every rank and every stage split.
         for name, p in self.named_parameters():
-            g = torch.Generator().manual_seed(_name_seed(name))
             if name.endswith("norm.weight"):
                 continue
-            std = 0.02
-            if name.endswith(("wo.weight", "w2.weight")):
-                std = 0.02 / math.sqrt(2 * cfg.layers)
+            g = torch.Generator().manual_seed(_name_seed(name))
+            std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * std)
-
-    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Tokens ``[B, S_local]`` (first stage) or hidden ``[B, S_local, hidden]`` -> logits or hidden."""
-        h = self.embed(x) if self.first else x
-        for blk in self.blocks.values():
-            h = blk(h, start)
-        if self.last:
-            h = self.head(self.norm(h))
-        return h
 
 
 def _name_seed(name: str) -> int:
@@ -215,19 +251,16 @@ def _name_seed(name: str) -> int:
 
 
 def model_source() -> str:
-    """Which implementation :func:`build_model` uses: ``loom.models.llama`` or ``loom.train.model``."""
-    try:
-        import loom.models.llama as ext  # noqa: F401
-
-        if hasattr(ext, "build_llama"):
-            return "loom.models.llama"
-    except ImportError:
-        pass
-    return "loom.train.model"
+    """Which attention implementation sequence parallelism uses."""
+    if _sequence_ops() is not None:
+        return "loom.train.model.Llama + loom.parallel.sequence (Ulysses/FPDT)"
+    return "loom.train.model.Llama + its own Ulysses all-to-all"
 
 
-def build_model(cfg: Config, *, sp_comm=None, layers: tuple[int, int] | None = None,
-                dtype: torch.dtype = torch.float32, device: Any = "cpu") -> nn.Module:
-    """The model for this rank (a pipeline stage when ``layers`` is given), in ``dtype`` on ``device``."""
-    model = Llama(cfg.model, sp_comm, layers)
+def build_model(cfg: Config, *, sp_comm=None, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> Llama:
+    """The whole model on this rank, in ``dtype`` on ``device`` (pipeline stages are cut by HybridParallel)."""
+    if cfg.sequence.algorithm == "fpdt" and sp_comm is not None and sp_comm.size > 1 and _sequence_ops() is None:
+        raise ConfigError("sequence.algorithm = 'fpdt' needs loom.parallel.sequence, which is not available in this "
+                          "build; use sequence.algorithm = 'ulysses'")
+    model = Llama(cfg.model, sp_comm, cfg.sequence)
     return model.to(device=device, dtype=dtype)

@@ -3,9 +3,13 @@
 Step plan (every rank, mesh ``dp x pp x sp``):
 
 1. **Data.** Every rank draws the same global batch for this step (``batch_windows(seed, step)``) and keeps
-   rows ``[dp_rank * B/dp, +B/dp)`` and columns ``[sp_rank * S/sp, +S/sp)`` (global positions for RoPE).
-2. **Forward/backward.** The model's attention runs Ulysses all-to-alls over ``sp`` inside autograd; the
-   loss is the mean over this rank's tokens.
+   rows ``[dp_rank * B/dp, +B/dp)`` and its ``sp`` columns in the Ulysses/FPDT layout (contiguous for
+   ``chunks = 1``; pieces ``r, r+P, ...`` of ``chunks x P`` for FPDT), whose global positions feed RoPE.
+2. **Forward/backward.** ``pp = 1``: the model runs whole on this rank; its attention runs Ulysses or FPDT
+   all-to-alls over ``sp`` inside autograd; the loss is the mean over this rank's tokens. ``pp > 1``:
+   ``loom.parallel.HybridParallel`` cuts the ``nn.Sequential`` model into stages and runs the 1F1B/GPipe
+   schedule over ``data.micro_batches`` micro-batches; its reducer averages stage gradients over ``dp``
+   through the same dp hook.
 3. **Gradient sync** (parameters are replicated over ``dp`` and ``sp``): gradients are flattened into
    buckets of ``compress.bucket_mb``; each bucket is averaged over ``sp`` with ``allreduce(op="avg")``
    (uncompressed: the fast intra-node axis), then over ``dp`` through the compression policy's dp hook
@@ -14,8 +18,8 @@ Step plan (every rank, mesh ``dp x pp x sp``):
 4. **Update.** Global-norm clipping (grads are identical on all replicas after step 3), AdamW with the
    warm-up + cosine learning rate of this step.
 5. **Book-keeping.** Loss and peak memory reduced as Python objects (not counted as training traffic);
-   bytes per mesh axis are the deltas of ``loom.comm.stats()``, and the uncompressed equivalent of the
-   dp traffic is computed from the bucket sizes (``2 n (P-1)/P`` per allreduce).
+   bytes per mesh axis are the deltas of ``loom.comm.stats()``; the uncompressed equivalent adds back what
+   ``loom.compress.stats()`` says compression saved on that axis.
 
 Checkpoints every ``checkpoint.every`` steps and at the end; ``resume=True`` reloads the newest complete one,
 restores model, optimizer and RNG state, and continues at its step: because data is a function of the step,
@@ -27,7 +31,6 @@ from __future__ import annotations
 import math
 import resource
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,7 +43,7 @@ from .config import Config, ConfigError, config_to_dict
 from .data import batch_windows, load_corpus
 from .model import COMM_TIME, build_model
 
-__all__ = ["Trainer", "StepResult", "lr_at", "compression_hook", "peak_memory"]
+__all__ = ["Trainer", "TimedComm", "sp_layout", "lr_at", "compression_hook", "peak_memory"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -64,15 +67,13 @@ def peak_memory(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def compression_hook(policy: str) -> Callable | None:
-    """The dp gradient hook for ``compress.policy`` from ``loom.compress`` (``None`` for ``"none"``).
+def compression_hook(policy: str) -> tuple[Any, Callable]:
+    """``(CompressionPolicy, dp hook)`` for ``compress.policy`` from ``loom.compress``.
 
     Adapter over engineer C's API: ``loom.compress.dp_hook(policy) -> hook(flat_bucket, comm, bucket_index)``
     returning the mean over ``comm``; the policy is looked up by name with ``CompressionPolicy.named`` /
     ``from_name`` / ``preset``, whichever the package provides.
     """
-    if policy == "none":
-        return None
     try:
         import loom.compress as lc
     except ImportError as exc:
@@ -97,21 +98,60 @@ def compression_hook(policy: str) -> Callable | None:
         else:
             raise ConfigError(f"compress.policy = {policy!r} is not a known loom.compress policy"
                               + (f"; valid: {', '.join(presets)}" if isinstance(presets, dict) else ""))
-    return lc.dp_hook(pol)
-
-
-@dataclass
-class StepResult:
-    """One optimizer step as logged (rank 0's view, losses averaged over ranks)."""
-
-    step: int
-    loss: float
-    eval_loss: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    return pol, lc.dp_hook(pol)
 
 
 def _wire_bytes() -> dict[str, int]:
     return {name: sum(ops.values()) for name, ops in stats().items()}
+
+
+def _saved_bytes() -> dict[str, int]:
+    """Per communicator name: uncompressed minus on-the-wire bytes of loom.compress collectives so far."""
+    try:
+        from loom.compress import stats as cstats
+    except ImportError:
+        return {}
+    return {k: v.get("raw", 0) - v.get("wire", 0) for k, v in cstats().items()}
+
+
+class TimedComm:
+    """A communicator proxy that adds the seconds spent in its calls to ``COMM_TIME[key]``.
+
+    Handed to the attention code (which only calls ``size``/``rank``/``alltoall``) so the step-time
+    breakdown can separate sequence-parallel communication from compute.
+    """
+
+    _TIMED = frozenset({"alltoall", "alltoallv", "allreduce", "allgather", "send", "recv", "sendrecv",
+                        "reduce_scatter", "bcast", "ialltoallv", "iallreduce", "iallgather"})
+
+    def __init__(self, comm: Communicator, key: str):
+        self._comm, self._key = comm, key
+        COMM_TIME.setdefault(key, 0.0)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._comm, name)
+        if name not in self._TIMED:
+            return attr
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                COMM_TIME[self._key] += time.perf_counter() - t0
+
+        return timed
+
+
+def sp_layout(n: int, p: int, r: int, chunks: int) -> torch.Tensor:
+    """Global positions of sp rank ``r``'s tokens of a length-``n`` sequence (FPDT layout; contiguous for 1 chunk).
+
+    Same layout as ``loom.parallel.sequence.shard_sequence``: ``chunks x p`` pieces, rank ``r`` holds pieces
+    ``r, r+p, r+2p, ...``.
+    """
+    c = n // (p * chunks)
+    starts = (torch.arange(chunks) * p + r) * c
+    return (starts[:, None] + torch.arange(c)[None, :]).reshape(-1)
 
 
 class Trainer:
@@ -130,9 +170,6 @@ class Trainer:
         self.cfg = cfg
         self.comm = comm or world()
         cfg.validate_world(self.comm.size)
-        if cfg.mesh.pp > 1:
-            raise ConfigError(f"mesh.pp = {cfg.mesh.pp}: pipeline parallelism is not wired into loom train in this "
-                              f"build (loom.parallel.hybrid not available); use mesh.dp and mesh.sp")
         if cfg.mesh.ep > 1 or cfg.model.ffn == "moe":
             raise ConfigError("model.ffn = 'moe' / mesh.ep > 1 needs loom.parallel.moe, which is not wired into "
                               "loom train in this build; use ffn = 'swiglu' or 'gelu' and mesh.ep = 1")
@@ -141,9 +178,10 @@ class Trainer:
         self.quiet = quiet
         self.mesh = Mesh(cfg.mesh.axes(), comm=self.comm)
         c = self.mesh.coords
-        self.dp_rank, self.sp_rank = c.get("dp", 0), c.get("sp", 0)
+        self.dp_rank, self.sp_rank, self.pp_rank = c.get("dp", 0), c.get("sp", 0), c.get("pp", 0)
         self.dp = self.mesh["dp"] if cfg.mesh.dp > 1 else None
         self.sp = self.mesh["sp"] if cfg.mesh.sp > 1 else None
+        self.pp = self.mesh["pp"] if cfg.mesh.pp > 1 else None
         if cfg.train.device == "cuda":
             if not torch.cuda.is_available():
                 raise ConfigError("train.device = 'cuda' but torch sees no CUDA device; use train.device = 'cpu'")
@@ -152,48 +190,94 @@ class Trainer:
             self.device = torch.device("cpu")
         self.dtype = _DTYPES[cfg.train.dtype]
         torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg, sp_comm=self.sp, dtype=self.dtype, device=self.device)
-        decay = [p for n, p in self.model.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in self.model.named_parameters() if p.ndim < 2]
+        sp_comm = TimedComm(self.sp, "sp") if self.sp is not None else None
+        self.model = build_model(cfg, sp_comm=sp_comm, dtype=self.dtype, device=self.device)
+        self.positions = sp_layout(cfg.data.seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks).to(self.device)
+        self.model.positions.value = self.positions
+        self.policy = None
+        self.hook = None
+        if cfg.compress.policy != "none":
+            self.policy, self.hook = compression_hook(cfg.compress.policy)
+        self.hybrid = None
+        if self.pp is not None:
+            self.hybrid = self._make_hybrid()
+            self.params = list(self.hybrid.parameters())
+            self.stage, self.stages = self.hybrid.stage_index, cfg.mesh.pp
+        else:
+            self.params = list(self.model.parameters())
+            self.stage, self.stages = 0, 1
+        ids = {id(p) for p in self.params}
+        self.param_names = [n for n, p in self.model.named_parameters() if id(p) in ids]
+        named = dict(self.model.named_parameters())
+        self.params = [named[n] for n in self.param_names]
         o = cfg.optim
         self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": o.weight_decay},
+             {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}],
             lr=o.lr, betas=(o.beta1, o.beta2), foreach=False)
-        self.hook = compression_hook(cfg.compress.policy) if self.dp is not None else None
         self.corpus = load_corpus(cfg.data)
         self.start_step = 0
         if resume:
             self._resume()
         self._buckets = self._make_buckets()
 
+    def _make_hybrid(self):
+        try:
+            from loom.parallel import HybridParallel
+        except ImportError as exc:
+            raise ConfigError(f"mesh.pp = {self.cfg.mesh.pp} needs loom.parallel.HybridParallel, which is not "
+                              f"importable in this build ({exc}); use mesh.pp = 1") from None
+        cfg = self.cfg
+        schedule = cfg.mesh.schedule
+        if self.policy is not None and self.policy.codec_for("pp") is not None:
+            schedule = "gpipe"  # HybridParallel compresses pipeline sends only under GPipe (blocking sends)
+        try:
+            return HybridParallel(self.model, partitions=cfg.mesh.pp, replicas=cfg.mesh.dp,
+                                  micro_batches=cfg.data.micro_batches, schedule=schedule, balance="params",
+                                  mesh=self.mesh, grad_hook=self.hook, compression=self.policy,
+                                  bucket_mb=cfg.compress.bucket_mb)
+        except ValueError as exc:
+            raise ConfigError(f"pipeline setup: {exc}") from None
+
     # ------------------------------------------------------------------ state
     def _resume(self) -> None:
-        step = ckpt.latest(self.ckpt_dir, stages=1)
+        step = ckpt.latest(self.ckpt_dir, stages=self.stages)
         # Every rank must agree on the step (a shared file system is assumed; check it).
         steps = self.comm.allgather_object(step)
         if len(set(steps)) != 1:
             raise RuntimeError(f"ranks see different latest checkpoints in {self.ckpt_dir}: {steps}")
         if step is None:
             return
-        state = ckpt.load(ckpt.stage_path(self.ckpt_dir, step, 0))
-        self.model.load_state_dict(state["model"])
+        state = ckpt.load(ckpt.stage_path(self.ckpt_dir, step, self.stage))
+        if state.get("stages", 1) != self.stages or list(state.get("params", self.param_names)) != self.param_names:
+            raise ConfigError(f"checkpoint {self.ckpt_dir} step {step} was written with {state.get('stages')} "
+                              f"pipeline stages and a different layer split; resume with the same mesh.pp")
+        missing = [n for n in self.param_names if n not in state["model"]]
+        if missing:
+            raise ConfigError(f"checkpoint step {step} lacks parameters {missing[:3]}...; it is not from this model")
+        named = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for n in self.param_names:
+                named[n].copy_(state["model"][n])
         self.opt.load_state_dict(state["optim"])
         ckpt.restore_rng(state["rng"])
         self.start_step = int(state["step"])
 
     def save(self, step: int) -> Path | None:
-        """Checkpoint after ``step`` completed optimizer steps (rank 0 writes; replicas are identical)."""
+        """Checkpoint after ``step`` optimizer steps: one file per pipeline stage, written by its (dp 0, sp 0) rank."""
         path = None
-        if self.comm.rank == 0:
+        if self.dp_rank == 0 and self.sp_rank == 0:
+            named = dict(self.model.named_parameters())
             payload = {
                 "format": ckpt.FORMAT, "step": step, "config": config_to_dict(self.cfg),
-                "stage": 0, "stages": 1, "layers": [0, self.cfg.model.layers],
-                "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+                "stage": self.stage, "stages": self.stages, "params": list(self.param_names),
+                "model": {n: named[n].detach().cpu().clone() for n in self.param_names},
                 "optim": self.opt.state_dict(), "rng": ckpt.capture_rng(),
             }
-            path = ckpt.save(ckpt.stage_path(self.ckpt_dir, step, 0), payload)
+            path = ckpt.save(ckpt.stage_path(self.ckpt_dir, step, self.stage), payload)
+        self.comm.barrier()  # every stage file exists before anyone prunes or moves on
+        if self.comm.rank == 0:
             ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep)
-        self.comm.barrier()
         return path
 
     # ------------------------------------------------------------------ pieces of a step
@@ -201,7 +285,7 @@ class Trainer:
         limit = int(self.cfg.compress.bucket_mb * 2**20)
         buckets: list[list[torch.nn.Parameter]] = [[]]
         size = 0
-        for p in self.model.parameters():
+        for p in self.params:
             nb = p.numel() * p.element_size()
             if buckets[-1] and size + nb > limit:
                 buckets.append([])
@@ -211,39 +295,72 @@ class Trainer:
         return buckets
 
     def local_batch(self, stream: torch.Tensor, step: int, stream_id: int = 0):
-        """This rank's ``(inputs, targets, start)`` of the global batch of ``step``."""
+        """This rank's ``(inputs, targets)`` of the global batch of ``step`` (rows by dp, columns by sp layout)."""
         d = self.cfg.data
         x, y = batch_windows(stream, seed=self.cfg.train.seed, step=step, batch=d.batch, seq_len=d.seq_len,
                              stream_id=stream_id)
         b = d.batch // self.cfg.mesh.dp
-        s = d.seq_len // self.cfg.mesh.sp
-        r0, c0 = self.dp_rank * b, self.sp_rank * s
-        x, y = x[r0:r0 + b, c0:c0 + s], y[r0:r0 + b, c0:c0 + s]
-        return x.to(self.device), y.to(self.device), c0
+        r0 = self.dp_rank * b
+        cols = self.positions.cpu()
+        x, y = x[r0:r0 + b][:, cols], y[r0:r0 + b][:, cols]
+        return x.to(self.device), y.to(self.device)
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor, start: int) -> torch.Tensor:
-        logits = self.model(x, start)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float() if self.dtype == torch.bfloat16
-                               else logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    def _loss_fn(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = logits.reshape(-1, logits.shape[-1])
+        if logits.dtype == torch.bfloat16:
+            logits = logits.float()
+        return F.cross_entropy(logits, y.reshape(-1))
 
-    def sync_grads(self) -> tuple[float, int]:
-        """Average gradients over ``sp`` then ``dp`` (see the module plan); returns (seconds, raw dp bytes)."""
-        t0 = time.perf_counter()
-        raw = 0
+    def _flat_sync(self, comm: Communicator, use_hook: bool) -> None:
         for i, bucket in enumerate(self._buckets):
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            if self.sp is not None:
-                flat = self.sp.allreduce(flat, op="avg")
-            if self.dp is not None:
-                raw += 2 * flat.numel() * flat.element_size() * (self.dp.size - 1) // self.dp.size
-                flat = self.hook(flat, self.dp, i) if self.hook is not None else self.dp.allreduce(flat, op="avg")
+            if use_hook and self.hook is not None:
+                flat = self.hook(flat, comm, i)
+            else:
+                flat = comm.allreduce(flat, op="avg")
             off = 0
             for p, g in zip(bucket, grads):
                 n = g.numel()
                 p.grad = flat[off:off + n].view_as(p).to(p.dtype)
                 off += n
-        return time.perf_counter() - t0, raw
+
+    def sync_grads(self) -> float:
+        """Average gradients over ``sp`` (plain allreduce) then ``dp`` (the compression hook); returns seconds.
+
+        Under a pipeline the dp average already happened inside ``HybridParallel.train_step``.
+        """
+        t0 = time.perf_counter()
+        if self.sp is not None:
+            self._flat_sync(self.sp, use_hook=False)
+        if self.dp is not None and self.hybrid is None:
+            self._flat_sync(self.dp, use_hook=True)
+        return time.perf_counter() - t0
+
+    def clip(self) -> float:
+        """Clip the global gradient norm (summed over pipeline stages) to ``optim.grad_clip``; returns the norm."""
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            if p.grad is not None:
+                sq += p.grad.detach().double().pow(2).sum()
+        if self.pp is not None:
+            sq = self.pp.allreduce(sq.reshape(1), op="sum")[0]
+        norm = float(sq.sqrt())
+        limit = self.cfg.optim.grad_clip
+        if limit > 0 and norm > limit:
+            scale = limit / (norm + 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Loss (mean over this rank's tokens, or over dp x pp under a pipeline) after filling ``.grad``."""
+        if self.hybrid is not None:
+            return self.hybrid.train_step(x, y, self._loss_fn)
+        loss = self._loss_fn(self.model(x), y)
+        loss.backward()
+        return float(loss.detach())
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -251,14 +368,17 @@ class Trainer:
         self.model.eval()
         tot = 0.0
         for k in range(self.cfg.train.eval_batches):
-            x, y, start = self.local_batch(self.corpus.heldout, k, stream_id=1)
-            tot += float(self._loss(x, y, start))
+            x, y = self.local_batch(self.corpus.heldout, k, stream_id=1)
+            if self.hybrid is not None:
+                tot += self.hybrid.eval_step(x, y, self._loss_fn)
+            else:
+                tot += float(self._loss_fn(self.model(x), y))
         self.model.train()
         return self.comm.allreduce_object(tot / self.cfg.train.eval_batches) / self.comm.size
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> list[dict[str, Any]]:
-        """Train to ``train.steps``; returns rank 0's per-step records (others: the same losses)."""
+        """Train to ``train.steps``; returns the per-step records (losses averaged over all ranks)."""
         from .progress import Display, MetricsLog, write_plots
 
         cfg, comm = self.cfg, self.comm
@@ -273,36 +393,35 @@ class Trainer:
         self.model.train()
         for step in range(self.start_step, cfg.train.steps):
             t0 = time.perf_counter()
-            before = _wire_bytes()
-            sp0 = COMM_TIME["sp"]
+            before, saved0 = _wire_bytes(), _saved_bytes()
+            sp0 = COMM_TIME.get("sp", 0.0)
             lr = lr_at(step, cfg)
             for g in self.opt.param_groups:
                 g["lr"] = lr
-            x, y, start = self.local_batch(self.corpus.train, step)
+            x, y = self.local_batch(self.corpus.train, step)
             self.opt.zero_grad(set_to_none=True)
-            loss = self._loss(x, y, start)
-            loss.backward()
-            sync_s, raw_dp = self.sync_grads()
-            gnorm = 0.0
-            if cfg.optim.grad_clip > 0:
-                gnorm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip))
+            loss = self.forward_backward(x, y)
+            sync_s = self.sync_grads()
+            gnorm = self.clip()
             self.opt.step()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             step_s = time.perf_counter() - t0
-            after = _wire_bytes()
+            after, saved1 = _wire_bytes(), _saved_bytes()
             done = step + 1
-            loss_avg = comm.allreduce_object(float(loss.detach())) / comm.size
+            # pp ranks of a replica already agree on the loss; averaging over everyone is still the global mean.
+            loss_avg = comm.allreduce_object(loss) / comm.size
             peak = comm.allreduce_object(peak_memory(self.device), op="max")
             eval_loss = None
             if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
                 eval_loss = self.evaluate()
-            comm_s = sync_s + (COMM_TIME["sp"] - sp0)
-            moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            comm_s = sync_s + (COMM_TIME.get("sp", 0.0) - sp0)
             by_axis: dict[str, dict[str, int]] = {}
-            for axis in ("dp", "sp"):
-                if moved.get(axis):
-                    by_axis[axis] = {"wire": moved[axis], "raw": raw_dp if axis == "dp" else moved[axis]}
+            for axis in ("dp", "pp", "sp"):
+                wire = after.get(axis, 0) - before.get(axis, 0)
+                if wire:
+                    raw = wire + saved1.get(axis, 0) - saved0.get(axis, 0)
+                    by_axis[axis] = {"wire": wire, "raw": raw}
             raw_all = sum(v["raw"] for v in by_axis.values())
             wire_all = sum(v["wire"] for v in by_axis.values())
             rec = {

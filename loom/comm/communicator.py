@@ -155,16 +155,16 @@ class Communicator:
         x = _host_view(tensor)
         req = self.mpi.Isend(_as_bytes(x), dest, tag)
         self._count("send", x.nbytes)
-        return Request([req], keep=x, what=f"isend to {dest} on {self.name}")
+        return Request([req], keep=x, what=("isend to", dest, self.name))
 
     def irecv(self, out: _b.Buffer, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
         """Non-blocking receive into ``out``; ``request.wait()`` returns ``out``."""
         tmp = _b.recv_target(out)
         req = self.mpi.Irecv(_as_bytes(tmp), source, tag)
         if tmp is out:
-            return Request([req], keep=tmp, finish=lambda: out, what=f"irecv from {source} on {self.name}")
+            return Request([req], keep=tmp, finish=lambda: out, what=("irecv from", source, self.name))
         return Request([req], keep=tmp, finish=lambda: _b.finish_recv(out, tmp),
-                       what=f"irecv from {source} on {self.name}")
+                       what=("irecv from", source, self.name))
 
     def sendrecv(self, tensor: _b.Buffer, dest: int, out: _b.Buffer, source: int, tag: int = 0) -> _b.Buffer:
         """Send ``tensor`` to ``dest`` while receiving ``out`` from ``source`` (deadlock-free exchange)."""

@@ -89,7 +89,7 @@ class Request:
         *,
         keep: Any = None,
         finish: Callable[[], Any] | None = None,
-        what: str = "request",
+        what: str | tuple = "request",
     ):
         self._reqs = reqs
         self._keep = keep
@@ -97,6 +97,12 @@ class Request:
         self._done = False
         self._result = None
         self._what = what
+
+    @property
+    def what(self) -> str:
+        """What this request is, for error messages (formatted lazily: isend/irecv are on hot paths)."""
+        w = self._what
+        return w if isinstance(w, str) else f"{w[0]} {w[1]} on {w[2]}"
 
     @classmethod
     def completed(cls, result: Any = None, what: str = "request") -> "Request":
@@ -122,7 +128,7 @@ class Request:
                 self._complete()
                 return True
         except MPI.Exception as exc:
-            raise CommError(f"{self._what} failed: {_status_errors(self._reqs) or exc}") from exc
+            raise CommError(f"{self.what} failed: {_status_errors(self._reqs) or exc}") from exc
         return False
 
     def poll(self) -> tuple[bool, Any]:
@@ -140,7 +146,7 @@ class Request:
         while not test():
             d = backoff.next_delay()
             if deadline is not None and time.perf_counter() > deadline:
-                raise CommTimeoutError(f"{self._what} did not complete within {timeout} s")
+                raise CommTimeoutError(f"{self.what} did not complete within {timeout} s")
             if d:
                 sleep(d)
         return self._result
@@ -155,7 +161,7 @@ class Request:
         return (yield from poller().submit(self).__await__())
 
     def __repr__(self) -> str:
-        return f"<loom Request {self._what} {'done' if self._done else 'pending'}>"
+        return f"<loom Request {self.what} {'done' if self._done else 'pending'}>"
 
 
 def wait_all(requests: list[Request], timeout: float | None = None) -> list[Any]:

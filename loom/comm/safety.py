@@ -236,7 +236,7 @@ def _wrap_wait(fn: Callable) -> Callable:
         if _TIMEOUT is None or self.done:
             return fn(self, timeout)
         tid = threading.get_ident()
-        _INFLIGHT[tid] = (f"wait on {self._what}", time.monotonic())
+        _INFLIGHT[tid] = (f"wait on {self.what}", time.monotonic())
         try:
             return fn(self, timeout)
         finally:

@@ -5,4 +5,14 @@ capability (``parallel``, ``compress``, ``multipath``, ``dask``, ``testbed``, ``
 """
 
 __version__ = "0.1.0"
-__all__ = ["__version__"]
+__all__ = ["__version__", "fit"]
+
+
+def __getattr__(name: str):
+    # Lazy, so `loom --help` does not import torch. The function shadows the submodule loom.fit of the same name.
+    if name == "fit":
+        from .fit import fit
+
+        globals()["fit"] = fit
+        return fit
+    raise AttributeError(f"module 'loom' has no attribute {name!r}")

@@ -1,0 +1,156 @@
+"""``loom.fit``: HyPar-Flow's one-call training API over :class:`~loom.parallel.HybridParallel`.
+
+>>> history = loom.fit(model, (X, Y), nn.MSELoss(), lambda ps: torch.optim.Adam(ps, lr=1e-3),
+...                    epochs=3, batch_size=64, partitions=2, micro_batches=4)   # on every rank
+
+Every rank calls ``fit`` with the same model and the same data; replica ``r`` trains on rows
+``[r * b, (r + 1) * b)`` of each global batch (``b = batch_size / replicas``), so the result equals
+single-process training on the global batches. Rank 0 draws a progress bar and prints per-epoch metrics.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from .parallel.hybrid import HybridParallel
+
+__all__ = ["fit", "History"]
+
+
+@dataclass(kw_only=True, slots=True)
+class History:
+    """What :func:`fit` measured, one entry per epoch (the same on every rank)."""
+
+    loss: list[float] = field(default_factory=list)
+    """Mean training loss over the epoch's global batches."""
+    val_loss: list[float] = field(default_factory=list)
+    """Mean validation loss (when ``validation`` was given)."""
+    seconds: list[float] = field(default_factory=list)
+    """Wall time of each epoch on this rank."""
+    model: HybridParallel | None = None
+    """The trained :class:`HybridParallel` (``model.state_dict()`` gives the full model)."""
+
+
+def _batches(data: Any, batch_size: int | None) -> Callable[[], Iterable[tuple[Any, Any]]]:
+    """A re-iterable source of global ``(inputs, targets)`` batches."""
+    if isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[1], torch.Tensor) and \
+            isinstance(data[0], (torch.Tensor, tuple, list)):
+        x, y = data
+        n = y.shape[0]
+        if batch_size is None:
+            raise ValueError("fit(data=(inputs, targets)) needs batch_size= (the global batch size)")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+
+        def gen():
+            for lo in range(0, n - batch_size + 1, batch_size):  # a ragged tail batch is dropped
+                sl = slice(lo, lo + batch_size)
+                xs = tuple(t[sl] for t in x) if isinstance(x, (tuple, list)) else x[sl]
+                yield xs, y[sl]
+
+        if n < batch_size:
+            raise ValueError(f"batch_size={batch_size} exceeds the {n} samples; use batch_size <= {n}")
+        return gen
+    if batch_size is not None:
+        raise ValueError("batch_size= applies to data=(inputs, targets); an iterable of batches brings its own")
+    if iter(data) is data:
+        raise TypeError("data is a one-shot iterator; pass (inputs, targets) tensors, a list of batches or a "
+                        "DataLoader so every epoch can iterate it again")
+    return lambda: data
+
+
+def _shard(batch: Any, r: int, reps: int) -> Any:
+    if isinstance(batch, (tuple, list)):
+        return tuple(_shard(t, r, reps) for t in batch)
+    n = batch.shape[0]
+    if n % reps:
+        raise ValueError(f"global batch of {n} rows does not divide by replicas={reps}; use a batch size that is "
+                         f"a multiple of {reps}")
+    b = n // reps
+    return batch[r * b:(r + 1) * b]
+
+
+def fit(model: Any, data: Any, loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, epochs: int = 1,
+        partitions: int = 1, replicas: int | None = None, micro_batches: int = 1, schedule: str = "1f1b",
+        balance: str | list[int] = "params", batch_size: int | None = None, validation: Any = None,
+        progress: bool = True, **hybrid: Any) -> History:
+    """Train ``model`` data-, pipeline- or hybrid-parallel; call it on every rank.
+
+    Args:
+        model: anything :class:`HybridParallel` accepts (``nn.Sequential``, fx-traceable module, Keras 3).
+        data: ``(inputs, targets)`` tensors with ``batch_size``, or a re-iterable of global batches.
+        loss_fn: ``loss_fn(output, target)`` -> mean loss over the batch.
+        optimizer: a factory ``f(params) -> torch.optim.Optimizer`` (an optimizer class works, e.g.
+            ``functools.partial(torch.optim.SGD, lr=0.1)``) or an optimizer built on the full model's
+            parameters (tensors of other stages never get a gradient there, so torch skips them).
+        epochs: passes over ``data``.
+        partitions, replicas, micro_batches, schedule, balance: as in :class:`HybridParallel`.
+        batch_size: global batch size when ``data`` is a pair of tensors.
+        validation: optional ``(inputs, targets)`` evaluated (forward only) after every epoch.
+        progress: draw a rich progress bar on rank 0.
+        **hybrid: other :class:`HybridParallel` arguments (``comm``, ``grad_hook``, ``compression``, ...).
+
+    Returns:
+        The per-epoch :class:`History`, with the trained ``HybridParallel`` as ``history.model``.
+    """
+    if not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs={epochs!r} must be an integer >= 1")
+    hp = HybridParallel(model, partitions=partitions, replicas=replicas, micro_batches=micro_batches,
+                        schedule=schedule, balance=balance, **hybrid)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        opt = optimizer
+    elif callable(optimizer):
+        opt = optimizer(list(hp.parameters()))
+    else:
+        raise TypeError(f"optimizer must be a torch optimizer or a factory params -> optimizer, got "
+                        f"{type(optimizer).__name__}")
+    source = _batches(data, batch_size)
+    r, reps = hp.replica_index, hp.replicas
+    rank0 = hp.pp.rank == 0 and hp.dp.rank == 0
+    hist = History(model=hp)
+    try:
+        steps = len(source())  # type: ignore[arg-type]
+    except TypeError:
+        steps = None
+    bar = None
+    if progress and rank0:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = Progress(TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("loss {task.fields[loss]:.4g}"), TimeElapsedColumn(),
+                       console=Console(file=sys.stderr), transient=False)
+        bar.start()
+    try:
+        for ep in range(epochs):
+            t0 = time.perf_counter()
+            task = bar.add_task("train", total=steps, epoch=f"{ep + 1}/{epochs}", loss=float("nan")) if bar else None
+            total, count = 0.0, 0
+            for x, y in source():
+                opt.zero_grad()
+                loss = hp.train_step(_shard(x, r, reps), _shard(y, r, reps), loss_fn)
+                opt.step()
+                total += loss
+                count += 1
+                if bar is not None:
+                    bar.update(task, advance=1, loss=loss)
+            if count == 0:
+                raise ValueError("data yielded no batch; check batch_size against the number of samples")
+            hist.loss.append(total / count)
+            if validation is not None:
+                vx, vy = validation
+                hist.val_loss.append(hp.eval_step(_shard(vx, r, reps), _shard(vy, r, reps), loss_fn))
+            hist.seconds.append(time.perf_counter() - t0)
+            if rank0 and progress:
+                val = f"  val_loss {hist.val_loss[-1]:.6g}" if hist.val_loss else ""
+                msg = f"epoch {ep + 1}/{epochs}: loss {hist.loss[-1]:.6g}{val}  ({hist.seconds[-1]:.2f} s)"
+                (bar.console.print if bar else print)(msg)
+    finally:
+        if bar is not None:
+            bar.stop()
+    return hist

@@ -1,0 +1,210 @@
+"""HybridParallel pieces on one process: balance vs brute force, schedules, graph capture and live sets, errors,
+and (partitions, replicas) = (1, 1) training against plain torch, Keras Sequential, loom.fit."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import random
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import pytest
+import torch
+from torch import nn
+
+from loom.parallel import HybridParallel, TraceError, balance
+from loom.parallel.partition import capture, split_units
+from loom.parallel.pipeline import schedule
+
+
+def brute_force(costs, parts):
+    n = len(costs)
+    best = None
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        b = [0, *cuts, n]
+        worst = max(sum(costs[b[i]:b[i + 1]]) for i in range(parts))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+def test_balance_is_minmax_optimal_and_never_empty():
+    rng = random.Random(4)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        parts = rng.randint(1, n)
+        costs = [rng.choice([0, 0, 1, 2, 5, 13, 40]) * rng.random() for _ in range(n)]
+        counts = balance(costs, parts)
+        assert len(counts) == parts and sum(counts) == n and min(counts) >= 1
+        acc = list(itertools.accumulate(counts))
+        worst = max(sum(costs[a - c:a]) for a, c in zip(acc, counts))
+        assert worst == pytest.approx(brute_force(costs, parts), abs=1e-12)
+
+
+def test_balance_known_split_and_errors():
+    assert balance([1, 1, 1, 1], 2) == [2, 2]
+    assert balance([8, 1, 1, 1, 1, 1, 1, 1, 1], 2) == [1, 8]
+    assert balance([0, 0, 0], 3) == [1, 1, 1]
+    with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
+        balance([1, 2], 3)
+    with pytest.raises(ValueError, match=">= 0"):
+        balance([1, -2], 1)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_schedules_run_every_microbatch_once_in_order(kind):
+    for p, m in itertools.product(range(1, 6), range(1, 9)):
+        for s in range(p):
+            ops = schedule(kind, s, p, m)
+            assert sorted(ops) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+            assert [i for o, i in ops if o == "F"] == list(range(m))
+            assert [i for o, i in ops if o == "B"] == list(range(m))
+            live = peak = 0
+            for o, i in ops:
+                assert o == "F" or ops.index(("F", i)) < ops.index(("B", i))
+                live += 1 if o == "F" else -1
+                peak = max(peak, live)
+            if kind == "1f1b":  # activation memory bounded by the pipeline depth, not by m
+                assert peak <= min(p - s, m)
+    with pytest.raises(ValueError, match="not one of"):
+        schedule("zb", 0, 2, 2)
+
+
+class Skip(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.d(self.c(self.b(h)) + h)
+
+
+def test_fx_capture_live_sets_carry_skips_hop_by_hop():
+    g = capture(Skip())
+    assert g.kind == "fx" and g.inputs == ["x"]
+    live = g.live_sets([1, 1, len(g.units) - 2])  # a | b | c, add, d
+    assert live[0] == ["a"]
+    assert live[1] == ["a", "b"]  # the skip crosses stage 1 on its way to stage 2
+    assert g.param_costs()[0] == 4 * 4 + 4 + 1
+
+
+def test_untraceable_model_names_construct_and_fix():
+    class DataDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(2, 2)
+
+        def forward(self, x):
+            if x.sum() > 0:
+                return self.l(x)
+            return x
+
+    with pytest.raises(TraceError, match="torch.fx cannot trace DataDependent.*control flow.*Fix"):
+        HybridParallel(DataDependent())
+    with pytest.raises(TypeError, match="torch.nn.Module or a Keras"):
+        HybridParallel(object())
+
+
+def test_config_errors():
+    seq = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="schedule='zb'"):
+        HybridParallel(seq, schedule="zb")
+    with pytest.raises(ValueError, match="micro_batches=0"):
+        HybridParallel(seq, micro_batches=0)
+    with pytest.raises(ValueError, match="balance='flops'"):
+        HybridParallel(seq, balance="flops")
+    with pytest.raises(ValueError, match="2 ranks but the communicator"):
+        HybridParallel(seq, partitions=2, replicas=1)
+    with pytest.raises(ValueError, match="sample_inputs"):
+        HybridParallel(seq, balance="time")
+    with pytest.raises(ValueError, match=r"balance=\[1, 2\] must give 1 positive layer counts"):
+        split_units(capture(seq), 1, [1, 2])
+    hp = HybridParallel(seq, micro_batches=3)
+    with pytest.raises(ValueError, match="batch of 4 rows is not divisible by micro_batches=3"):
+        hp.train_step(torch.zeros(4, 2), torch.zeros(4, 2), nn.MSELoss())
+
+
+def test_single_rank_microbatched_equals_plain_torch_and_time_balance():
+    torch.manual_seed(0)
+    model = Skip().double()
+    ref = Skip().double()
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    hp = HybridParallel(model, micro_batches=4, balance="time", sample_inputs=x[:2])
+    opt, ropt = torch.optim.Adam(hp.parameters(), lr=0.05), torch.optim.Adam(ref.parameters(), lr=0.05)
+    for _ in range(5):
+        opt.zero_grad()
+        loss = hp.train_step(x, y, nn.MSELoss())
+        opt.step()
+        ropt.zero_grad()
+        rl = nn.MSELoss()(ref(x), y)
+        rl.backward()
+        ropt.step()
+        assert abs(loss - rl.item()) < 1e-12
+    for k, v in ref.state_dict().items():
+        assert (hp.state_dict()[k] - v).abs().max().item() < 1e-12
+
+
+def test_keras_sequential_single_rank():
+    keras = pytest.importorskip("keras")
+    keras.utils.set_random_seed(3)
+    keras.config.set_floatx("float32")
+
+    def build():
+        return keras.Sequential([keras.Input((5,)), keras.layers.Dense(7, activation="relu"),
+                                 keras.layers.Dense(7, activation="tanh"), keras.layers.Dense(2)])
+
+    m, ref = build(), build()
+    ref.set_weights(m.get_weights())
+    g = capture(m)
+    assert g.kind == "keras-sequential" and len(g.units) == 3
+    x, y = torch.randn(8, 5), torch.randn(8, 2)
+    hp = HybridParallel(m, micro_batches=2, schedule="gpipe")
+    opt = torch.optim.SGD(hp.parameters(), lr=0.1)
+    ropt = torch.optim.SGD([v.value for v in ref.trainable_weights], lr=0.1)
+    for _ in range(5):
+        opt.zero_grad()
+        loss = hp.train_step(x, y, nn.MSELoss())
+        opt.step()
+        ropt.zero_grad()
+        rl = nn.MSELoss()(ref(x), y)
+        rl.backward()
+        ropt.step()
+        assert abs(loss - rl.item()) < 1e-5
+    for a, b in zip(m.get_weights(), ref.get_weights()):
+        assert abs(a - b).max() < 1e-5
+
+
+def test_fit_equals_manual_loop_and_validates():
+    import loom
+
+    torch.manual_seed(1)
+    model = Skip().double()
+    ref = Skip().double()
+    ref.load_state_dict(model.state_dict())
+    x, y = torch.randn(24, 4, dtype=torch.float64), torch.randn(24, 4, dtype=torch.float64)
+    hist = loom.fit(model, (x, y), nn.MSELoss(), functools.partial(torch.optim.SGD, lr=0.1), epochs=2,
+                    batch_size=8, micro_batches=2, validation=(x, y), progress=True)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    losses = []
+    for _ in range(2):
+        tot = 0.0
+        for i in range(0, 24, 8):
+            ropt.zero_grad()
+            rl = nn.MSELoss()(ref(x[i:i + 8]), y[i:i + 8])
+            rl.backward()
+            ropt.step()
+            tot += rl.item()
+        losses.append(tot / 3)
+    assert hist.loss == pytest.approx(losses, abs=1e-12)
+    with torch.no_grad():
+        assert hist.val_loss[-1] == pytest.approx(nn.MSELoss()(ref(x), y).item(), abs=1e-12)
+    sd = hist.model.state_dict()
+    for k, v in ref.state_dict().items():
+        assert (sd[k] - v).abs().max().item() < 1e-12
+    with pytest.raises(ValueError, match="needs batch_size"):
+        loom.fit(Skip(), (x, y), nn.MSELoss(), torch.optim.SGD, epochs=1)
+    with pytest.raises(TypeError, match="one-shot iterator"):
+        loom.fit(Skip(), iter([(x, y)]), nn.MSELoss(), functools.partial(torch.optim.SGD, lr=0.1))

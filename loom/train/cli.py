@@ -134,17 +134,19 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, rest)
     except ConfigError as exc:
         return _error(str(exc))
+    # The launcher tells each rank the job size: check the mesh before importing torch or initializing MPI,
+    # so a wrong mesh fails fast and identically on every rank.
+    size = None
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            size = int(os.environ[var])
+    try:
+        if size is not None:
+            cfg.validate_world(size)
+    except ConfigError as exc:
+        return _error(str(exc))
     if args.dry_run:
-        size = None
-        for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
-            if var in os.environ:
-                size = int(os.environ[var])
-        try:
-            if size is not None:
-                cfg.validate_world(size)
-        except ConfigError as exc:
-            return _error(str(exc))
-        if os.environ.get("PMI_RANK", "0") in ("0", "") and os.environ.get("OMPI_COMM_WORLD_RANK", "0") == "0":
+        if os.environ.get("PMI_RANK", "0") == "0" and os.environ.get("OMPI_COMM_WORLD_RANK", "0") == "0":
             print(plan(cfg, size))
         return 0
 

@@ -17,6 +17,7 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 
@@ -27,18 +28,18 @@ __all__ = ["Corpus", "stdlib_files", "load_corpus", "batch_windows", "encode", "
 _SEP = b"\n\n"
 
 
-def stdlib_files(pattern: str = "*.py") -> list[Path]:
-    """The standard library's source files (no site-packages), sorted by path."""
+def stdlib_files(pattern: str = "*.py") -> Iterator[Path]:
+    """The standard library's source files (no site-packages), in sorted path order, lazily."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "__pycache__"}
-    out: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in skip)
-        out.extend(Path(dirpath) / f for f in sorted(filenames) if fnmatch.fnmatch(f, pattern))
-    return out
+        for f in sorted(filenames):
+            if fnmatch.fnmatch(f, pattern):
+                yield Path(dirpath) / f
 
 
-def _files(cfg: DataConfig) -> tuple[list[Path], str]:
+def _files(cfg: DataConfig) -> tuple[Iterable[Path], str]:
     if not cfg.path:
         files = stdlib_files(cfg.glob)
         return files, f"Python {sysconfig.get_python_version()} standard library ({cfg.glob})"

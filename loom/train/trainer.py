@@ -176,6 +176,13 @@ class Trainer:
         self.out = Path(out or cfg.train.out)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out / "checkpoints"
         self.quiet = quiet
+        # Everything that can reject the config runs before the first collective, so every rank fails alike
+        # and none is left waiting for a peer that has already exited.
+        self.policy = None
+        self.hook = None
+        if cfg.compress.policy != "none":
+            self.policy, self.hook = compression_hook(cfg.compress.policy)
+        self.corpus = load_corpus(cfg.data)
         self.mesh = Mesh(cfg.mesh.axes(), comm=self.comm)
         c = self.mesh.coords
         self.dp_rank, self.sp_rank, self.pp_rank = c.get("dp", 0), c.get("sp", 0), c.get("pp", 0)
@@ -194,10 +201,6 @@ class Trainer:
         self.model = build_model(cfg, sp_comm=sp_comm, dtype=self.dtype, device=self.device)
         self.positions = sp_layout(cfg.data.seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks).to(self.device)
         self.model.positions.value = self.positions
-        self.policy = None
-        self.hook = None
-        if cfg.compress.policy != "none":
-            self.policy, self.hook = compression_hook(cfg.compress.policy)
         self.hybrid = None
         if self.pp is not None:
             self.hybrid = self._make_hybrid()
@@ -215,7 +218,6 @@ class Trainer:
             [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": o.weight_decay},
              {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}],
             lr=o.lr, betas=(o.beta1, o.beta2), foreach=False)
-        self.corpus = load_corpus(cfg.data)
         self.start_step = 0
         if resume:
             self._resume()
@@ -377,8 +379,11 @@ class Trainer:
         return self.comm.allreduce_object(tot / self.cfg.train.eval_batches) / self.comm.size
 
     # ------------------------------------------------------------------ the loop
-    def run(self) -> list[dict[str, Any]]:
-        """Train to ``train.steps``; returns the per-step records (losses averaged over all ranks)."""
+    def run(self, until: int | None = None) -> list[dict[str, Any]]:
+        """Train to ``train.steps`` (or stop after step ``until``, as an interrupted job would).
+
+        Returns the per-step records of this call (losses averaged over all ranks).
+        """
         from .progress import Display, MetricsLog, write_plots
 
         cfg, comm = self.cfg, self.comm
@@ -391,7 +396,8 @@ class Trainer:
         tokens = cfg.data.batch * cfg.data.seq_len
         records: list[dict[str, Any]] = []
         self.model.train()
-        for step in range(self.start_step, cfg.train.steps):
+        stop = cfg.train.steps if until is None else min(until, cfg.train.steps)
+        for step in range(self.start_step, stop):
             t0 = time.perf_counter()
             before, saved0 = _wire_bytes(), _saved_bytes()
             sp0 = COMM_TIME.get("sp", 0.0)
@@ -441,7 +447,7 @@ class Trainer:
         display.close()
         if lead:
             log.close()
-            if cfg.train.plots and not self.quiet:
+            if cfg.train.plots and not self.quiet and stop == cfg.train.steps:
                 allrecs = MetricsLog.read(self.out / "metrics.jsonl")
                 self.plots = write_plots(allrecs, self.out / "plots")
         return records

@@ -1,0 +1,152 @@
+"""Rank-side checks for ``loom train``: every mesh equals the one-rank run; resume equals uninterrupted.
+
+Run at 2 and 4 ranks by tests/integration/test_train.py. The one-rank reference runs in-process on a
+size-1 communicator (``comm.split(rank)``) on every rank; fp64 everywhere, tolerance 1e-9 relative on losses
+and 1e-9 absolute on parameters (only summation order differs). Resume is compared bit for bit in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+
+import torch
+
+from loom.testing import mpi_checks
+from loom.train.config import config_from_dict
+from loom.train.trainer import Trainer
+
+BASE = {
+    "model": {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2},
+    "data": {"seq_len": 32, "batch": 4, "max_bytes": 60_000},
+    "train": {"steps": 4, "dtype": "float64", "eval_every": 2, "eval_batches": 1, "progress": "none",
+              "plots": False},
+    "optim": {"warmup": 2, "lr": 1e-2},
+    "checkpoint": {"every": 0},
+}
+
+MESHES = {
+    2: [{"mesh": {"dp": 2}},
+        {"mesh": {"sp": 2}},
+        {"mesh": {"pp": 2}, "data": {"micro_batches": 2}}],
+    4: [{"mesh": {"dp": 2, "sp": 2}},
+        {"mesh": {"pp": 2, "sp": 2}, "data": {"micro_batches": 2}},
+        {"mesh": {"dp": 2, "pp": 2}, "mesh_schedule": "gpipe"},
+        {"mesh": {"sp": 4}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}}],
+}
+
+_DIR: list[str] = []
+
+
+def _cfg(*parts: dict):
+    data: dict = {}
+    for part in parts:
+        for sec, vals in part.items():
+            if sec == "mesh_schedule":
+                data.setdefault("mesh", {})["schedule"] = vals
+                continue
+            data.setdefault(sec, {}).update(vals)
+    return config_from_dict(data)
+
+
+def _tmp(comm, name: str) -> str:
+    if not _DIR:
+        root = tempfile.mkdtemp(prefix="loom-train-") if comm.rank == 0 else None
+        _DIR.append(comm.bcast_object(root))
+    return os.path.join(_DIR[0], name)
+
+
+def _params(tr: Trainer) -> dict[str, torch.Tensor]:
+    named = dict(tr.model.named_parameters())
+    return {n: named[n].detach().clone() for n in tr.param_names}
+
+
+def _reference(comm, extra: dict):
+    """The same run on one rank (sp-independent parts of ``extra`` kept: sequence algorithm, micro-batches)."""
+    solo = comm.split(comm.rank, 0, name="solo")
+    keep = {k: v for k, v in extra.items() if k not in ("mesh", "mesh_schedule", "sequence")}
+    tr = Trainer(_cfg(BASE, keep), solo, out=_tmp(comm, f"ref{comm.rank}"), quiet=True)
+    recs = tr.run()
+    return recs, _params(tr)
+
+
+def _close(a: float, b: float, rtol: float) -> bool:
+    return math.isclose(a, b, rel_tol=rtol, abs_tol=rtol)
+
+
+def check_meshes_match_one_rank(comm):
+    for extra in MESHES[comm.size]:
+        ref_recs, ref_params = _reference(comm, extra)
+        tr = Trainer(_cfg(BASE, extra), comm, out=_tmp(comm, "mesh"), quiet=True)
+        recs = tr.run()
+        assert len(recs) == len(ref_recs) == BASE["train"]["steps"]
+        for r, q in zip(recs, ref_recs):
+            assert _close(r["loss"], q["loss"], 1e-9), (extra, r["step"], r["loss"], q["loss"])
+            if q["eval_loss"] is not None:
+                assert _close(r["eval_loss"], q["eval_loss"], 1e-9), (extra, r["eval_loss"], q["eval_loss"])
+        mine = _params(tr)
+        assert mine, "this rank trains no parameters"
+        for name, t in mine.items():
+            err = float((t - ref_params[name]).abs().max())
+            assert err < 1e-9, (extra, name, err)
+        # the mesh axes that are on actually moved bytes
+        for axis, n in extra.get("mesh", {}).items():
+            if n > 1:
+                assert recs[-1]["bytes"].get(axis, {}).get("wire", 0) > 0, (extra, axis, recs[-1]["bytes"])
+
+
+def check_compressed_dp_trains(comm):
+    extra = {"mesh": {"dp": comm.size}, "compress": {"policy": "hybrid", "bucket_mb": 0.05}}
+    ref_recs, _ = _reference(comm, {})
+    tr = Trainer(_cfg(BASE, extra), comm, out=_tmp(comm, "compressed"), quiet=True)
+    recs = tr.run()
+    last, ref = recs[-1], ref_recs[-1]
+    assert math.isfinite(last["loss"])
+    assert abs(last["loss"] - ref["loss"]) < 0.05 * ref["loss"], (last["loss"], ref["loss"])
+    dp = last["bytes"]["dp"]
+    assert dp["raw"] > 2 * dp["wire"], dp  # int4 gradients: well under half the bytes
+    assert last["compress_ratio"] > 2
+
+
+def _resume_case(comm, extra: dict, tag: str):
+    cfg = {**extra, "train": {**BASE["train"], "dtype": "float32", "steps": 6}}
+    full = Trainer(_cfg(BASE, cfg), comm, out=_tmp(comm, f"full-{tag}"), quiet=True)
+    want = full.run()
+    want_params = _params(full)
+    cut = {**cfg, "checkpoint": {"every": 3, "keep": 1}}
+    first = Trainer(_cfg(BASE, cut), comm, out=_tmp(comm, f"cut-{tag}"), quiet=True)
+    got = first.run(until=4)  # killed after step 4: the last checkpoint is step 3
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    del first
+    again = Trainer(_cfg(BASE, cut), comm, resume=True, out=_tmp(comm, f"cut-{tag}"), quiet=True)
+    assert again.start_step == 3, again.start_step
+    rest = again.run()
+    assert [r["step"] for r in rest] == [4, 5, 6]
+    for r, w in zip(got[:3] + rest, want):
+        assert r["loss"] == w["loss"], (tag, r["step"], r["loss"], w["loss"])  # bit-exact on CPU
+        assert r["eval_loss"] == w["eval_loss"]
+    for name, t in _params(again).items():
+        assert torch.equal(t, want_params[name]), (tag, name)
+    if comm.rank == 0:
+        from loom.train.progress import MetricsLog
+
+        steps = [r["step"] for r in MetricsLog.read(again.out / "metrics.jsonl")]
+        assert steps == [1, 2, 3, 4, 5, 6], steps  # the interrupted run's step 4 was replaced, not duplicated
+
+
+def check_resume_equals_uninterrupted(comm):
+    _resume_case(comm, {"mesh": {"dp": 2, "sp": comm.size // 2}}, "dp-sp")
+    if comm.size == 4:
+        _resume_case(comm, {"mesh": {"pp": 2, "dp": 2}, "data": {"micro_batches": 2}}, "pp-dp")
+
+
+def check_cleanup(comm):
+    comm.barrier()
+    if comm.rank == 0 and _DIR:
+        shutil.rmtree(_DIR[0], ignore_errors=True)
+
+
+if __name__ == "__main__":
+    mpi_checks(globals())

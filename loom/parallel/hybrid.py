@@ -105,6 +105,8 @@ class HybridParallel:
         compression: a ``loom.compress.CompressionPolicy``; its ``pp`` codec compresses pipeline traffic.
         sample_inputs: one micro-batch of inputs, for ``balance="time"``.
         bucket_mb: gradient bucket size in MiB.
+        leaf_modules: module classes ``torch.fx`` calls as one layer instead of tracing into (for bodies
+            with shape-dependent Python control flow, e.g. ``leaf_modules=(Block,)`` for loom's Llama).
 
     Raises:
         ValueError: ``partitions x replicas`` differs from the ranks available, more partitions than layers,
@@ -116,7 +118,7 @@ class HybridParallel:
                  schedule: str = "1f1b", balance: str | list[int] = "params", comm: Communicator | None = None,
                  mesh: Mesh | None = None, pp: Communicator | None = None, dp: Communicator | None = None,
                  grad_hook: GradHook | None = None, compression: Any = None,
-                 sample_inputs: Any = None, bucket_mb: float = 25.0):
+                 sample_inputs: Any = None, bucket_mb: float = 25.0, leaf_modules: Sequence[type] = ()):
         self.config = HybridConfig(partitions=partitions, replicas=replicas, micro_batches=micro_batches,
                                    schedule=schedule, balance=balance, bucket_mb=bucket_mb)
         self.model = model
@@ -135,7 +137,7 @@ class HybridParallel:
             if codec is not None and schedule != "gpipe":
                 raise ValueError(f"pipeline compression sends with blocking loom.compress.send, which can deadlock "
                                  f"the {schedule!r} steady state; use schedule='gpipe' with a pp codec")
-        self.graph: Graph = capture(model)
+        self.graph: Graph = capture(model, leaf_modules=leaf_modules)
         sample = _as_tuple(sample_inputs) if sample_inputs is not None else None
         costs = None
         if balance == "time":
@@ -268,7 +270,7 @@ class HybridParallel:
                     tgt = tgts[i][0] if len(tgts[i]) == 1 else tgts[i]
                 slot, _ = self.stage.forward(self._key(mbs[i]), mbs[i], tgt, loss_fn)
                 if slot.loss is not None:
-                    total += slot.loss.detach().double().reshape(())
+                    total += float(slot.loss.detach())  # host scalar (a CUDA loss syncs here)
                 slots[i] = slot
             else:
                 self.stage.backward(slots.pop(i), 1.0 / m)
@@ -299,7 +301,7 @@ class HybridParallel:
                 tgt = tgts[i][0] if len(tgts[i]) == 1 else tgts[i]
             slot, out = self.stage.forward(self._key(mbs[i]), mbs[i], tgt, loss_fn, grad=False)
             if slot.loss is not None:
-                total += slot.loss.double().reshape(())
+                total += float(slot.loss)
             outs.append(out)
         self.stage.wait()
         if want_loss:

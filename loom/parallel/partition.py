@@ -246,8 +246,14 @@ def split_units(graph: Graph, parts: int, how: str | Sequence[int], sample: Sequ
 
 
 # ---------------------------------------------------------------------------- front ends
-def capture(model: Any) -> Graph:
+def capture(model: Any, *, leaf_modules: Sequence[type] = ()) -> Graph:
     """Build the :class:`Graph` of ``model`` (``nn.Sequential``, a Keras 3 model, or an fx-traceable module).
+
+    Args:
+        model: the model.
+        leaf_modules: ``nn.Module`` classes that ``torch.fx`` must call as one node instead of tracing into
+            (e.g. a transformer block whose body has shape-dependent Python control flow); each call of such
+            a module is then one layer.
 
     Raises:
         TraceError: ``torch.fx`` cannot trace the model (the message says which construct and what to do).
@@ -258,7 +264,7 @@ def capture(model: Any) -> Graph:
     if isinstance(model, nn.Sequential):
         return _from_sequential(model)
     if isinstance(model, nn.Module):
-        return _from_fx(model)
+        return _from_fx(model, tuple(leaf_modules))
     raise TypeError(f"HybridParallel needs a torch.nn.Module or a Keras 3 model (torch backend), got "
                     f"{type(model).__name__}")
 
@@ -291,17 +297,21 @@ def _getter(value: Any) -> Callable[[], Any]:
     return lambda: value
 
 
-def _from_fx(model: nn.Module) -> Graph:
+def _from_fx(model: nn.Module, leaves: tuple[type, ...] = ()) -> Graph:
     import torch.fx as fx
 
+    class Tracer(fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+            return isinstance(m, leaves) or super().is_leaf_module(m, qualname)
+
     try:
-        gm = fx.symbolic_trace(model)
+        gm = fx.GraphModule(model, Tracer().trace(model), type(model).__name__)
     except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError... for untraceable Python
         raise TraceError(
             f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: {exc}. Usually this is "
             f"data-dependent control flow (an `if`/`for` on a tensor's value) or a non-torch call on a tensor. "
-            f"Fix: move that code into a submodule and mark it a leaf (a custom torch.fx.Tracer with "
-            f"is_leaf_module), wrap the function with torch.fx.wrap, or express the model as nn.Sequential"
+            f"Fix: move that code into a submodule and pass its class in leaf_modules=(...) so it runs as one "
+            f"layer, wrap the function with torch.fx.wrap, or express the model as nn.Sequential"
         ) from exc
     nodes: list[Node] = []
     inputs: list[str] = []

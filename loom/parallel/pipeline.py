@@ -94,6 +94,10 @@ class Stage:
         self._meta_in: dict[Any, list] = {}
         self._meta_sent: set[Any] = set()
         self._pending: list[Request] = []
+        # Receive buffers live where the stage computes (CUDA tensors go through loom.comm's CUDA-aware or
+        # host-staged path).
+        own = self.tensors()
+        self.device = own[0].device if own else torch.device("cpu")
 
     # ------------------------------------------------------------------ parameters
     def tensors(self) -> list[torch.Tensor]:
@@ -119,7 +123,7 @@ class Stage:
             self._pending.append(self.comm.isend(t, dest, tag))
 
     def _recv(self, shape, dtype, source: int, tag: int) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
         if self.codec is not None:
             from ..compress import recv as crecv
 

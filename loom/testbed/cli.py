@@ -213,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TestbedError as exc:
         print(f"loom testbed: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("loom testbed: interrupted; torn down", file=sys.stderr)
+        return 130
     except _Terminated as exc:
         print(f"loom testbed: terminated by signal {exc.args[0]}; torn down", file=sys.stderr)
         return 128 + int(exc.args[0])

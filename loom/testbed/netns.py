@@ -145,6 +145,29 @@ def leftovers(prefix: str = NAME_PREFIX) -> list[str]:
     return [n for n in _netns_list() if n.startswith(prefix)]
 
 
+def _mpiexec() -> str:
+    """loom.comm.launch.mpiexec()'s choice, without importing loom.comm (torch + MPI cost seconds here and the
+    host side of the testbed never communicates)."""
+    env = os.environ.get("LOOM_MPIEXEC")
+    if env:
+        return env
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise TestbedUnavailable("no mpiexec found: `pip install mpich` or point LOOM_MPIEXEC at a launcher")
+    return found
+
+
+def _is_openmpi(launcher: str) -> bool:
+    try:
+        out = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "Open MPI" in out or "OpenRTE" in out
+
+
 def _kill_netns_pids(names: Sequence[str]) -> list[int]:
     """SIGKILL every process inside the given namespaces; returns the pids killed."""
     killed = []
@@ -352,13 +375,11 @@ class Testbed:
 
     def mpiexec_argv(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> list[str]:
         """The MPMD ``mpiexec`` command line that starts ``argv`` on every rank, each in its namespace."""
-        from ..comm import launch
-
         if not argv:
             raise ValueError("empty command: give the program to run on the ranks, e.g. [sys.executable, 'x.py']")
-        launcher = launch.mpiexec()
+        launcher = _mpiexec()
         cmd = [launcher]
-        if launch.is_openmpi(launcher) and os.geteuid() == 0:
+        if _is_openmpi(launcher) and os.geteuid() == 0:
             cmd += ["--allow-run-as-root", "--oversubscribe"]
         for info in self.ranks:
             if info.rank:

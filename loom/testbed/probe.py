@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CLASSES", "class_pairs", "configured_gbit", "main"]
+__all__ = ["CLASSES", "class_pairs", "configured_gbit", "measure", "main"]
 
 CLASSES = ("intra", "rail", "cross", "rails")
 
@@ -73,10 +73,24 @@ def _path(topo: dict, pairs: list[tuple[int, int]]) -> str:
     return path + (f" (+{len(pairs) - 1} more)" if len(pairs) > 1 else "")
 
 
-def _measure(comm, topo: dict, name: str, args: argparse.Namespace) -> dict[str, Any] | None:
+def measure(comm, topo: dict, name: str, *, size: int = 1 << 20, window: int = 8, seconds: float = 2.0,
+            pingpongs: int = 200) -> dict[str, Any] | None:
+    """Measure one link class (collective over ``comm``, every rank calls it); the class's ranks return the
+    result row (class, pairs, path, configured_gbit, achieved_gbit, latency_us), the others ``None``.
+
+    Args:
+        comm: COMM_WORLD of the testbed job (a :class:`loom.comm.Communicator`).
+        topo: the testbed's :func:`~loom.testbed.topology.topology_dict`.
+        name: one of :data:`CLASSES`.
+        size: bytes per message of a bandwidth window; window: messages per window.
+        seconds: time bound of each bandwidth loop; pingpongs: timed ping-pongs for the latency.
+    """
     from loom.bench import omb
     from loom.comm import wait_all
 
+    if size < 1 or window < 1 or pingpongs < 1 or not seconds > 0:
+        raise ValueError(f"size={size}, window={window}, pingpongs={pingpongs} must be >= 1 and "
+                         f"seconds={seconds} > 0")
     pairs = class_pairs(topo, name)
     if not pairs:
         return None
@@ -91,7 +105,7 @@ def _measure(comm, topo: dict, name: str, args: argparse.Namespace) -> dict[str,
         sender = comm.rank == mine[0]
         small = np.zeros(8, np.uint8)
         ack = np.zeros(1, np.uint8)
-        bufs = [np.ones(args.size, np.uint8) for _ in range(args.window)]
+        bufs = [np.ones(size, np.uint8) for _ in range(window)]
 
         def pingpong() -> None:
             if sender:
@@ -101,7 +115,7 @@ def _measure(comm, topo: dict, name: str, args: argparse.Namespace) -> dict[str,
                 sub.recv(small, peer, tag=1)
                 sub.send(small, peer, tag=1)
 
-        def window() -> None:
+        def stream() -> None:
             if sender:
                 wait_all([sub.isend(b, peer, tag=2) for b in bufs])
                 sub.recv(ack, peer, tag=3)
@@ -109,14 +123,14 @@ def _measure(comm, topo: dict, name: str, args: argparse.Namespace) -> dict[str,
                 wait_all([sub.irecv(b, peer, tag=2) for b in bufs])
                 sub.send(ack, peer, tag=3)
 
-        lat = omb.time_op(pingpong, sub, 10, args.pingpongs, max_seconds=args.seconds / 4) / 2
-        one = omb.time_op(window, sub, 1, 1, max_seconds=args.seconds)  # warm-up + one timed window
+        lat = omb.time_op(pingpong, sub, 10, pingpongs, max_seconds=seconds / 4) / 2
+        one = omb.time_op(stream, sub, 1, 1, max_seconds=seconds)  # warm-up + one timed window
         # Every member runs the same number of windows: the slowest pair's estimate decides.
         one = sub.allreduce_object(one, op="max")
-        n = int(max(2, min(64, args.seconds / max(one, 1e-6))))
-        per_window = omb.time_op(window, sub, 0, n, max_seconds=args.seconds)
+        n = int(max(2, min(64, seconds / max(one, 1e-6))))
+        per_window = omb.time_op(stream, sub, 0, n, max_seconds=seconds)
         t = sub.allreduce_object(per_window, op="max")
-        moved = args.size * args.window * len(pairs)
+        moved = size * window * len(pairs)
         result = {
             "class": name,
             "pairs": [list(p) for p in pairs],
@@ -167,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     comm = world()
     if comm.size != len(topo["ranks"]):
         raise SystemExit(f"probe: {comm.size} ranks but the topology has {len(topo['ranks'])}")
-    results = [r for r in (_measure(comm, topo, c, args) for c in names)]
+    results = [measure(comm, topo, c, size=args.size, window=args.window, seconds=args.seconds,
+                       pingpongs=args.pingpongs) for c in names]
     everything = comm.gather_object([r for r in results if r is not None], root=0)
     if comm.rank == 0:
         seen: dict[str, dict] = {}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import runpy
 import sys
 import traceback
@@ -33,6 +34,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--memory-limit", default="auto", help="per-worker memory limit (Dask syntax, or 'none')")
     run.add_argument("--local-directory", default=None, help="workers' spill directory")
     run.add_argument("--dashboard", action="store_true", help="start the scheduler dashboard (needs bokeh)")
+    run.add_argument("-n", "--np", type=int, default=None, dest="np",
+                     help="outside an MPI job: launch this many ranks with mpiexec and name a worker that dies")
+    run.add_argument("--timeout", type=float, default=None, help="with -n: kill the job after this many seconds")
     run.add_argument("--dry-run", action="store_true", help="check the arguments and exit without communicating")
     return p
 
@@ -57,6 +61,104 @@ def _run_script(script: str, args: list[str]) -> int:
     return 0
 
 
+def _inside_mpi() -> bool:
+    from loom.cli import _inside_mpi as inside
+
+    return inside()
+
+
+_PID = re.compile(r"PID (\d+) RUNNING AT")
+_CODE = re.compile(r"EXIT CODE: (\d+)")
+
+
+def _alive(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _launch(n: int, argv: list[str], timeout: float | None) -> int:
+    """Run this command on ``n`` ranks; forward the output; if a rank died, say which role it had.
+
+    MPICH's launcher reports a dead process by pid ("BAD TERMINATION ... PID 1234"); rank 0 saved the
+    pid -> rank -> role map (``LOOM_DASK_ROLES``), so the last line can name the worker.
+    """
+    import json
+    import subprocess
+    import tempfile
+    import threading
+    import time
+
+    from loom.comm import launch
+
+    with tempfile.TemporaryDirectory(prefix="loom-dask-") as tmp:
+        roles_path = os.path.join(tmp, "roles.json")
+        env = {**os.environ, "LOOM_LAUNCHED": "1", "LOOM_DASK_ROLES": roles_path, "PYTHONUNBUFFERED": "1"}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        cmd = launch.mpiexec_argv(n, [sys.executable, "-m", "loom.cli", "dask", *argv])
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        dead: list[tuple[str, str | None]] = []
+        gone: dict[str, float] = {}  # pid -> when it was first seen gone (or a zombie)
+        done = threading.Event()
+
+        def watch() -> None:
+            # MPICH's report names *a* pid of the torn-down job, not necessarily the one that died first;
+            # the rank processes are watched here so that the first to vanish is named.
+            pids: list[str] = []
+            while not done.wait(0.02):
+                if not pids:
+                    if os.path.exists(roles_path):
+                        try:
+                            with open(roles_path) as f:
+                                pids = list(json.load(f))
+                        except (OSError, ValueError):
+                            pids = []
+                    continue
+                now = time.monotonic()
+                for pid in pids:
+                    if pid not in gone and not _alive(pid):
+                        gone[pid] = now
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        timer = None
+        if timeout is not None:
+            import signal
+
+            timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+            timer.start()
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                if m := _PID.search(line):
+                    dead.append((m.group(1), None))
+                elif (m := _CODE.search(line)) and dead:
+                    dead[-1] = (dead[-1][0], m.group(1))
+            rc = proc.wait()
+        finally:
+            done.set()
+            if timer is not None:
+                timer.cancel()
+        sys.stdout.flush()
+        roles = {}
+        if os.path.exists(roles_path):
+            with open(roles_path) as f:
+                roles = json.load(f)
+    if dead and gone:
+        first = min(gone, key=gone.get)
+        dead = [(first, dead[0][1] if dead[0][0] == first else None)]
+    for pid, code in dead:
+        who = roles.get(pid)
+        what = f"{who['role']} (MPI rank {who['rank']}, pid {pid})" if who else f"pid {pid}"
+        how = (f"exit code {code}" + (" = killed by signal 9" if code == "9" else "")) if code else "it vanished first"
+        print(f"loom dask: {what} died ({how}); MPICH ended the whole job. Rerun the job: a Dask cluster over "
+              f"MPI cannot outlive one of its ranks under MPICH", file=sys.stderr, flush=True)
+    return rc if rc else (1 if dead else 0)
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     if args.nthreads < 1:
@@ -65,9 +167,15 @@ def main(argv: list[str]) -> int:
     if not os.path.isfile(args.script):
         print(f"loom dask: script {args.script!r} not found", file=sys.stderr)
         return 2
+    if args.np is not None and args.np < 3:
+        print(f"loom dask: -n {args.np}: a Dask job over MPI needs >= 3 ranks (scheduler, client, worker)",
+              file=sys.stderr)
+        return 2
     if args.dry_run:
         print(f"loom dask: would run {args.script} {' '.join(args.args)} as the client on rank 1")
         return 0
+    if args.np is not None and not _inside_mpi():
+        return _launch(args.np, argv, args.timeout)
     from .launcher import initialize, shutdown
 
     memory_limit = None if str(args.memory_limit).lower() == "none" else args.memory_limit

@@ -12,8 +12,9 @@ Plan of :func:`initialize` (every rank calls it):
    closes the workers, so every rank leaves its loop and exits 0.
 
 Reliability: a worker rank that dies (killed, segfault) is reported by MPICH's launcher, which then ends the
-whole job with a non-zero exit code; the rank-to-role map printed at start-up (``LOOM_DASK_VERBOSE=1``) and
-the worker names (``rank-K``) say which worker it was. The scheduler's ``worker-ttl`` is shortened
+whole job with a non-zero exit code (MPICH 5's fault-tolerance mode does not start here, so the other ranks
+cannot outlive it); the rank -> role -> pid map printed at start-up and the worker names (``rank-K``) say
+which worker it was, and ``loom dask run -n N`` names it in its final error line. The scheduler's ``worker-ttl`` is shortened
 (:data:`WORKER_TTL`) so that, under a launcher that keeps the other ranks alive, a silent worker is dropped
 and its tasks are recomputed on the others.
 """
@@ -124,6 +125,9 @@ def initialize(*, nthreads: int = 1, memory_limit: str | int | None = "auto", lo
         raise ValueError(f"nthreads={nthreads} must be >= 1")
     comm = world()
     roles = Roles(size=comm.size)
+    pids = comm.allgather_object(os.getpid())
+    if comm.rank == SCHEDULER_RANK:
+        _announce(roles, pids)
     dask.config.set(_dask_config())
     import loom.dask.backend  # noqa: F401 - the entry point resolves it too; import early for clear errors
 
@@ -141,6 +145,19 @@ def initialize(*, nthreads: int = 1, memory_limit: str | int | None = "auto", lo
     if exit:
         sys.exit(0)
     return False
+
+
+def _announce(roles: Roles, pids: list[int]) -> None:
+    """Print the rank -> role -> pid map (MPICH names a dead process by pid) and save it for ``loom dask run``."""
+    entries = {str(pid): {"rank": r, "role": roles.role(r)} for r, pid in enumerate(pids)}
+    line = ", ".join(f"rank {r} {roles.role(r)} (pid {pid})" for r, pid in enumerate(pids))
+    print(f"loom dask: {line}", file=sys.stderr, flush=True)
+    path = os.environ.get("LOOM_DASK_ROLES")
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump(entries, f)
 
 
 def _wait_for_workers(address: str, n: int, timeout: float) -> None:

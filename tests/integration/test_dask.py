@@ -1,0 +1,54 @@
+"""Dask over MPI as whole jobs: the mpi:// backend across 2 and 3 ranks, and ``loom dask run`` at 3-4 ranks
+(applications exact against single-process references, a failing script, a killed worker)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("distributed")
+
+from loom.comm import launch  # noqa: E402
+from loom.testing import run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+CLIENT = "tests/mpi/check_dask_client.py"
+ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED": "warning"}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_backend_across_ranks(n):
+    run_ranks(n, "tests/mpi/check_dask.py", timeout=120)
+
+
+def _loom_dask_run(n: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "loom.cli", "dask", "run", CLIENT, *args]
+    return launch.run(n, argv, timeout=timeout, env=ENV, capture=True)
+
+
+def test_run_applications_exact_and_clean_exit():
+    proc = _loom_dask_run(4, "apps")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "APPS OK" in proc.stdout, out
+    assert "rank 2 worker rank-2" in proc.stderr and "rank 3 worker rank-3" in proc.stderr, out
+
+
+def test_run_script_exception_is_the_exit_code():
+    proc = _loom_dask_run(3, "raise")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "the client script raised" in out and "requested failure from the client script" in out, out
+
+
+def test_killed_worker_ends_job_and_is_named():
+    """A worker SIGKILLed mid-task: the job ends (no hang; bounded by the timeout) naming that worker."""
+    cmd = [sys.executable, "-m", "loom.cli", "dask", "run", "-n", "4", "--timeout", "170", CLIENT, "kill"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env={**__import__("os").environ, **ENV})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "KILLING rank-3" in out, out
+    assert "loom dask: worker rank-3 (MPI rank 3" in out and "died" in out, out

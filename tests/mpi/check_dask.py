@@ -1,0 +1,122 @@
+"""mpi:// across ranks: every rank listens, connects to every rank (itself included), closes, refuses.
+
+Run by tests/integration/test_dask.py at 2 and 3 ranks. Each check is one asyncio loop per rank; addresses
+are exchanged with a blocking allgather before any rank needs another's loop to serve it, and each rank
+leaves its loop only after its own clients finished *and* it served every connection it expects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from distributed.comm import CommClosedError, connect, listen
+from distributed.protocol import to_serialize
+
+from loom.dask import backend as B
+from loom.testing import mpi_checks
+
+CLIENTS = 3  # concurrent connections from each rank to each rank
+
+
+def _run(coro):
+    asyncio.run(asyncio.wait_for(coro, 90))
+
+
+def check_ping_pong_all_pairs(comm):
+    """Fp64 payloads (inline and split frames) to every rank, echoed back bit-exact; counts add up."""
+    B.CHUNK_BYTES = 1 << 18  # 2 MB arrays below travel as several MPI messages per frame
+
+    async def main():
+        served: list[int] = []
+        all_served = asyncio.Event()
+        expected = comm.size * CLIENTS
+
+        async def echo(c):
+            try:
+                msg = await c.read()
+                assert msg["from"] != -1
+                await c.write({"x": to_serialize(msg["x"] * 2), "from": comm.rank})
+                await c.read()  # the client closes: CommClosedError
+            except CommClosedError:
+                pass
+            finally:
+                served.append(1)
+                if len(served) == expected:
+                    all_served.set()
+                await c.close()
+
+        listener = await listen("mpi://", echo)
+        addresses = comm.allgather_object(listener.contact_address)
+        assert len(set(addresses)) == comm.size
+
+        async def client(peer: int, k: int):
+            rng = np.random.default_rng(1000 * comm.rank + 10 * peer + k)
+            x = rng.standard_normal((10, 5, 250_000)[k % 3])
+            c = await connect(addresses[peer], timeout=30)
+            assert c.peer_address == addresses[peer]
+            assert B.parse_mpi_address(c.local_address)[1] == comm.rank
+            await c.write({"x": to_serialize(x), "from": comm.rank})
+            reply = await c.read()
+            assert reply["from"] == peer and np.array_equal(reply["x"], x * 2)
+            await c.close()
+
+        await asyncio.gather(*(client(p, k) for p in range(comm.size) for k in range(CLIENTS)))
+        await asyncio.wait_for(all_served.wait(), 60)
+        listener.stop()
+
+    _run(main())
+    B.CHUNK_BYTES = 512 << 20
+
+
+def check_close_reaches_other_rank(comm):
+    """Rank r connects to r+1; the client aborts while the server's read is pending: the server raises."""
+
+    async def main():
+        outcome: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def server(c):
+            try:
+                await c.read()
+                outcome.set_result("message")
+            except CommClosedError:
+                outcome.set_result("closed" if c.closed() else "not-closed")
+
+        listener = await listen("mpi://", server)
+        addresses = comm.allgather_object(listener.contact_address)
+        c = await connect(addresses[(comm.rank + 1) % comm.size], timeout=30)
+        await asyncio.sleep(0.05)
+        c.abort()
+        assert await asyncio.wait_for(outcome, 30) == "closed"
+        try:
+            await c.write({"after": "abort"})
+        except CommClosedError:
+            pass
+        else:
+            raise AssertionError("write after abort did not raise")
+        listener.stop()
+
+    _run(main())
+
+
+def check_refused_on_other_rank(comm):
+    """A port nobody listens on, on another rank that does listen: ConnectionRefusedError, not a hang."""
+
+    async def main():
+        listener = await listen("mpi://", lambda c: None)
+        addresses = comm.allgather_object(listener.contact_address)
+        host, rank, _ = B.parse_mpi_address(addresses[(comm.rank + 1) % comm.size])
+        try:
+            await B.MPIConnector().connect(f"{host}/{rank}/987654")
+        except ConnectionRefusedError:
+            pass
+        else:
+            raise AssertionError("connect to a missing port succeeded")
+        await asyncio.sleep(0.2)  # let the peer's dispatcher answer the others before the listener stops
+        listener.stop()
+
+    _run(main())
+
+
+if __name__ == "__main__":
+    mpi_checks(globals())

@@ -55,6 +55,7 @@ def _batches(data: Any, batch_size: int | None) -> Callable[[], Iterable[tuple[A
 
         if n < batch_size:
             raise ValueError(f"batch_size={batch_size} exceeds the {n} samples; use batch_size <= {n}")
+        gen.steps = n // batch_size  # type: ignore[attr-defined]
         return gen
     if batch_size is not None:
         raise ValueError("batch_size= applies to data=(inputs, targets); an iterable of batches brings its own")
@@ -114,7 +115,7 @@ def fit(model: Any, data: Any, loss_fn: Callable[[Any, Any], torch.Tensor], opti
     rank0 = hp.pp.rank == 0 and hp.dp.rank == 0
     hist = History(model=hp)
     try:
-        steps = len(source())  # type: ignore[arg-type]
+        steps = getattr(source, "steps", None) or len(source())  # type: ignore[arg-type]
     except TypeError:
         steps = None
     bar = None

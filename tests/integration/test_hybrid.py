@@ -1,5 +1,6 @@
 """HybridParallel end to end: one mpiexec launch per rank count runs every exactness check (see
-tests/mpi/check_hybrid.py): (partitions, replicas) in {(1,1)} on 1 rank, {(2,1), (1,2)} on 2, {(2,2), (4,1)} on 4."""
+tests/mpi/check_hybrid.py): (partitions, replicas) in {(1,1) on a split, (2,1), (1,2)} on 2 ranks and
+{(2,2), (4,1)} on 4; world size 1 runs in-process in tests/unit/test_hybrid.py."""
 
 import pytest
 
@@ -8,6 +9,6 @@ from loom.testing import run_ranks
 pytestmark = pytest.mark.mpi
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", [2, 4])
 def test_hybrid_exact_against_one_process(n):
     run_ranks(n, "tests/mpi/check_hybrid.py", timeout=400)

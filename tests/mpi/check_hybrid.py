@@ -16,7 +16,20 @@ from torch import nn
 from loom.parallel import HybridParallel
 from loom.testing import mpi_checks, seeded
 
-CONFIGS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1)]}
+# (1, 1) runs on each rank's own split of the 2-rank world (saves a 1-rank launch; world size 1 is covered
+# in-process by tests/unit/test_hybrid.py).
+CONFIGS = {1: [(1, 1)], 2: [(1, 1), (2, 1), (1, 2)], 4: [(2, 2), (4, 1)]}
+_SELF = {}
+
+
+def _comm_for(comm, p, r):
+    if p * r == comm.size:
+        return comm
+    if p * r != 1:
+        raise ValueError(f"no sub-communicator for {p} x {r} on {comm.size} ranks")
+    if "self" not in _SELF:
+        _SELF["self"] = comm.split(comm.rank, name="self")
+    return _SELF["self"]
 STEPS, ROWS = 5, 8  # rows per replica batch (divisible by 4 micro-batches)
 
 
@@ -89,15 +102,16 @@ def make(kind: str, dtype: torch.dtype, g: torch.Generator):
     return m, ref, list(ref.parameters())
 
 
-def run_case(comm, kind, p, r, sched, mb, opt_name, dtype=torch.float64):
-    g = seeded(comm, 7)
+def run_case(world_comm, kind, p, r, sched, mb, opt_name, dtype=torch.float64):
+    g = seeded(world_comm, 7)
+    comm = _comm_for(world_comm, p, r)
     model, ref, ref_params = make(kind, dtype, g)
     n = ROWS * r
     x = torch.randn(n, 6, generator=g).to(dtype)
     z = torch.randn(n, 2, generator=g).to(dtype)
     y = torch.randn(n, 3, generator=g).to(dtype)
     inputs = (x, z) if kind == "branchy" else x
-    hp = HybridParallel(model, partitions=p, replicas=r, micro_batches=mb, schedule=sched)
+    hp = HybridParallel(model, partitions=p, replicas=r, micro_batches=mb, schedule=sched, comm=comm)
     assert len(hp.stage.nodes) > 0
     make_opt = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) if opt_name == "sgd" else \
         (lambda ps: torch.optim.Adam(ps, lr=0.02))
@@ -158,6 +172,7 @@ def check_keras_functional_exact(comm):
 def check_fp32(comm):
     for p, r in CONFIGS[comm.size]:
         run_case(comm, "resmlp", p, r, "1f1b", 4, "adam", torch.float32)
+        run_case(comm, "branchy", p, r, "gpipe", 4, "sgd", torch.float32)
 
 
 def check_crosses_stages(comm):

@@ -1,0 +1,12 @@
+"""Multi-path alltoallv and the MoE layer on real ranks: one launch per rank count runs every check."""
+
+import pytest
+
+from loom.testing import run_ranks
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_multipath_ranks(n):
+    run_ranks(n, "tests/mpi/check_multipath.py", timeout=150)

@@ -102,12 +102,20 @@ def latest(directory: str | Path, stages: int = 1) -> int | None:
     return max(done) if done else None
 
 
-def prune(directory: str | Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` steps (every stage file of each)."""
+def prune(directory: str | Path, keep: int, stages: int = 1) -> None:
+    """Keep the newest ``keep`` complete steps; delete every file of older steps (complete or not).
+
+    Steps newer than the newest complete one (being written right now) are never touched.
+    """
     found = _complete(Path(directory))
-    for step in sorted(found)[:-keep] if keep else []:
-        for p in found[step].values():
-            p.unlink(missing_ok=True)
+    done = sorted(s for s, files in found.items() if all(i in files for i in range(stages)))
+    if len(done) <= keep:
+        return
+    oldest_kept = done[-keep]
+    for step, files in found.items():
+        if step < oldest_kept:
+            for p in files.values():
+                p.unlink(missing_ok=True)
 
 
 def resolve(path: str | Path) -> list[Path]:

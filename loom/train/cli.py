@@ -124,7 +124,9 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
 
 def _error(msg: str) -> int:
     rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
-    print(f"loom train: error (rank {rank}): {msg}", file=sys.stderr, flush=True)
+    # One write per message: ranks share the launcher's stderr, and print() writes the newline separately.
+    sys.stderr.write(f"loom train: error (rank {rank}): {msg}\n")
+    sys.stderr.flush()
     return 2
 
 

@@ -24,12 +24,48 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _launcher_terminal_width() -> int | None:
+    """Width of the terminal ``mpiexec`` writes to, when this rank's output is forwarded by it, else ``None``.
+
+    Under mpiexec a rank's stdout is a pipe to the launcher, so ``isatty()`` is false even when the user
+    watches a terminal; the launcher (an ancestor process) still holds that terminal as its stdout.
+    """
+    pid = os.getppid()
+    for _ in range(4):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        if name.startswith("mpiexec") or name.startswith("mpirun"):
+            try:
+                fd = os.open(f"/proc/{pid}/fd/1", os.O_WRONLY | os.O_NOCTTY)
+            except OSError:
+                return None
+            try:
+                return (os.get_terminal_size(fd).columns or 120) if os.isatty(fd) else None
+            except OSError:
+                return None
+            finally:
+                os.close(fd)
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+    return None
+
+
 class Display:
     """Progress on rank 0: ``mode`` is ``bar``, ``lines``, ``none`` or ``auto``."""
 
     def __init__(self, mode: str, total: int, start: int, title: str = "train"):
+        width = None
         if mode == "auto":
-            mode = "bar" if (sys.stdout.isatty() or os.environ.get("LOOM_PROGRESS") == "bar") else "lines"
+            env = os.environ.get("LOOM_PROGRESS", "")
+            if env in ("bar", "lines", "none"):
+                mode = env
+            elif sys.stdout.isatty():
+                mode = "bar"
+            else:
+                width = _launcher_terminal_width()
+                mode = "bar" if width else "lines"
         self.mode = mode
         self.total = total
         self._bar = None
@@ -41,7 +77,7 @@ class Display:
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss [cyan]{task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
                 TextColumn("peak {task.fields[mem]}/rank"), TextColumn("compress {task.fields[ratio]}"),
-                TimeRemainingColumn(), console=Console(force_terminal=True), refresh_per_second=4,
+                TimeRemainingColumn(), console=Console(force_terminal=True, width=width), refresh_per_second=4,
             )
             self._progress.start()
             self._bar = self._progress.add_task(title, total=total, completed=start, loss="-", tps="-",

@@ -279,7 +279,7 @@ class Trainer:
             path = ckpt.save(ckpt.stage_path(self.ckpt_dir, step, self.stage), payload)
         self.comm.barrier()  # every stage file exists before anyone prunes or moves on
         if self.comm.rank == 0:
-            ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep)
+            ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep, self.stages)
         return path
 
     # ------------------------------------------------------------------ pieces of a step

@@ -1,0 +1,187 @@
+"""Unit tests of loom.train: config, data, checkpoints, schedule, plan, plots and generation (one process)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from loom.train import checkpoint as ckpt
+from loom.train.config import Config, ConfigError, config_from_dict, config_to_dict, load_config, parse_overrides
+from loom.train.data import batch_windows, decode, encode, load_corpus
+from loom.train.trainer import lr_at, sp_layout
+
+
+def test_overrides_parse_types_and_apply(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[train]\nsteps = 7\n[model]\nhidden = 48\nheads = 4\n")
+    cfg = load_config(p, ["--train.steps=9", "--optim.lr", "1e-3", "--sequence.offload=true",
+                          "--data.path=some/dir", "--mesh.dp=1"])
+    assert cfg.train.steps == 9 and cfg.model.hidden == 48
+    assert cfg.optim.lr == 1e-3 and cfg.sequence.offload is True and cfg.data.path == "some/dir"
+    assert parse_overrides(["--train.out=runs/x"]) == {"train": {"out": "runs/x"}}
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"model": {"hiden": 3}}, ["unknown key model.hiden", "layers, hidden, heads"]),
+    ({"modle": {}}, ["unknown config section [modle]", "model, mesh"]),
+    ({"train": {"steps": "ten"}}, ["train.steps = 'ten' must be an integer"]),
+    ({"model": {"hidden": 30, "heads": 4}}, ["model.hidden = 30 is not divisible by model.heads = 4"]),
+    ({"mesh": {"sp": 8}}, ["model.heads = 4 is not divisible by mesh.sp = 8"]),
+    ({"data": {"batch": 3}, "mesh": {"dp": 2}}, ["data.batch = 3 is not divisible by mesh.dp = 2"]),
+    ({"sequence": {"chunks": 2}}, ["needs sequence.algorithm = 'fpdt'"]),
+    ({"data": {"seq_len": 30}, "mesh": {"sp": 4}}, ["data.seq_len = 30", "use data.seq_len = 32"]),
+])
+def test_config_errors_name_value_rule_fix(data, words):
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict(data)
+    for w in words:
+        assert w in str(exc.value)
+
+
+def test_unknown_override_lists_valid_keys():
+    with pytest.raises(ConfigError, match=r"valid keys in \[optim\]: lr, min_lr"):
+        load_config(None, ["--optim.learning_rate=1"])
+    with pytest.raises(ConfigError, match="overrides look like --section.key=value"):
+        load_config(None, ["steps=3"])
+
+
+def test_mesh_must_match_world():
+    cfg = config_from_dict({"mesh": {"dp": 2, "sp": 2}})
+    cfg.validate_world(4)
+    with pytest.raises(ConfigError, match="= 4 ranks but the job has 3"):
+        cfg.validate_world(3)
+
+
+def test_config_roundtrip():
+    cfg = config_from_dict({"model": {"layers": 3}, "mesh": {"pp": 3}})
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def test_default_corpus_is_stdlib_and_split():
+    cfg = Config().data
+    cfg.max_bytes = 300_000
+    corpus = load_corpus(cfg)
+    assert "standard library" in corpus.description and corpus.files > 1
+    assert len(corpus.train) + len(corpus.heldout) > 250_000
+    assert len(corpus.heldout) == pytest.approx(0.05 * (len(corpus.train) + len(corpus.heldout)), rel=0.01)
+    assert b"import" in bytes(corpus.train[:100_000].tolist())
+
+
+def test_data_path_file_and_errors(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("hello world " * 200)
+    cfg = config_from_dict({"data": {"path": str(f), "seq_len": 16}}).data
+    corpus = load_corpus(cfg)
+    assert corpus.files == 1 and decode(corpus.train[:11]) == "hello world"
+    with pytest.raises(ConfigError, match="neither a file nor a directory"):
+        load_corpus(config_from_dict({"data": {"path": str(tmp_path / "nope")}}).data)
+    with pytest.raises(ConfigError, match="too small"):
+        load_corpus(config_from_dict({"data": {"path": str(f), "seq_len": 2000}}).data)
+
+
+def test_batches_depend_only_on_seed_and_step():
+    stream = torch.arange(1000, dtype=torch.int64) % 256
+    a = batch_windows(stream, seed=1, step=5, batch=3, seq_len=8)
+    b = batch_windows(stream, seed=1, step=5, batch=3, seq_len=8)
+    c = batch_windows(stream, seed=1, step=6, batch=3, seq_len=8)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], c[0])
+    assert torch.equal(a[0][:, 1:], a[1][:, :-1])  # targets are inputs shifted by one
+    assert decode(encode("héllo")) == "héllo"
+
+
+def test_sp_layout_matches_fpdt_layout():
+    for p, chunks in [(1, 1), (2, 1), (2, 2), (4, 2)]:
+        got = torch.cat([sp_layout(32, p, r, chunks) for r in range(p)])
+        assert sorted(got.tolist()) == list(range(32))
+        if chunks == 1:
+            assert sp_layout(32, p, 1 % p, 1).tolist() == list(range(32 // p * (1 % p), 32 // p * (1 % p + 1)))
+    try:
+        from loom.parallel.sequence import local_positions
+    except ImportError:
+        return
+
+    class _C:
+        def __init__(self, r, p):
+            self.rank, self.size = r, p
+
+    for p, chunks in [(2, 2), (4, 2)]:
+        for r in range(p):
+            assert torch.equal(sp_layout(32, p, r, chunks), local_positions(32 // p, _C(r, p), chunks=chunks))
+
+
+def test_lr_schedule():
+    cfg = config_from_dict({"optim": {"lr": 1.0, "min_lr": 0.1, "warmup": 4}, "train": {"steps": 14}})
+    assert lr_at(0, cfg) == 0.25 and lr_at(3, cfg) == 1.0
+    assert lr_at(4, cfg) == pytest.approx(1.0) and lr_at(14, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(0.55)
+
+
+def test_checkpoint_atomic_weights_only_latest_prune(tmp_path):
+    payload = {"format": ckpt.FORMAT, "step": 3, "model": {"w": torch.ones(2)}, "rng": ckpt.capture_rng()}
+    for step in (2, 4, 6):
+        ckpt.save(ckpt.stage_path(tmp_path, step, 0), {**payload, "step": step})
+    ckpt.save(ckpt.stage_path(tmp_path, 8, 1), payload)  # stage 0 of step 8 missing: incomplete (in flight)
+    ckpt.save(ckpt.stage_path(tmp_path, 1, 1), payload)  # an old incomplete step: pruned
+    assert ckpt.latest(tmp_path, stages=1) == 6
+    assert ckpt.latest(tmp_path, stages=2) is None
+    assert not list(tmp_path.glob(".*tmp*"))
+    loaded = torch.load(ckpt.stage_path(tmp_path, 6, 0), weights_only=True)
+    assert loaded["step"] == 6 and torch.equal(loaded["model"]["w"], torch.ones(2))
+    ckpt.restore_rng(loaded["rng"])
+    ckpt.prune(tmp_path, keep=1)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000006.stage0.pt", "step_000008.stage1.pt"]
+    with pytest.raises(FileNotFoundError):
+        ckpt.load(tmp_path / "missing.pt")
+
+
+def test_checkpoint_save_failure_leaves_nothing(tmp_path):
+    class Bad:
+        def __reduce__(self):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        ckpt.save(tmp_path / "x.pt", {"bad": Bad()})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_dry_run_plan(capsys):
+    from loom.train.cli import main
+
+    assert main(["--config", "configs/demo.toml", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for w in ("mesh", "stages", "memory", "bytes per step", "dp", "sp"):
+        assert w in out
+
+
+def test_cli_bad_config_returns_2(capsys):
+    from loom.train.cli import main
+
+    assert main(["--config", "configs/train-tiny.toml", "--model.nope=1"]) == 2
+    assert "unknown key model.nope" in capsys.readouterr().err
+
+
+def test_single_rank_run_writes_metrics_plots_checkpoint_and_generates(tmp_path, capsys):
+    from loom.train import generate
+
+    torch.set_num_threads(1)
+    from loom.train.cli import main
+
+    rc = main(["--config", "configs/train-tiny.toml", f"--train.out={tmp_path}", "--train.steps=4",
+               "--train.progress=lines"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "final loss" in out
+    recs = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in recs)
+    for name in ("loss.png", "bytes.png", "step_time.png"):
+        assert (tmp_path / "plots" / name).stat().st_size > 1000
+    model, cfg, step = generate.load_model(str(tmp_path / "checkpoints"))
+    assert step == 4 and cfg.model.layers == 2
+    a = generate.sample(model, "def ", tokens=20, seed=3)
+    b = generate.sample(model, "def ", tokens=20, seed=3)
+    assert a == b and a.startswith("def ") and len(a.encode()) >= 20
+    assert generate.main(["--checkpoint", str(tmp_path / "nope")]) == 2

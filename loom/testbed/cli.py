@@ -161,6 +161,12 @@ def print_table(rows: list[dict], spec: TestbedSpec, json_path: str | None = Non
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    from .probe import CLASSES
+
+    unknown = [c for c in args.classes.split(",") if c.strip() not in CLASSES]
+    if unknown:
+        raise ValueError(f"--classes: unknown link class(es) {', '.join(map(repr, unknown))}; valid: "
+                         f"{', '.join(CLASSES)}")
     spec = _spec(args)
     print(f"loom testbed check: {spec.describe()}", file=sys.stderr, flush=True)
     rows = check_rows(spec, args)

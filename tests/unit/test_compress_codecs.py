@@ -129,7 +129,7 @@ def test_policy_presets_and_validation():
     assert h.codec_for("dp") is h.codec_for("dp")  # one instance: stateful codecs keep state
     assert CompressionPolicy.preset("none").codec_for("dp") is None
     n = CompressionPolicy.preset("naive")
-    assert {n.codec_for(a).name for a in ("dp", "pp", "sp", "tp", "ep")} == {"int4"}
+    assert {n.codec_for(a).name for a in ("dp", "pp", "sp", "tp", "ep")} == {"zfp"}
     p = CompressionPolicy(dp="powersgd:rank=2", pp="bf16", min_bytes=0)
     assert p.codec_for("dp").rank == 2 and p.codec_for("sp") is None
     with pytest.raises(ValueError, match="valid: none, naive, hybrid"):

@@ -219,7 +219,14 @@ def bibw(argv: list[str]) -> int:
 
 # ------------------------------------------------------------------------------------------ collectives
 def allreduce(argv: list[str]) -> int:
-    """osu_allreduce: float32 sum over all ranks; average latency over ranks."""
+    """osu_allreduce: float32 sum over all ranks; average latency over ranks.
+
+    ``--codec NAME`` runs the compressed allreduce against the uncompressed one instead (loom.compress).
+    """
+    if any(a == "--codec" or a.startswith("--codec=") for a in argv):
+        from ..compress.benchmark import allreduce_main
+
+        return allreduce_main(argv)
     args, comm = _setup("allreduce", "allreduce latency (float32 sum)", argv, min_size=4, max_size=1 << 22)
     MPI = _raw()
     raw = MPI.COMM_WORLD

@@ -246,6 +246,11 @@ class HybridParallel:
             chunks.append(t.chunk(m) if m > 1 else (t,))
         return [tuple(c[i] for c in chunks) for i in range(m)]
 
+    def _mode(self, training: bool) -> None:
+        """torch modules: ``train()``/``eval()`` (Dropout, BatchNorm); Keras layers get ``training=`` per call."""
+        if self.graph.kind in ("fx", "sequential") and self.model.training != training:
+            self.model.train(training)
+
     def _key(self, mb: tuple) -> tuple:
         return tuple((tuple(t.shape), t.dtype) for t in mb)
 
@@ -259,6 +264,7 @@ class HybridParallel:
         mbs = self._split(inputs, "inputs")
         tgts = self._split(targets, "targets") if self.stage.last else [None] * self.micro_batches
         m = self.micro_batches
+        self._mode(True)
         if self.reducer is not None:
             self.reducer.start(m)
         slots: dict[int, Any] = {}
@@ -291,6 +297,7 @@ class HybridParallel:
         """Forward only. With ``loss_fn`` returns the mean loss over the global batch (every rank); otherwise
         this replica's output (micro-batches concatenated), on every stage rank of the replica."""
         mbs = self._split(inputs, "inputs")
+        self._mode(False)
         want_loss = loss_fn is not None
         tgts = self._split(targets, "targets") if (want_loss and self.stage.last) else [None] * self.micro_batches
         total = torch.zeros(1, dtype=torch.float64)

@@ -51,6 +51,8 @@ class Node:
         kwargs: keyword arguments (same).
         params: tensors (parameters and buffers) this call reads from the model; its stage owns them.
         label: human-readable description for errors and tables.
+        training_arg: pass ``training=`` (train/eval mode) to the call (Keras layers whose ``call`` takes it:
+            Dropout, BatchNormalization; torch modules use ``module.train()`` instead).
     """
 
     name: str
@@ -59,6 +61,7 @@ class Node:
     kwargs: dict = field(default_factory=dict)
     params: tuple[torch.Tensor, ...] = ()
     label: str = ""
+    training_arg: bool = False
 
 
 def _map(obj: Any, f: Callable[[Ref], Any]) -> Any:
@@ -159,11 +162,13 @@ class Graph:
         return self.nodes[self.units[lo][0]:self.units[hi - 1][1]]
 
 
-def run_node(n: Node, env: dict[str, Any]) -> Any:
-    """Evaluate ``n`` with its references looked up in ``env``."""
+def run_node(n: Node, env: dict[str, Any], training: bool | None = None) -> Any:
+    """Evaluate ``n`` with its references looked up in ``env`` (``training`` for Keras layers that take it)."""
     look = env.__getitem__
     args = _map(n.args, lambda r: look(r.name))
     kwargs = _map(n.kwargs, lambda r: look(r.name)) if n.kwargs else {}
+    if n.training_arg and training is not None:
+        kwargs["training"] = training
     return n.fn(*args, **kwargs)
 
 
@@ -364,6 +369,10 @@ def _keras_params(layer: Any) -> tuple[torch.Tensor, ...]:
     return tuple(v.value for v in getattr(layer, "weights", ()))
 
 
+def _keras_training(layer: Any) -> bool:
+    return bool(getattr(layer, "_call_has_training_arg", False))
+
+
 def _keras_check_backend() -> None:
     import keras
 
@@ -387,7 +396,7 @@ def _from_keras(model: Any) -> Graph:
         nodes, prev = [], "input"
         for i, layer in enumerate(layers):
             nodes.append(Node(f"k{i}", layer, (Ref(prev),), {}, _keras_params(layer),
-                              f"{layer.name}: {type(layer).__name__}"))
+                              f"{layer.name}: {type(layer).__name__}", _keras_training(layer)))
             prev = f"k{i}"
         return Graph(inputs=["input"], nodes=nodes, units=[(i, i + 1) for i in range(len(nodes))],
                      output=Ref(prev), kind="keras-sequential")
@@ -421,7 +430,10 @@ def _from_keras(model: Any) -> Graph:
             outs = list(node.outputs)
             args = conv(tuple(node.arguments.args))
             kwargs = conv(dict(node.arguments.kwargs))
-            nodes.append(Node(name, op, args, kwargs, _keras_params(op), f"{op.name}: {type(op).__name__}"))
+            if "training" in kwargs:  # recorded at graph build time; the step decides
+                del kwargs["training"]
+            nodes.append(Node(name, op, args, kwargs, _keras_params(op), f"{op.name}: {type(op).__name__}",
+                              _keras_training(op)))
             if len(outs) == 1:
                 names[id(outs[0])] = name
             else:  # multi-output layer: one picking node per output, glued to the call

@@ -162,18 +162,18 @@ class Stage:
         self._pending.clear()
 
     # ------------------------------------------------------------------ compute
-    def _run(self, inputs: Sequence[Any], received: list[Any]) -> dict[str, Any]:
+    def _run(self, inputs: Sequence[Any], received: list[Any], training: bool) -> dict[str, Any]:
         env: dict[str, Any] = dict(zip(self.graph.inputs, inputs))
         env.update(zip(self.live_in, received))
         for n in self.nodes:
-            env[n.name] = run_node(n, env)
+            env[n.name] = run_node(n, env, training)
         return env
 
     def forward(self, key: Any, inputs: Sequence[Any], target: Any, loss_fn: Callable | None,
                 grad: bool = True) -> tuple[_Slot, Any]:
         """Run micro-batch ``inputs`` through this stage; returns its backward slot and (last stage) output."""
         received = self._recv_live((key, grad), grad) if not self.first else []
-        env = self._run(inputs, received)
+        env = self._run(inputs, received, grad)
         leaves = [r if isinstance(r, torch.Tensor) and r.requires_grad else None for r in received]
         if not self.last:
             vals = [env[name] for name in self.live_out]

@@ -208,3 +208,23 @@ def test_fit_equals_manual_loop_and_validates():
         loom.fit(Skip(), (x, y), nn.MSELoss(), torch.optim.SGD, epochs=1)
     with pytest.raises(TypeError, match="one-shot iterator"):
         loom.fit(Skip(), iter([(x, y)]), nn.MSELoss(), functools.partial(torch.optim.SGD, lr=0.1))
+
+
+def test_train_and_eval_modes_reach_dropout():
+    keras = pytest.importorskip("keras")
+    keras.config.set_floatx("float32")
+    km = keras.Sequential([keras.Input((4,)), keras.layers.Dense(64), keras.layers.Dropout(0.5),
+                           keras.layers.Dense(2)])
+    tm = nn.Sequential(nn.Linear(4, 64), nn.Dropout(0.5), nn.Linear(64, 2))
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    for model, infer in ((km, lambda: km(x, training=False)), (tm, lambda: tm.eval()(x))):
+        hp = HybridParallel(model, micro_batches=2)
+        with torch.no_grad():
+            want = infer()
+            assert (hp.eval_step(x) - want).abs().max().item() < 1e-6  # eval: dropout off
+            assert hp.eval_step(x, y, nn.MSELoss()) == pytest.approx(nn.MSELoss()(want, y).item(), rel=1e-5)
+        torch.manual_seed(0)
+        a = hp.train_step(x, y, nn.MSELoss())
+        torch.manual_seed(1)
+        b = hp.train_step(x, y, nn.MSELoss())
+        assert a != b  # train: dropout on (different masks)

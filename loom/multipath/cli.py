@@ -1,0 +1,148 @@
+"""``loom plan``: plan multi-path routes for a skewed all-to-all and compare with the baselines.
+
+    loom plan --topology testbed --skew hot-pair --size 16M --png links.png
+    loom plan --topology h100 --nodes 8 --skew zipf-pairs:1.5
+
+Prints one row per method (single path, ECMP, rail striping, the MWU planner, the LP optimum): congestion
+(the busiest link's milliseconds), the flow-level simulated completion time, the gain over single path,
+planning time and the share of bytes moved off the static routes; writes a PNG of link utilisation.
+Runs on one process (no MPI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from ..bench.omb import parse_size
+from .baselines import ecmp, lp_optimum, single_path, stripe
+from .demand import demand_matrix, parse_skew
+from .planner import Plan, plan
+from .simulate import simulate
+from .topology import PRESETS, Topology, preset
+
+__all__ = ["main", "build_parser", "compare"]
+
+RELAUNCH = False  # pure planning: never re-launched under mpiexec
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loom plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("-t", "--topology", default="testbed",
+                   help=f"preset ({', '.join(PRESETS)}) or a TOML file")
+    p.add_argument("-n", "--nodes", type=int, default=None, help="nodes (preset default when omitted)")
+    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (preset default)")
+    p.add_argument("--rails", type=int, default=None, help="rails (preset default)")
+    p.add_argument("-s", "--skew", default="hot-pair", help="balanced | hot-pair | zipf-pairs:A | zipf-dest:A")
+    p.add_argument("--size", type=parse_size, default=16 << 20, help="balanced bytes per ordered pair")
+    p.add_argument("--seed", type=int, default=0, help="seed of the zipf rankings")
+    p.add_argument("--epsilon", type=float, default=0.05, help="MWU accuracy")
+    p.add_argument("--increments", type=int, default=32, help="MWU rounds")
+    p.add_argument("--min-bytes", type=parse_size, default=1 << 20, help="pairs below stay on the static route")
+    p.add_argument("--no-lp", action="store_true", help="skip the LP optimum (large topologies)")
+    p.add_argument("--no-sim", action="store_true", help="skip the flow-level simulation")
+    p.add_argument("--png", default="loom-plan.png", help="link-utilisation plot ('' to skip)")
+    p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    return p
+
+
+def _topology(args) -> Topology:
+    if args.topology.endswith(".toml"):
+        return Topology.from_toml(args.topology)
+    kw = {k: v for k, v in (("nodes", args.nodes), ("ranks_per_node", args.ranks_per_node),
+                            ("rails", args.rails)) if v is not None}
+    return preset(args.topology, **kw)
+
+
+def compare(topo: Topology, demand: np.ndarray, *, epsilon: float = 0.05, increments: int = 32,
+            min_bytes: float = 1 << 20, lp: bool = True, sim: bool = True) -> list[dict]:
+    """Every method's plan and numbers for one demand (rows of the ``loom plan`` table)."""
+    plans: list[Plan] = [single_path(topo, demand), ecmp(topo, demand), stripe(topo, demand),
+                         plan(topo, demand, epsilon=epsilon, increments=increments, min_bytes=min_bytes)]
+    if lp:
+        try:
+            plans.append(lp_optimum(topo, demand))
+        except ValueError as exc:
+            print(f"# lp skipped: {exc}", file=sys.stderr)
+    base = plans[0].congestion
+    rows = []
+    for pl in plans:
+        pl.check(rtol=1e-6)
+        t_sim = simulate(pl).seconds if sim else float("nan")
+        rows.append({"method": pl.method, "congestion_ms": pl.congestion * 1e3, "sim_ms": t_sim * 1e3,
+                     "gain": base / pl.congestion if pl.congestion else 1.0, "plan_ms": pl.seconds * 1e3,
+                     "moved_pct": 100 * pl.moved_fraction(), "plan": pl})
+    return rows
+
+
+def _png(path: str, topo: Topology, rows: list[dict], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = np.isfinite(topo.capacity)
+    util = {r["method"]: r["plan"].utilization * 1e3 for r in rows}
+    used = finite & np.any([u > 0 for u in util.values()], axis=0)
+    idx = np.nonzero(used)[0]
+    fig, ax = plt.subplots(figsize=(max(8, min(24, 0.35 * len(idx) + 4)), 4.5))
+    if len(idx) <= 64:
+        width = 0.8 / max(len(util), 1)
+        for k, (name, u) in enumerate(util.items()):
+            ax.bar(np.arange(len(idx)) + k * width, u[idx], width=width, label=name)
+        ax.set_xticks(np.arange(len(idx)) + 0.4 - width / 2)
+        ax.set_xticklabels([topo.links[i].name for i in idx], rotation=90, fontsize=7)
+        ax.set_xlabel("directed link")
+    else:
+        for name, u in util.items():
+            ax.plot(np.sort(u[idx])[::-1], label=name)
+        ax.set_xlabel(f"links, busiest first ({len(idx)} loaded)")
+        ax.set_xscale("log")
+    ax.set_ylabel("busy time (ms)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        parse_skew(args.skew)
+        topo = _topology(args)
+    except ValueError as exc:
+        print(f"loom plan: {exc}", file=sys.stderr)
+        return 2
+    demand = demand_matrix(topo.size, args.skew, args.size, seed=args.seed)
+    t0 = time.perf_counter()
+    rows = compare(topo, demand, epsilon=args.epsilon, increments=args.increments, min_bytes=args.min_bytes,
+                   lp=not args.no_lp, sim=not args.no_sim)
+    title = f"{topo.describe()}; skew {args.skew}, {args.size} B per pair (balanced volume)"
+    print(f"# loom plan: {title}")
+    cols = ["Method", "Congestion (ms)", "Simulated (ms)", "vs single", "Plan (ms)", "Moved (%)"]
+    widths = [14, 17, 16, 11, 11, 11]
+    print("# " + cols[0].ljust(widths[0] - 2) + "".join(c.rjust(w) for c, w in zip(cols[1:], widths[1:])))
+    for r in rows:
+        cells = [r["method"].ljust(widths[0]), f"{r['congestion_ms']:.2f}".rjust(widths[1]),
+                 f"{r['sim_ms']:.2f}".rjust(widths[2]), f"{r['gain']:.2f}x".rjust(widths[3]),
+                 f"{r['plan_ms']:.2f}".rjust(widths[4]), f"{r['moved_pct']:.1f}".rjust(widths[5])]
+        print("".join(cells))
+    if args.png:
+        _png(args.png, topo, rows, title)
+        print(f"# link loads: {args.png}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"title": title, "rows": [{k: v for k, v in r.items() if k != "plan"} for r in rows],
+                       "command": " ".join(["loom", "plan", *(argv if argv is not None else sys.argv[1:])]),
+                       "seconds": time.perf_counter() - t0}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

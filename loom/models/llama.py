@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.offload import chunk_store
-from ..parallel.sequence import fpdt_attention, local_positions, ulysses_attention
+from ..parallel.sequence import FPDTPipeline, check_sizes, fpdt_attention, local_positions, ulysses_attention
 
 __all__ = ["LlamaConfig", "Llama", "build_llama", "chunked_lm_loss", "chunked_ffn", "SEQUENCE_PARALLEL"]
 
@@ -208,92 +208,106 @@ def recompute(fn, x: torch.Tensor, params: list[nn.Parameter], store=None) -> to
     return _Recompute.apply(x, fn, store if store is not None else chunk_store(False, x.device), *params)
 
 
-def chunked_ffn(fn, x: torch.Tensor, chunks: int, params: list[nn.Parameter]) -> torch.Tensor:
-    """``fn`` applied to ``chunks`` slices of ``x`` along dim 1, each recomputed in backward.
+class _ChunkedMap(torch.autograd.Function):
+    """``fn(i, x_i)`` over ``chunks`` slices of ``x`` along dim 1, concatenated or summed; recomputed in backward.
 
-    Only one chunk's intermediates (``[B, s / chunks, ffn_hidden]``) are alive at a time, in forward and in
-    backward; the result is exactly ``fn(x)`` because ``fn`` is token-wise.
+    Forward runs without saving any activation; backward recomputes one chunk at a time and writes its input
+    gradient into one preallocated tensor (no per-chunk full-size zeros), returning parameter gradients out of
+    place.
     """
-    s = x.shape[1]
-    if chunks <= 1:
-        return fn(x)
-    if s % chunks:
-        raise ValueError(f"local sequence {s} is not divisible by ffn_chunks {chunks}; choose ffn_chunks dividing "
-                         f"{s}")
-    c = s // chunks
-    return torch.cat([recompute(fn, x[:, i * c:(i + 1) * c], params) for i in range(chunks)], dim=1)
-
-
-class _ChunkedLMLoss(torch.autograd.Function):
-    """Sum of cross-entropies of ``h @ w.T`` chunk by chunk; backward recomputes each chunk's logits."""
 
     @staticmethod
-    def forward(ctx, h, w, targets, chunks, ignore_index):
-        b, s, _ = h.shape
-        c = s // chunks
-        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
-        total = torch.zeros((), dtype=acc, device=h.device)
-        for i in range(chunks):
-            logits = (h[:, i * c:(i + 1) * c] @ w.t()).to(acc)
-            total = total + F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                            targets[:, i * c:(i + 1) * c].reshape(-1),
-                                            reduction="sum", ignore_index=ignore_index)
-            del logits
-        ctx.save_for_backward(h, w, targets)
-        ctx.chunks, ctx.ignore_index = chunks, ignore_index
-        return total
+    def forward(ctx, x, fn, chunks, reduce, *params):
+        c = x.shape[1] // chunks
+        ctx.fn, ctx.chunks, ctx.reduce = fn, chunks, reduce
+        ctx.save_for_backward(x, *params)
+        with torch.no_grad():
+            outs = [fn(i, x[:, i * c:(i + 1) * c]) for i in range(chunks)]
+        if reduce == "sum":
+            return torch.stack(outs).sum(0)
+        return torch.cat(outs, dim=1)
 
     @staticmethod
     def backward(ctx, g):
-        h, w, targets = ctx.saved_tensors
-        b, s, d = h.shape
-        c = s // ctx.chunks
-        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
-        dh = torch.empty_like(h)
-        dw = torch.zeros(w.shape, dtype=acc, device=w.device)
-        wa = w.to(acc)
-        for i in range(ctx.chunks):
-            hc = h[:, i * c:(i + 1) * c].reshape(-1, d).to(acc)
-            t = targets[:, i * c:(i + 1) * c].reshape(-1)
-            grad = torch.softmax(hc @ wa.t(), dim=-1)
-            valid = t != ctx.ignore_index
-            rows = torch.arange(t.numel(), device=t.device)
-            grad[rows[valid], t[valid]] -= 1
-            grad[~valid] = 0
-            grad = grad * g.to(acc)
-            dh[:, i * c:(i + 1) * c] = (grad @ wa).reshape(b, c, d).to(h.dtype)
-            dw += grad.t() @ hc
-            del grad
-        return dh, dw.to(w.dtype), None, None, None
+        x, *params = ctx.saved_tensors
+        chunks, fn = ctx.chunks, ctx.fn
+        c = x.shape[1] // chunks
+        dx = torch.empty_like(x)
+        want = [p for p in params if p.requires_grad]
+        dps: list[torch.Tensor | None] = [None] * len(want)
+        for i in range(chunks):
+            xi = x[:, i * c:(i + 1) * c].detach().requires_grad_()
+            with torch.enable_grad():
+                out = fn(i, xi)
+            gi = g if ctx.reduce == "sum" else g[:, i * c:(i + 1) * c]
+            got = torch.autograd.grad(out, [xi, *want], gi, allow_unused=True)
+            dx[:, i * c:(i + 1) * c] = got[0]
+            for n, gp in enumerate(got[1:]):
+                if gp is not None:
+                    dps[n] = gp if dps[n] is None else dps[n] + gp
+            del out, got, xi
+        it = iter(dps)
+        return (dx, None, None, None, *[next(it) if p.requires_grad else None for p in params])
+
+
+def chunked_map(fn, x: torch.Tensor, chunks: int, params: list[torch.Tensor], *, reduce: str = "cat",
+                what: str = "chunks") -> torch.Tensor:
+    """``fn(i, x_i)`` on ``chunks`` slices of ``x`` along dim 1, each recomputed in backward.
+
+    Only one chunk's intermediates are alive at a time, in forward and in backward. ``reduce="cat"``
+    concatenates the outputs along dim 1 (``fn`` token-wise: the result is exactly ``fn`` on all of ``x``);
+    ``reduce="sum"`` adds them (a loss). ``params`` are the parameters ``fn`` uses (their gradients are
+    returned out of place). ``chunks=1`` or no grad mode calls ``fn`` directly.
+    """
+    s = x.shape[1]
+    if s % chunks:
+        raise ValueError(f"local sequence {s} is not divisible by {what}={chunks}; choose {what} dividing {s}")
+    if chunks <= 1 or not torch.is_grad_enabled():
+        c = s // chunks
+        outs = [fn(i, x[:, i * c:(i + 1) * c]) for i in range(chunks)]
+        return outs[0] if chunks == 1 else (torch.stack(outs).sum(0) if reduce == "sum" else torch.cat(outs, 1))
+    return _ChunkedMap.apply(x, fn, chunks, reduce, *params)
+
+
+def chunked_ffn(fn, x: torch.Tensor, chunks: int, params: list[nn.Parameter]) -> torch.Tensor:
+    """A token-wise ``fn`` (the FFN with its norm) on ``chunks`` slices of ``x``, recomputed in backward."""
+    return chunked_map(lambda i, xc: fn(xc), x, chunks, params, what="ffn_chunks")
 
 
 def chunked_lm_loss(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, chunks: int,
-                    ignore_index: int = -100) -> torch.Tensor:
-    """Summed cross-entropy of the logits ``h @ w.T`` without materialising them (``chunks`` > 1).
+                    ignore_index: int = -100, norm: nn.Module | None = None) -> torch.Tensor:
+    """Summed cross-entropy of the logits ``norm(h) @ w.T`` without materialising them (``chunks`` > 1).
 
     Args:
-        h: final hidden states ``[B, s, hidden]``.
+        h: hidden states ``[B, s, hidden]`` (before the final norm when ``norm`` is given).
         w: LM head weight ``[vocab, hidden]``.
         targets: ``[B, s]`` token ids; ``ignore_index`` entries contribute nothing.
-        chunks: slices along ``s``; ``1`` computes the full logits with ``F.cross_entropy``.
+        chunks: slices along ``s``; each slice's logits exist only while it is computed (forward) and
+            recomputed (backward). ``1`` computes the full logits.
+        ignore_index: target id to skip.
+        norm: optional final norm applied per chunk (so its activations are chunked too).
 
     Returns:
         A scalar: the *sum* over tokens (normalise by the token count yourself), fp32 (fp64 for fp64 input).
     """
-    s = h.shape[1]
-    if chunks <= 1:
-        logits = h @ w.t()
-        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
-        return F.cross_entropy(logits.to(acc).reshape(-1, logits.shape[-1]), targets.reshape(-1),
+    acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+    c = h.shape[1] // chunks if h.shape[1] % chunks == 0 else 0
+
+    def fn(i, hc):
+        if norm is not None:
+            hc = norm(hc)
+        logits = (hc @ w.t()).to(acc)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[:, i * c:(i + 1) * c].reshape(-1),
                                reduction="sum", ignore_index=ignore_index)
-    if s % chunks:
-        raise ValueError(f"local sequence {s} is not divisible by loss_chunks {chunks}; choose loss_chunks "
-                         f"dividing {s}")
-    return _ChunkedLMLoss.apply(h, w, targets, chunks, ignore_index)
+
+    params = [w] + (list(norm.parameters()) if norm is not None else [])
+    return chunked_map(fn, h, chunks, params, reduce="sum", what="loss_chunks")
 
 
 # ---------------------------------------------------------------------------------------------- blocks
 class Attention(nn.Module):
+    """Grouped-query attention with RoPE; the core runs as SDPA, Ulysses or FPDT per the config."""
+
     def __init__(self, cfg: LlamaConfig, sp_comm=None):
         super().__init__()
         self.cfg, self.sp = cfg, sp_comm
@@ -303,12 +317,22 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * hd, bias=False)
         self.wo = nn.Linear(cfg.heads * hd, cfg.hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def qkv(self, y: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Token-wise projections with RoPE at ``pos``, packed as ``[B, s, (heads + 2 kv_heads) head_dim]``."""
         c = self.cfg
-        b, s, _ = x.shape
-        q = rope(self.wq(x).view(b, s, c.heads, c.head_dim), pos, c.rope_theta)
-        k = rope(self.wk(x).view(b, s, c.kv_heads, c.head_dim), pos, c.rope_theta)
-        v = self.wv(x).view(b, s, c.kv_heads, c.head_dim)
+        b, s, _ = y.shape
+        q = rope(self.wq(y).view(b, s, c.heads, c.head_dim), pos, c.rope_theta)
+        k = rope(self.wk(y).view(b, s, c.kv_heads, c.head_dim), pos, c.rope_theta)
+        return torch.cat([q.flatten(2), k.flatten(2), self.wv(y)], dim=-1)
+
+    def core(self, packed: torch.Tensor) -> torch.Tensor:
+        """Attention of packed q/k/v ``[B, s, ...]`` -> ``[B, s, heads * head_dim]`` (before ``wo``)."""
+        c = self.cfg
+        b, s, _ = packed.shape
+        nq, nk = c.heads * c.head_dim, c.kv_heads * c.head_dim
+        q = packed[..., :nq].unflatten(-1, (c.heads, c.head_dim))
+        k = packed[..., nq:nq + nk].unflatten(-1, (c.kv_heads, c.head_dim))
+        v = packed[..., nq + nk:].unflatten(-1, (c.kv_heads, c.head_dim))
         if c.sequence_parallel == "ulysses":
             o = ulysses_attention(q, k, v, self.sp, causal=c.causal)
         elif c.sequence_parallel == "fpdt":
@@ -316,7 +340,7 @@ class Attention(nn.Module):
         else:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                is_causal=c.causal, enable_gqa=c.kv_heads != c.heads).transpose(1, 2)
-        return self.wo(o.reshape(b, s, c.heads * c.head_dim))
+        return o.reshape(b, s, nq)
 
 
 class FeedForward(nn.Module):
@@ -334,8 +358,94 @@ class FeedForward(nn.Module):
         return self.w2(F.gelu(self.w1(x)))
 
 
+class _FPDTBlock(torch.autograd.Function):
+    """A whole transformer block as one FPDT chunk pipeline (paper Sec. 4): nothing sequence-sized is kept.
+
+    Forward, per local chunk ``i``: norm, q/k/v projections and RoPE of ``x_i`` feed the
+    :class:`~loom.parallel.sequence.FPDTPipeline`; as soon as its attention output ``o_i`` is ready,
+    ``x1_i = x_i + wo(o_i)`` and ``x2_i = x1_i + ffn(norm(x1_i))`` (the FFN in sub-chunks) are computed and
+    written to the output. Saved: ``x_i`` and ``o_i`` per chunk in the chunk store (host memory with offload)
+    and the pipeline's head-layout chunks; no other activation.
+
+    Backward: per chunk ``i``, the token-wise tail (``wo``, residuals, FFN) is recomputed from ``(x_i, o_i)``
+    and back-propagated from ``g_i``, giving ``do_i`` for the pipeline and the residual part of ``dx_i``; the
+    pipeline's kv-outer backward then yields ``(dq_j, dk_j, dv_j)`` in order of ``j``, each pushed through the
+    recomputed projections of ``x_j`` at once. Device memory of size ``[seq, hidden]``: ``g`` and ``dx`` only.
+    """
+
+    @staticmethod
+    def forward(ctx, x, block, keep, *params):
+        cfg, a = block.cfg, block.attn
+        b, s, d = x.shape
+        u = cfg.chunks
+        c = s // u
+        store = chunk_store(cfg.offload, x.device)
+        pipe = FPDTPipeline(a.sp, u, cfg.causal, 1.0 / math.sqrt(cfg.head_dim), store, x.device)
+        out = torch.empty_like(x)
+        hx = [store.put(x[:, i * c:(i + 1) * c]) for i in range(u)] if keep else []
+        ho: list[int] = []
+
+        def emit(i, o):
+            if keep:
+                ho.append(store.put(o))
+            out[:, i * c:(i + 1) * c] = block.tail(x[:, i * c:(i + 1) * c], o)
+
+        pipe.forward(lambda i: block.qkv_chunk(i, x[:, i * c:(i + 1) * c]), emit)
+        if not keep:
+            pipe.release()
+            return out
+        ctx.block, ctx.pipe, ctx.store, ctx.hx, ctx.ho = block, pipe, store, hx, ho
+        ctx.save_for_backward(*params)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        block, pipe, store, hx, ho = ctx.block, ctx.pipe, ctx.store, ctx.hx, ctx.ho
+        params = ctx.saved_tensors  # attn_norm, wq, wk, wv | wo, ffn_norm, ffn weights
+        b, s, d = g.shape
+        c = s // len(hx)
+        dx = torch.empty_like(g)
+        dps: list[torch.Tensor | None] = [None] * len(params)
+
+        def add(first, ts):
+            for n, t in enumerate(ts):
+                if t is not None:
+                    dps[first + n] = t if dps[first + n] is None else dps[first + n] + t
+
+        def get_dout(i):
+            sl = slice(i * c, (i + 1) * c)
+            if i + 1 < len(hx):
+                store.prefetch(hx[i + 1])
+                store.prefetch(ho[i + 1])
+            xi = store.get(hx[i]).detach().requires_grad_()
+            o = store.pop(ho[i]).detach().requires_grad_()
+            with torch.enable_grad():
+                y = block.tail(xi, o)
+            got = torch.autograd.grad(y, [xi, o, *params[4:]], g[:, sl], allow_unused=True)
+            dx[:, sl] = got[0]  # the residual and FFN part of dx_i; the attention part comes in emit()
+            add(4, got[2:])
+            return got[1]
+
+        def emit(j, gq, gk, gv):
+            xj = store.pop(hx[j]).detach().requires_grad_()
+            with torch.enable_grad():
+                q, k, v = block.qkv_chunk(j, xj)
+            got = torch.autograd.grad([q, k, v], [xj, *params[:4]], [gq, gk, gv], allow_unused=True)
+            dx[:, j * c:(j + 1) * c] += got[0]
+            add(0, got[1:])
+
+        pipe.backward(get_dout, emit)
+        ctx.pipe = ctx.store = None
+        return (dx, None, None, *dps)
+
+
 class Block(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + ffn(norm(x))`` (the FFN chunked when configured)."""
+    """Pre-norm block: ``x + wo(attn(qkv(norm(x))))`` then ``x + ffn(norm(x))``.
+
+    With ``fpdt`` the whole block is one chunk pipeline (:class:`_FPDTBlock`, the FFN in
+    ``ffn_chunks / chunks`` sub-chunks of each chunk); otherwise the FFN sublayer (with its norm and residual)
+    runs in ``ffn_chunks`` recomputed chunks.
+    """
 
     def __init__(self, cfg: LlamaConfig, sp_comm=None):
         super().__init__()
@@ -344,14 +454,50 @@ class Block(nn.Module):
         self.attn = Attention(cfg, sp_comm)
         self.ffn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.ffn = FeedForward(cfg)
-        self._ffn_params = [self.ffn_norm.weight, *self.ffn.parameters()]
+        self.pos: torch.Tensor | None = None
 
-    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ffn(self.ffn_norm(x))
+    def _ffn_residual(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ffn(self.ffn_norm(x))
+
+    def qkv_chunk(self, i: int, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[B, c, heads|kv_heads, D]`` of local chunk ``i`` (kv replicated to split over sp ranks)."""
+        cfg, a = self.cfg, self.attn
+        b, c, _ = xc.shape
+        packed = a.qkv(self.attn_norm(xc), self.pos[i * c:(i + 1) * c])
+        nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        q = packed[..., :nq].unflatten(-1, (cfg.heads, cfg.head_dim))
+        k = packed[..., nq:nq + nk].unflatten(-1, (cfg.kv_heads, cfg.head_dim))
+        v = packed[..., nq + nk:].unflatten(-1, (cfg.kv_heads, cfg.head_dim))
+        p = a.sp.size if a.sp is not None else 1
+        if cfg.kv_heads % p:
+            k, v = k.repeat_interleave(p // cfg.kv_heads, dim=2), v.repeat_interleave(p // cfg.kv_heads, dim=2)
+        return q, k, v
+
+    def tail(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Token-wise rest of the block for one FPDT chunk: ``x1 = x + wo(o)``, ``x1 + ffn(norm(x1))``."""
+        cfg = self.cfg
+        x1 = x + self.attn.wo(o.reshape(*x.shape[:2], -1))
+        c = x.shape[1]
+        sub = max(1, cfg.ffn_chunks // cfg.chunks)
+        while c % sub:
+            sub -= 1
+        return chunked_map(lambda i, xc: self._ffn_residual(xc), x1, sub,
+                           [self.ffn_norm.weight, *self.ffn.parameters()], what="ffn_chunks")
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), pos)
-        return x + chunked_ffn(self._ffn, x, self.cfg.ffn_chunks, self._ffn_params)
+        cfg, a = self.cfg, self.attn
+        self.pos = pos
+        if cfg.sequence_parallel == "fpdt":
+            b, s, _ = x.shape
+            meta = torch.empty(b, s, cfg.heads, cfg.head_dim, device="meta")
+            check_sizes(meta, meta[:, :, :cfg.kv_heads], meta[:, :, :cfg.kv_heads], a.sp.size, cfg.chunks)
+            params = [self.attn_norm.weight, a.wq.weight, a.wk.weight, a.wv.weight, a.wo.weight,
+                      self.ffn_norm.weight, *self.ffn.parameters()]
+            keep = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+            return _FPDTBlock.apply(x, self, keep, *params)
+        x = x + a.wo(a.core(a.qkv(self.attn_norm(x), pos)))
+        return chunked_map(lambda i, xc: self._ffn_residual(xc), x, cfg.ffn_chunks,
+                           [self.ffn_norm.weight, *self.ffn.parameters()], what="ffn_chunks")
 
 
 class Llama(nn.Module):
@@ -402,7 +548,7 @@ class Llama(nn.Module):
         return local_positions(seq_local, self.sp, chunks=self.cfg.layout_chunks, device=device)
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Final normalised hidden states ``[B, s, hidden]`` for this rank's tokens ``[B, s]``."""
+        """Last block's output ``[B, s, hidden]`` (before the final norm) for this rank's tokens ``[B, s]``."""
         cfg = self.cfg
         pos = self.positions(tokens.shape[1], tokens.device)
         h = self.embed(tokens)
@@ -412,11 +558,11 @@ class Llama(nn.Module):
                 h = recompute(lambda x, blk=blk: blk(x, pos), h, list(blk.parameters()), store)
             else:
                 h = blk(h, pos)
-        return self.norm(h)
+        return h
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, s, vocab]`` (materialised: for generation and small checks; train with :meth:`loss`)."""
-        return self.hidden_states(tokens) @ self.head_weight.t()
+        return self.norm(self.hidden_states(tokens)) @ self.head_weight.t()
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
         """This rank's share of the mean next-token cross-entropy (see the module docstring).
@@ -430,7 +576,7 @@ class Llama(nn.Module):
             ranks it is the mean loss of the whole sequence; with ``none`` it is that mean.
         """
         h = self.hidden_states(tokens)
-        total = chunked_lm_loss(h, self.head_weight, targets, self.cfg.loss_chunks, ignore_index)
+        total = chunked_lm_loss(h, self.head_weight, targets, self.cfg.loss_chunks, ignore_index, norm=self.norm)
         count = torch.tensor([float((targets != ignore_index).sum())], dtype=torch.float64)
         if self.sp is not None and self.sp.size > 1:
             count = self.sp.allreduce(count)

@@ -62,6 +62,7 @@ __all__ = [
     "alltoall_stats",
     "reset_alltoall_stats",
     "attention_kernel",
+    "FPDTPipeline",
 ]
 
 _A2A = {"count": 0}
@@ -349,22 +350,39 @@ def _merge(o_acc, l_acc, o, l):
 
 
 # ---------------------------------------------------------------------------------------------- FPDT
-class _FPDTAttention(torch.autograd.Function):
-    """The chunk pipeline; see the module docstring for the plan. Saves only chunk-store handles."""
+class FPDTPipeline:
+    """The FPDT chunk pipeline over local chunks, driven by callbacks (see the module docstring for the plan).
 
-    @staticmethod
-    def forward(ctx, q, k, v, comm, chunks, causal, scale, offload):
-        u = chunks
-        b, sl, h_all, d = q.shape
-        c = sl // u
-        kernel = attention_kernel(q.device)
-        store = chunk_store(offload, q.device)
-        out = torch.empty_like(q)
-        hq, hk, hv, ho, hl = [], [], [], [], []
+    :func:`fpdt_attention` feeds it slices of given q/k/v; ``loom.models.llama`` feeds it chunk-wise q/k/v
+    projections so that a whole attention sublayer runs chunk by chunk. Only chunk-store handles are kept
+    between forward and backward: head-layout q/k/v/out chunks and the log-sum-exp.
+
+    Args:
+        comm: the sequence-parallel communicator.
+        chunks: ``u``, local chunks per rank.
+        causal: causal mask over global positions.
+        scale: softmax scale.
+        store: a chunk store (:func:`loom.parallel.offload.chunk_store`).
+        device: where the chunks are computed (selects the block kernel).
+    """
+
+    def __init__(self, comm, chunks: int, causal: bool, scale: float, store, device: torch.device):
+        self.comm, self.u, self.causal, self.scale, self.store = comm, chunks, causal, scale, store
+        self.kernel = attention_kernel(device)
+        self.hq: list[int] = []
+        self.hk: list[int] = []
+        self.hv: list[int] = []
+        self.ho: list[int] = []
+        self.hl: list[int] = []
+
+    def forward(self, get_qkv, emit_out) -> None:
+        """``get_qkv(i)`` -> local chunk ``(q_i, k_i, v_i)`` ``[B, c, heads|kv_heads, D]`` (kv already split-able
+        over ``P``); ``emit_out(i, o_i)`` receives output chunk ``i`` in the local layout ``[B, c, heads, D]``."""
+        u, store, comm, causal = self.u, self.store, self.comm, self.causal
+        hq, hk, hv, ho, hl = self.hq, self.hk, self.hv, self.ho, self.hl
 
         def scatter(i):
-            sl_i = slice(i * c, (i + 1) * c)
-            qi, ki, vi = _s2h([q[:, sl_i], k[:, sl_i], v[:, sl_i]], comm)
+            qi, ki, vi = _s2h(get_qkv(i), comm)
             # SDPA layout [B, heads, P c, D], contiguous so that the chunk store moves one block.
             qi, ki, vi = (t.transpose(1, 2).contiguous() for t in (qi, ki, vi))
             hq.append(store.put(qi))
@@ -383,14 +401,14 @@ class _FPDTAttention(torch.autograd.Function):
                 if n + 1 < len(js) and not (own_kv is not None and js[n + 1] == i):
                     store.prefetch(hk[js[n + 1]])  # double buffering: the next kv chunk is on its way
                     store.prefetch(hv[js[n + 1]])
-                o, l = _block_forward(qi, kj, vj, causal and j == i, scale, kernel)
+                o, l = _block_forward(qi, kj, vj, causal and j == i, self.scale, self.kernel)
                 o_acc, l_acc = _merge(o_acc, l_acc, o, l)
                 del kj, vj, o, l
-            oi = o_acc.to(q.dtype)
+            oi = o_acc.to(qi.dtype)
             ho.append(store.put(oi))
             hl.append(store.put(l_acc))
             (o_seq,) = _h2s([oi.transpose(1, 2)], comm)
-            out[:, i * c:(i + 1) * c] = o_seq
+            emit_out(i, o_seq)
 
         if causal:
             for i in range(u):
@@ -404,34 +422,24 @@ class _FPDTAttention(torch.autograd.Function):
                 if i + 1 < u:
                     store.prefetch(hq[i + 1])
                 attend(i, store.get(hq[i]), None)
-        ctx.comm, ctx.u, ctx.causal, ctx.scale, ctx.kernel = comm, u, causal, scale, kernel
-        ctx.store, ctx.handles = store, (hq, hk, hv, ho, hl)
-        ctx.shapes = (q.shape, k.shape, q.dtype)
-        return out
 
-    @staticmethod
-    def backward(ctx, gout):
-        comm, u, causal, scale, kernel, store = ctx.comm, ctx.u, ctx.causal, ctx.scale, ctx.kernel, ctx.store
-        hq, hk, hv, ho, hl = ctx.handles
-        qshape, kshape, dtype = ctx.shapes
-        c = qshape[1] // u
-        acc = _acc_dtype(dtype)
-        gout = gout.to(dtype)
-        dq = torch.empty(qshape, dtype=dtype, device=gout.device)
-        dk = torch.empty(kshape, dtype=dtype, device=gout.device)
-        dv = torch.empty(kshape, dtype=dtype, device=gout.device)
+    def backward(self, get_dout, emit_grads) -> None:
+        """``get_dout(i)`` -> the output gradient of local chunk ``i``; ``emit_grads(j, dq_j, dk_j, dv_j)``
+        receives the input gradients of local chunk ``j`` (local layout), in increasing ``j``."""
+        u, store, comm, causal = self.u, self.store, self.comm, self.causal
+        hq, hk, hv, ho, hl = self.hq, self.hk, self.hv, self.ho, self.hl
         hdo = []
         for i in range(u):
-            (doi,) = _s2h([gout[:, i * c:(i + 1) * c]], comm)
+            doi = get_dout(i)
+            (doi,) = _s2h([doi], comm)
             hdo.append(store.put(doi.transpose(1, 2).contiguous()))
+            del doi
         hdq: list[int | None] = [None] * u
-
-        def put_dq(j, t):
-            (dq_seq,) = _h2s([t.to(dtype).transpose(1, 2)], comm)
-            dq[:, j * c:(j + 1) * c] = dq_seq
-
+        parked: list[tuple[int, int]] = []
         for j in range(u):
             kj, vj = store.get(hk[j]), store.get(hv[j])
+            acc = _acc_dtype(kj.dtype)
+            dtype = kj.dtype
             dk_j = dv_j = None
             irange = list(range(j, u)) if causal else list(range(u))
             for n, i in enumerate(irange):
@@ -442,7 +450,8 @@ class _FPDTAttention(torch.autograd.Function):
                     if hdq[nxt] is not None:
                         store.prefetch(hdq[nxt])
                 qi, oi, li, doi = store.get(hq[i]), store.get(ho[i]), store.get(hl[i]), store.get(hdo[i])
-                g_q, g_k, g_v = _block_backward(doi, qi, kj, vj, oi, li, causal and i == j, scale, kernel)
+                g_q, g_k, g_v = _block_backward(doi, qi, kj, vj, oi, li, causal and i == j, self.scale,
+                                                self.kernel)
                 del qi, oi, li, doi
                 dk_j = g_k.to(acc) if dk_j is None else dk_j + g_k
                 dv_j = g_v.to(acc) if dv_j is None else dv_j + g_v
@@ -452,24 +461,66 @@ class _FPDTAttention(torch.autograd.Function):
                     store.replace(hdq[i], store.get(hdq[i]) + g_q)
                 del g_q, g_k, g_v
             sends = [dk_j.to(dtype).transpose(1, 2), dv_j.to(dtype).transpose(1, 2)]
+            del kj, vj, dk_j, dv_j
             if causal:  # dq_j got its last contribution from kv chunk j: send it with dk_j, dv_j
                 sends.insert(0, store.pop(hdq[j]).to(dtype).transpose(1, 2))
                 hdq[j] = None
-                g = _h2s(sends, comm)
-                dq[:, j * c:(j + 1) * c] = g[0]
-                g = g[1:]
-            else:
-                g = _h2s(sends, comm)
-            dk[:, j * c:(j + 1) * c] = g[0]
-            dv[:, j * c:(j + 1) * c] = g[1]
-            del kj, vj, dk_j, dv_j, sends, g
+                dq_j, dk_j, dv_j = _h2s(sends, comm)
+                del sends
+                emit_grads(j, dq_j, dk_j, dv_j)
+            else:  # dq_j is complete only after the last kv chunk: park dk_j, dv_j
+                dk_j, dv_j = _h2s(sends, comm)
+                del sends
+                parked.append((store.put(dk_j), store.put(dv_j)))
+            del dk_j, dv_j
         if not causal:
             for i in range(u):
-                put_dq(i, store.pop(hdq[i]))
-        for hs in (hq, hk, hv, ho, hl, hdo):
+                (dq_i,) = _h2s([store.pop(hdq[i]).to(dtype).transpose(1, 2)], comm)
+                emit_grads(i, dq_i, store.pop(parked[i][0]), store.pop(parked[i][1]))
+        self.release()
+        for h in hdo:
+            store.free(h)
+
+    def release(self) -> None:
+        """Free every saved chunk (after backward, or when the graph is dropped)."""
+        for hs in (self.hq, self.hk, self.hv, self.ho, self.hl):
             for h in hs:
-                store.free(h)
-        ctx.store = None
+                self.store.free(h)
+            hs.clear()
+
+
+class _FPDTAttention(torch.autograd.Function):
+    """:class:`FPDTPipeline` on slices of given q/k/v (the standalone :func:`fpdt_attention`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm, chunks, causal, scale, offload):
+        c = q.shape[1] // chunks
+        pipe = FPDTPipeline(comm, chunks, causal, scale, chunk_store(offload, q.device), q.device)
+        out = torch.empty_like(q)
+
+        def emit(i, o):
+            out[:, i * c:(i + 1) * c] = o
+
+        pipe.forward(lambda i: [t[:, i * c:(i + 1) * c] for t in (q, k, v)], emit)
+        ctx.pipe, ctx.c = pipe, c
+        ctx.shapes = (q.shape, k.shape, q.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, gout):
+        qshape, kshape, dtype = ctx.shapes
+        c = ctx.c
+        gout = gout.to(dtype)
+        dq = torch.empty(qshape, dtype=dtype, device=gout.device)
+        dk = torch.empty(kshape, dtype=dtype, device=gout.device)
+        dv = torch.empty(kshape, dtype=dtype, device=gout.device)
+
+        def emit(j, gq, gk, gv):
+            sl = slice(j * c, (j + 1) * c)
+            dq[:, sl], dk[:, sl], dv[:, sl] = gq, gk, gv
+
+        ctx.pipe.backward(lambda i: gout[:, i * c:(i + 1) * c], emit)
+        ctx.pipe = None
         return dq, dk, dv, None, None, None, None, None
 
 

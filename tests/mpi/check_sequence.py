@@ -173,6 +173,7 @@ def check_model_exact(comm):
     variants = [
         dict(sequence_parallel="ulysses", kv_heads=3 if p == 3 else 2),
         dict(sequence_parallel="fpdt", chunks=2, offload=True, checkpoint=True, kv_heads=1),
+        dict(sequence_parallel="fpdt", chunks=2, ffn_chunks=4, offload=True, kv_heads=1),
         dict(sequence_parallel="fpdt", chunks=3, offload=False, ffn="gelu", tie_embeddings=True, kv_heads=heads),
         dict(sequence_parallel="fpdt", chunks=1, loss_chunks=2, ffn_chunks=1, kv_heads=3 if p == 3 else 2),
     ]

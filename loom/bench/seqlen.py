@@ -1,0 +1,231 @@
+"""``loom bench seqlen``: the longest trainable sequence at a fixed per-rank memory budget, Ulysses vs FPDT.
+
+For one Llama-style model (:mod:`loom.models.llama`, vocab/hidden ~ 31 as in Llama-3-8B) on ``P`` ranks, each
+configuration runs forward + backward of the LM loss at growing sequence lengths and keeps the longest
+whose per-rank peak memory (max over ranks) stays within ``--budget``. Memory is measured by
+:class:`loom.parallel.offload.MemoryTracker`: on CPU the peak of live torch storages on the compute device
+(chunks offloaded to the host pool are not counted), on CUDA the allocator's ``max_memory_allocated``.
+
+Search plan per configuration: two cheap probes at small lengths give the (affine) slope of peak memory in
+the sequence length; the crossing with the budget is probed next, then bisection until the bracket is within
+``max(step, 1/32)`` of the length. Every reported length was actually run and fit; the next step up was run
+and did not (or hit ``--max-seq``).
+
+Configurations, cumulative (each row adds one FPDT ingredient to the previous one, all with per-block
+activation checkpointing): ``ulysses``; ``+ loss chunking`` (LM head + cross-entropy chunked);
+``+ FFN chunking``; ``+ attention pipeline`` (the FPDT chunked attention sublayer); ``+ offload`` (= FPDT).
+Then, at the Ulysses limit: time per token of both, the all-to-alls per layer and the host<->device bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+
+from ..comm import world
+from ..models.llama import Llama, LlamaConfig
+from ..parallel.offload import MemoryTracker, reset_transfer_stats, transfer_stats
+from ..parallel.sequence import alltoall_stats, reset_alltoall_stats, shard_sequence
+from .omb import Table, parse_size
+
+__all__ = ["main", "parser"]
+
+STEPS = ("ulysses", "+ loss chunking", "+ FFN chunking", "+ attention pipeline", "+ offload (FPDT)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loom bench seqlen", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--budget", type=parse_size, default=parse_size("6M"), help="per-rank device memory budget")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=1000, help="vocab/hidden ~ 31 as in Llama-3-8B")
+    p.add_argument("--ffn", choices=("swiglu", "gelu"), default="swiglu")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--chunk", type=int, default=64, help="tokens per rank in one FFN / loss chunk")
+    p.add_argument("--attn-chunk", type=int, default=512, help="tokens per rank in one attention chunk")
+    p.add_argument("--max-seq", type=int, default=1 << 20, help="stop searching beyond this global length")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--no-breakdown", action="store_true", help="only Ulysses and full FPDT")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps at the equal length (best kept)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print every probe")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return p
+
+
+def _config(step: str, args, seq: int, p: int) -> LlamaConfig:
+    s_local = seq // p
+    u_small = max(1, s_local // args.chunk)  # seq is a multiple of P x chunk (the search granule)
+    want = max(1, s_local // args.attn_chunk)
+    # the fewest chunks of at most attn_chunk tokens that divide the local length
+    u_attn = min(d for d in range(want, u_small + 1) if u_small % d == 0) if want <= u_small else u_small
+    base: dict[str, Any] = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                                vocab=args.vocab, ffn=args.ffn, checkpoint=True)
+    i = STEPS.index(step)
+    if i == 0:
+        return LlamaConfig(**base, sequence_parallel="ulysses")
+    return LlamaConfig(**base, sequence_parallel="fpdt", chunks=u_attn if i >= 3 else 1,
+                       loss_chunks=u_small, ffn_chunks=u_small if i >= 2 else 1, offload=i >= 4)
+
+
+def _granule(args, p: int) -> int:
+    return p * args.chunk
+
+
+class _Runner:
+    def __init__(self, args, comm):
+        self.args, self.comm = args, comm
+        self.dtype = getattr(torch, args.dtype)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def step(self, step: str, seq: int, *, measure: bool = True) -> dict[str, float]:
+        """One forward + backward at global length ``seq``; peak bytes (max over ranks), seconds, counters."""
+        args, comm = self.args, self.comm
+        cfg = _config(step, args, seq, comm.size)
+        model = Llama(cfg, comm).to(device=self.device, dtype=self.dtype)
+        g = torch.Generator().manual_seed(seq)
+        tok = torch.randint(0, args.vocab, (args.batch, seq), generator=g)
+        tgt = torch.randint(0, args.vocab, (args.batch, seq), generator=g)
+        tok = shard_sequence(tok, comm, chunks=cfg.layout_chunks).to(self.device)
+        tgt = shard_sequence(tgt, comm, chunks=cfg.layout_chunks).to(self.device)
+        reset_alltoall_stats()
+        reset_transfer_stats()
+        comm.barrier()
+        t0 = time.perf_counter()
+        if measure:
+            with MemoryTracker(self.device) as mem:
+                mem.track(*model.parameters(), tok, tgt)
+                model.loss(tok, tgt).backward()
+            peak = mem.peak
+        else:
+            model.loss(tok, tgt).backward()
+            peak = 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
+        comm.barrier()
+        tr = transfer_stats()
+        peak = comm.allreduce_object(int(peak), "max") if comm.size > 1 else int(peak)
+        secs = comm.allreduce_object(secs, "max") if comm.size > 1 else secs
+        return {"peak": peak, "secs": secs, "a2a": alltoall_stats()["count"], "to_host": tr["to_host"],
+                "to_device": tr["to_device"]}
+
+    def longest(self, step: str) -> tuple[int, dict[str, float], int]:
+        """The longest fitting global length, its measurements, and the number of probes run."""
+        args, p = self.args, self.comm.size
+        gran = _granule(args, p)
+        budget = args.budget
+        seen: dict[int, dict[str, float]] = {}
+
+        def fits(seq: int) -> bool:
+            if seq not in seen:
+                seen[seq] = self.step(step, seq)
+                if args.verbose and self.comm.rank == 0:
+                    m = seen[seq]
+                    print(f"#   probe {step}: seq {seq} peak {m['peak'] / 2**20:.2f} MiB ({m['secs']:.1f} s)",
+                          flush=True)
+            return seen[seq]["peak"] <= budget
+
+        s1, s2 = gran, 2 * gran
+        if not fits(s1):
+            raise SystemExit(f"loom bench seqlen: {step} does not fit even {s1} tokens in {budget} bytes per rank; "
+                             f"raise --budget or lower --chunk/--attn-chunk")
+        lo, hi = s1, None
+        if fits(s2):
+            lo = s2
+            slope = max((seen[s2]["peak"] - seen[s1]["peak"]) / (s2 - s1), 1e-9)
+            guess = int(s2 + (budget - seen[s2]["peak"]) / slope) // gran * gran
+            guess = max(min(guess, args.max_seq // gran * gran), lo)
+            if guess > lo:
+                if fits(guess):
+                    lo = guess
+                else:
+                    hi = guess
+        else:
+            hi = s2
+        while hi is None:  # the estimate fit: step up by ~3 % until a length does not fit
+            nxt = lo + max(gran, (lo // 32) // gran * gran)
+            if nxt > args.max_seq:
+                break
+            if fits(nxt):
+                lo = nxt
+            else:
+                hi = nxt
+        while hi is not None and hi - lo > max(gran, (lo // 32) // gran * gran):
+            mid = (lo + hi) // 2 // gran * gran
+            if mid <= lo:
+                break
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo, seen[lo], len(seen)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    torch.set_num_threads(1)
+    comm = world()
+    p = comm.size
+    for name, val in (("heads", args.heads), ("kv_heads", args.kv_heads)):
+        if name == "heads" and val % p:
+            raise SystemExit(f"loom bench seqlen: --heads {val} is not divisible by {p} ranks; use a multiple of {p}")
+    run = _Runner(args, comm)
+    steps = [STEPS[0], STEPS[-1]] if args.no_breakdown else list(STEPS)
+    table = Table("Longest Trainable Sequence (forward + backward)",
+                  ["Mode", "Max seq", "Peak MiB", "x Ulysses", "Step gain", "Probes"], rank=comm.rank)
+    table.meta = {
+        "model": f"Llama layers={args.layers} hidden={args.hidden} heads={args.heads} kv_heads={args.kv_heads} "
+                 f"vocab={args.vocab} ({args.vocab / args.hidden:.1f}x hidden) ffn={args.ffn} {args.dtype} "
+                 f"batch={args.batch}, per-block activation checkpointing in every row",
+        "ranks": f"{p} (sp={p})",
+        "budget": f"{args.budget / 2**20:.2f} MiB per rank ({'CUDA allocator' if run.device.type == 'cuda' else 'CPU live-storage tracker'})",
+        "chunks": f"FFN/loss chunk {args.chunk} tokens/rank, attention chunk {args.attn_chunk} tokens/rank",
+    }
+    table.widths = [24, 10, 11, 11, 11, 8]
+    table.header()
+    results: dict[str, Any] = {}
+    base = prev = None
+    for st in steps:
+        seq, m, probes = run.longest(st)
+        base = base or seq
+        gain = "-" if prev is None else f"{seq / prev:.2f}x"
+        table.add(st, seq, m["peak"] / 2**20, f"{seq / base:.2f}x", gain, probes)
+        results[st] = {"max_seq": seq, **m}
+        prev = seq
+    ratio = results[steps[-1]]["max_seq"] / results[steps[0]]["max_seq"]
+    seq_eq = results[steps[0]]["max_seq"]
+    times: dict[str, float] = {}
+    counts: dict[str, dict[str, float]] = {}
+    for st in (steps[0], steps[-1]):
+        best = None
+        for _ in range(max(1, args.repeats)):
+            m = run.step(st, seq_eq, measure=False)
+            best = m if best is None or m["secs"] < best["secs"] else best
+        times[st] = best["secs"]
+        counts[st] = best
+    fp = results[steps[-1]]
+    if comm.rank == 0:
+        tu, tf = times[steps[0]], times[steps[-1]]
+        print(f"# longest sequence: Ulysses {seq_eq}, FPDT {fp['max_seq']}: {ratio:.1f}x (goal >= 16x)")
+        print(f"# equal length {seq_eq}: time/token Ulysses {tu / seq_eq * 1e6:.1f} us, FPDT {tf / seq_eq * 1e6:.1f} us; "
+              f"FPDT throughput = {tu / tf:.2f}x Ulysses (goal >= 0.8x)")
+        for st in (steps[0], steps[-1]):
+            c = counts[st]
+            print(f"# {st.split('(')[-1].rstrip(')') if '(' in st else st}: {c['a2a'] / args.layers:.0f} all-to-alls "
+                  f"per layer per step at {seq_eq} (forward, checkpoint recompute and backward)")
+        print(f"# host<->device per rank per step: at {seq_eq}: {counts[steps[-1]]['to_host'] / 2**20:.1f} MiB "
+              f"to host, {counts[steps[-1]]['to_device'] / 2**20:.1f} MiB back; at {fp['max_seq']}: "
+              f"{fp['to_host'] / 2**20:.1f} MiB to host, {fp['to_device'] / 2**20:.1f} MiB back")
+    table.write_json(args.json, ratio=ratio, results=results, times=times,
+                     a2a_per_layer={k: v["a2a"] / args.layers for k, v in counts.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -144,7 +144,9 @@ class SequenceConfig:
     chunks: int = 1
     """FPDT: chunks each rank's sequence slice is processed in (1 = plain Ulysses)."""
     offload: bool = False
-    """FPDT: keep inactive key/value chunks in host memory (a no-op copy on CPU-only machines)."""
+    """FPDT: keep inactive key/value chunks (and recomputed block inputs) in host memory."""
+    recompute: bool = False
+    """Recompute each block in backward, keeping only its input (loom.models.llama ``checkpoint``)."""
 
     def __post_init__(self) -> None:
         _need(self.algorithm in ("ulysses", "fpdt"), f"sequence.algorithm = {self.algorithm!r}; valid: ulysses, fpdt")

@@ -13,7 +13,10 @@ Sequence parallelism inside attention uses ``loom.parallel.sequence`` (``ulysses
 into ``[B, S/p, H, D]``. Backward runs the same all-to-alls in reverse. Grouped-query k/v travel as
 ``kv_heads`` heads when ``p`` divides them, else expanded to ``heads`` first.
 
-(When ``loom.models.llama`` lands, :func:`build_model` is the one place to switch to it.)
+:func:`build_model` prefers ``loom.models.llama`` (engineer A's decoder: FPDT with chunked FFN/loss and
+offloaded recompute) and wraps it in :class:`TrainModel`: its ``loss`` for whole-model steps, and an
+``nn.Sequential`` view over the same parameters (embedding, blocks, head) for pipeline stages. The reference
+:class:`Llama` here is the fallback when that module is absent.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torch import nn
 
 from .config import Config, ConfigError, ModelConfig, SequenceConfig
 
-__all__ = ["Llama", "Positions", "UlyssesAllToAll", "build_model", "COMM_TIME", "model_source"]
+__all__ = ["Llama", "Positions", "TrainModel", "UlyssesAllToAll", "build_model", "COMM_TIME", "model_source"]
 
 # Seconds spent inside sequence-parallel all-to-alls (forward and backward), read by the trainer's breakdown.
 COMM_TIME: dict[str, float] = {"sp": 0.0}
@@ -250,17 +253,119 @@ def _name_seed(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
+class _EmbedStage(nn.Module):
+    def __init__(self, embed: nn.Module):
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens)
+
+
+class _BlockStage(nn.Module):
+    """One ``loom.models.llama`` block as a one-input module, its positions read from the shared holder."""
+
+    def __init__(self, block: nn.Module, pos: Positions):
+        super().__init__()
+        self.block = block
+        self.pos = pos
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        pos = self.pos.value if self.pos.value is not None else torch.arange(h.shape[1], device=h.device)
+        return self.block(h, pos)
+
+
+class _HeadStage(nn.Module):
+    def __init__(self, norm: nn.Module, head: nn.Module):
+        super().__init__()
+        self.norm = norm
+        self.head = head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(h))
+
+
+def _mean_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = logits.reshape(-1, logits.shape[-1])
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return F.cross_entropy(logits, y.reshape(-1))
+
+
+class TrainModel:
+    """What the trainer drives: the module that owns the parameters, a pipeline view, the loss.
+
+    Attributes:
+        module: owns the parameters; its ``named_parameters()`` names go into checkpoints.
+        pipeline: an ``nn.Sequential`` over the same parameters (embedding, blocks, head) for HybridParallel.
+        positions: the shared holder of this rank's global token positions (pipeline view / fallback model).
+        sp_sum: ``loss()`` returns this rank's *share* of the sequence mean (sum over ``sp`` = the mean), so
+            gradients are summed over ``sp``; otherwise it is the local mean and gradients are averaged.
+        impl: ``"loom.models.llama"`` or ``"loom.train.model"`` (recorded in checkpoints).
+    """
+
+    def __init__(self, module: nn.Module, pipeline: nn.Sequential, positions: Positions, sp_sum: bool, impl: str):
+        self.module, self.pipeline, self.positions, self.sp_sum, self.impl = module, pipeline, positions, sp_sum, impl
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The whole-model loss on this rank's tokens (see ``sp_sum``)."""
+        if self.impl == "loom.models.llama":
+            return self.module.loss(x, y)
+        return _mean_ce(self.module(x), y)
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Pipeline loss on the last stage's logits: the mean over the micro-batch's local tokens."""
+        return _mean_ce(logits, y)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def _external_llama():
+    try:
+        from loom.models import llama
+    except ImportError:
+        return None
+    return llama if hasattr(llama, "build_llama") else None
+
+
 def model_source() -> str:
-    """Which attention implementation sequence parallelism uses."""
+    """Which implementation :func:`build_model` uses."""
+    if _external_llama() is not None:
+        return "loom.models.llama (Ulysses/FPDT from loom.parallel.sequence)"
     if _sequence_ops() is not None:
         return "loom.train.model.Llama + loom.parallel.sequence (Ulysses/FPDT)"
     return "loom.train.model.Llama + its own Ulysses all-to-all"
 
 
-def build_model(cfg: Config, *, sp_comm=None, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> Llama:
-    """The whole model on this rank, in ``dtype`` on ``device`` (pipeline stages are cut by HybridParallel)."""
-    if cfg.sequence.algorithm == "fpdt" and sp_comm is not None and sp_comm.size > 1 and _sequence_ops() is None:
+def build_model(cfg: Config, *, sp_comm=None, dtype: torch.dtype = torch.float32, device: Any = "cpu",
+                impl: str | None = None) -> TrainModel:
+    """The model for this rank: ``loom.models.llama`` when available (or when ``impl`` names it), else the
+    reference :class:`Llama`. ``sp_comm=None`` builds the unsharded model (one rank, generation)."""
+    ext = _external_llama()
+    want = impl or ("loom.models.llama" if ext is not None else "loom.train.model")
+    sharded = sp_comm is not None and sp_comm.size > 1
+    if want == "loom.models.llama":
+        if ext is None:
+            raise ConfigError("this checkpoint/config needs loom.models.llama, which is not importable here")
+        if cfg.model.ffn == "moe":
+            raise ConfigError("model.ffn = 'moe' is not supported by loom.models.llama; use swiglu or gelu")
+        mode = cfg.sequence.algorithm if sharded else "none"
+        kw: dict[str, Any] = dict(sequence_parallel=mode, chunks=cfg.sequence.chunks if mode == "fpdt" else 1,
+                                  offload=cfg.sequence.offload and mode == "fpdt",
+                                  checkpoint=cfg.sequence.recompute)
+        try:
+            module = ext.build_llama(cfg.model, sp_comm=sp_comm if sharded else None, dtype=dtype, device=device,
+                                     **kw)
+        except ValueError as exc:
+            raise ConfigError(f"model: {exc}") from None
+        pos = Positions()
+        pipeline = nn.Sequential(_EmbedStage(module.embed), *[_BlockStage(b, pos) for b in module.blocks],
+                                 _HeadStage(module.norm, module.head))
+        return TrainModel(module, pipeline, pos, sp_sum=sharded, impl=want)
+    if cfg.sequence.algorithm == "fpdt" and sharded and _sequence_ops() is None:
         raise ConfigError("sequence.algorithm = 'fpdt' needs loom.parallel.sequence, which is not available in this "
                           "build; use sequence.algorithm = 'ulysses'")
-    model = Llama(cfg.model, sp_comm, cfg.sequence)
-    return model.to(device=device, dtype=dtype)
+    module = Llama(cfg.model, sp_comm if sharded else None, cfg.sequence).to(device=device, dtype=dtype)
+    return TrainModel(module, module, module.positions, sp_sum=False, impl="loom.train.model")

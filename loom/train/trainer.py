@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from ..comm import Communicator, Mesh, stats, world
 from . import checkpoint as ckpt
@@ -198,9 +197,10 @@ class Trainer:
         self.dtype = _DTYPES[cfg.train.dtype]
         torch.manual_seed(cfg.train.seed)
         sp_comm = TimedComm(self.sp, "sp") if self.sp is not None else None
-        self.model = build_model(cfg, sp_comm=sp_comm, dtype=self.dtype, device=self.device)
+        self.tm = build_model(cfg, sp_comm=sp_comm, dtype=self.dtype, device=self.device)
+        self.model = self.tm.module
         self.positions = sp_layout(cfg.data.seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks).to(self.device)
-        self.model.positions.value = self.positions
+        self.tm.positions.value = self.positions
         self.hybrid = None
         if self.pp is not None:
             self.hybrid = self._make_hybrid()
@@ -234,7 +234,7 @@ class Trainer:
         if self.policy is not None and self.policy.codec_for("pp") is not None:
             schedule = "gpipe"  # HybridParallel compresses pipeline sends only under GPipe (blocking sends)
         try:
-            return HybridParallel(self.model, partitions=cfg.mesh.pp, replicas=cfg.mesh.dp,
+            return HybridParallel(self.tm.pipeline, partitions=cfg.mesh.pp, replicas=cfg.mesh.dp,
                                   micro_batches=cfg.data.micro_batches, schedule=schedule, balance="params",
                                   mesh=self.mesh, grad_hook=self.hook, compression=self.policy,
                                   bucket_mb=cfg.compress.bucket_mb)
@@ -272,7 +272,7 @@ class Trainer:
             named = dict(self.model.named_parameters())
             payload = {
                 "format": ckpt.FORMAT, "step": step, "config": config_to_dict(self.cfg),
-                "stage": self.stage, "stages": self.stages, "params": list(self.param_names),
+                "stage": self.stage, "stages": self.stages, "params": list(self.param_names), "impl": self.tm.impl,
                 "model": {n: named[n].detach().cpu().clone() for n in self.param_names},
                 "optim": self.opt.state_dict(), "rng": ckpt.capture_rng(),
             }
@@ -307,20 +307,14 @@ class Trainer:
         x, y = x[r0:r0 + b][:, cols], y[r0:r0 + b][:, cols]
         return x.to(self.device), y.to(self.device)
 
-    def _loss_fn(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = logits.reshape(-1, logits.shape[-1])
-        if logits.dtype == torch.bfloat16:
-            logits = logits.float()
-        return F.cross_entropy(logits, y.reshape(-1))
-
-    def _flat_sync(self, comm: Communicator, use_hook: bool) -> None:
+    def _flat_sync(self, comm: Communicator, use_hook: bool, op: str = "avg") -> None:
         for i, bucket in enumerate(self._buckets):
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
             flat = torch.cat([g.reshape(-1) for g in grads])
             if use_hook and self.hook is not None:
                 flat = self.hook(flat, comm, i)
             else:
-                flat = comm.allreduce(flat, op="avg")
+                flat = comm.allreduce(flat, op=op)
             off = 0
             for p, g in zip(bucket, grads):
                 n = g.numel()
@@ -334,7 +328,7 @@ class Trainer:
         """
         t0 = time.perf_counter()
         if self.sp is not None:
-            self._flat_sync(self.sp, use_hook=False)
+            self._flat_sync(self.sp, use_hook=False, op="sum" if self._sp_share else "avg")
         if self.dp is not None and self.hybrid is None:
             self._flat_sync(self.dp, use_hook=True)
         return time.perf_counter() - t0
@@ -359,10 +353,20 @@ class Trainer:
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """Loss (mean over this rank's tokens, or over dp x pp under a pipeline) after filling ``.grad``."""
         if self.hybrid is not None:
-            return self.hybrid.train_step(x, y, self._loss_fn)
-        loss = self._loss_fn(self.model(x), y)
+            return self.hybrid.train_step(x, y, self.tm.loss_fn)
+        loss = self.tm.loss(x, y)
         loss.backward()
-        return float(loss.detach())
+        return self._as_mean(float(loss.detach()))
+
+    @property
+    def _sp_share(self) -> bool:
+        """The whole-model loss is this rank's share of the sequence mean (sum over sp), not a local mean."""
+        return self.tm.sp_sum and self.hybrid is None
+
+    def _as_mean(self, loss: float) -> float:
+        # A share of the sequence mean times sp is this rank's local mean (equal token counts per sp rank),
+        # so averaging over all ranks gives the global mean either way.
+        return loss * self.cfg.mesh.sp if self._sp_share else loss
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -372,9 +376,9 @@ class Trainer:
         for k in range(self.cfg.train.eval_batches):
             x, y = self.local_batch(self.corpus.heldout, k, stream_id=1)
             if self.hybrid is not None:
-                tot += self.hybrid.eval_step(x, y, self._loss_fn)
+                tot += self.hybrid.eval_step(x, y, self.tm.loss_fn)
             else:
-                tot += float(self._loss_fn(self.model(x), y))
+                tot += self._as_mean(float(self.tm.loss(x, y)))
         self.model.train()
         return self.comm.allreduce_object(tot / self.cfg.train.eval_batches) / self.comm.size
 

@@ -32,9 +32,10 @@ MESHES = {
         {"mesh": {"sp": 2}},
         {"mesh": {"pp": 2}, "data": {"micro_batches": 2}}],
     4: [{"mesh": {"dp": 2, "sp": 2}},
-        {"mesh": {"pp": 2, "sp": 2}, "data": {"micro_batches": 2}},
+        {"mesh": {"pp": 2, "sp": 2}, "data": {"micro_batches": 2},
+         "sequence": {"algorithm": "fpdt", "chunks": 2}},
         {"mesh": {"dp": 2, "pp": 2}, "mesh_schedule": "gpipe"},
-        {"mesh": {"sp": 4}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}}],
+        {"mesh": {"sp": 4}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True, "recompute": True}}],
 }
 
 _DIR: list[str] = []
@@ -67,6 +68,8 @@ def _reference(comm, extra: dict):
     """The same run on one rank (sp-independent parts of ``extra`` kept: sequence algorithm, micro-batches)."""
     solo = comm.split(comm.rank, 0, name="solo")
     keep = {k: v for k, v in extra.items() if k not in ("mesh", "mesh_schedule", "sequence")}
+    if "recompute" in extra.get("sequence", {}):
+        keep["sequence"] = {"recompute": extra["sequence"]["recompute"]}
     tr = Trainer(_cfg(BASE, keep), solo, out=_tmp(comm, f"ref{comm.rank}"), quiet=True)
     recs = tr.run()
     return recs, _params(tr)

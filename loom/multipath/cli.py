@@ -104,7 +104,9 @@ def _png(path: str, topo: Topology, rows: list[dict], title: str) -> None:
         ax.set_xlabel(f"links, busiest first ({len(idx)} loaded)")
         ax.set_xscale("log")
     ax.set_ylabel("busy time (ms)")
-    ax.set_title(title, fontsize=10)
+    import textwrap
+
+    ax.set_title("\n".join(textwrap.wrap(title, 110)), fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,0 +1,136 @@
+"""Planner, baselines, topology reader, simulator and `loom plan` on one process."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from loom.multipath import (Topology, demand_matrix, ecmp, lp_optimum, parse_skew, plan, preset, simulate,
+                            single_path, stripe)
+from loom.multipath.relay import _split_rows
+from loom.multipath.topology import _rail_cluster
+
+
+def _random_instance(seed: int):
+    rng = np.random.default_rng(seed)
+    nodes, rpn = int(rng.integers(1, 4)), int(rng.integers(2, 5))
+    rails = int(rng.integers(1, rpn + 1))
+    t = _rail_cluster("rand", nodes=nodes, ranks_per_node=rpn, rails=rails, rail_bw=float(rng.uniform(1, 3)),
+                      intra_bw=float(rng.uniform(2, 10)), intra=("mesh", "switch")[seed % 2])
+    edges = tuple((i, a, b, c * float(rng.uniform(0.5, 2))) for i, a, b, c in t.edges)
+    t = Topology(name="rand", node_of=t.node_of, rail_of=t.rail_of, switches=t.switches, edges=edges)
+    D = rng.exponential(1, (t.size, t.size)) * (rng.random((t.size, t.size)) < 0.6) * 4e6
+    np.fill_diagonal(D, 0)
+    return t, D
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_mwu_within_10pct_of_lp_and_feasible(seed):
+    t, D = _random_instance(seed)
+    pl = plan(t, D, min_bytes=0, hysteresis=0)
+    pl.check()
+    lp = lp_optimum(t, D)
+    lp.check(rtol=1e-6)
+    assert lp.congestion <= pl.congestion * (1 + 1e-6)
+    assert pl.congestion <= 1.10 * lp.congestion, (pl.congestion / lp.congestion)
+    # Never worse than the static routes (the planner starts there and only accepts improvements).
+    assert pl.congestion <= single_path(t, D).congestion * (1 + 1e-9)
+
+
+def test_plan_is_deterministic():
+    t, D = _random_instance(3)
+    a, b = plan(t, D, min_bytes=0), plan(t, D.copy(), min_bytes=0)
+    assert a.flows.tobytes() == b.flows.tobytes() and a.method == b.method
+
+
+def test_testbed_hot_pair_gains_two_rails_and_balanced_stays_static():
+    t = preset("testbed")
+    hot = plan(t, demand_matrix(4, "hot-pair", 16 << 20))
+    base = single_path(t, demand_matrix(4, "hot-pair", 16 << 20))
+    assert hot.method == "mwu" and base.congestion / hot.congestion > 1.9
+    assert any(len(p.relays) for s in range(4) for d in range(4) if s != d
+               for p, _ in hot.splits(s, d) if p.kind != "static")
+    bal = plan(t, demand_matrix(4, "balanced", 16 << 20))
+    assert bal.method == "mwu(static)" and bal.moved_fraction() == 0
+
+
+def test_min_bytes_keeps_small_pairs_static_and_hysteresis_keeps_previous():
+    t = preset("testbed")
+    D = demand_matrix(4, "hot-pair", 16 << 20)
+    assert plan(t, D, min_bytes=1 << 40).moved_fraction() == 0
+    first = plan(t, D)
+    again = plan(t, D * 1.01, previous=first)
+    assert again.method == "mwu(previous)"
+    np.testing.assert_allclose(again.fractions(), first.fractions())
+
+
+def test_baselines_feasible_and_ordered():
+    t = preset("h100", nodes=2)
+    D = demand_matrix(t.size, "zipf-pairs:1.5", 8 << 20, seed=1)
+    for f in (single_path, ecmp, stripe, lp_optimum):
+        f(t, D).check(rtol=1e-6)
+    assert lp_optimum(t, D).congestion <= stripe(t, D).congestion * (1 + 1e-6)
+
+
+def test_testbed_dict_round_trip_and_paths():
+    from loom.testbed.topology import TestbedSpec, topology_dict
+
+    d = json.loads(json.dumps(topology_dict(TestbedSpec(nodes=2, ranks_per_node=2, rails=2))))
+    t = Topology.from_dict(d)
+    assert t.size == 4 and t.rails == 2
+    paths = t.paths(0, 3)
+    assert paths[0].kind == "static" and paths[0].vertices == tuple(d["routes"]["0->3"])
+    assert {p.kind for p in paths} == {"static", "rail0"}
+    rail0 = [p for p in paths if p.kind == "rail0"][0]
+    assert rail0.relays == (2,)  # over rail 0 to rank 2, which forwards inside node 1
+    with pytest.raises(ValueError, match="unknown vertex"):
+        Topology.from_dict({**d, "links": d["links"] + [{"id": "x", "a": "r0", "b": "nowhere", "capacity": 1}]})
+
+
+def test_from_toml(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[preset]\nname = "h100"\nnodes = 3\n')
+    t = Topology.from_toml(f)
+    assert t.size == 24 and t.nodes == 3
+
+
+def test_simulate_matches_congestion_for_one_bottleneck():
+    t = preset("testbed")
+    D = np.zeros((4, 4))
+    D[0, 2] = 125e6  # 1 s over one 1 Gbit/s rail
+    sim = simulate(single_path(t, D))
+    assert sim.seconds == pytest.approx(1.0, rel=1e-9)
+    both = plan(t, D, min_bytes=0)
+    assert simulate(both).seconds == pytest.approx(0.5, rel=1e-3)
+    # Max-min sharing: completion never beats the congestion bound.
+    Z = demand_matrix(4, "zipf-dest:1.5", 4 << 20)
+    for pl in (single_path(t, Z), plan(t, Z)):
+        assert simulate(pl).seconds >= pl.congestion * (1 - 1e-9)
+
+
+def test_split_rows_and_skews():
+    assert _split_rows(10, np.array([1.0, 1.0, 1.0])) == [4, 3, 3]
+    assert _split_rows(0, np.array([1.0, 2.0])) == [0, 0]
+    for s in ("balanced", "hot-pair", "zipf-pairs:1.5", "zipf-dest:2"):
+        D = demand_matrix(6, s, 100.0)
+        assert D.sum() == pytest.approx(100.0 * 30) and np.all(np.diag(D) == 0)
+    with pytest.raises(ValueError, match="unknown skew"):
+        parse_skew("zipf:1")
+    with pytest.raises(ValueError, match="shape"):
+        plan(preset("testbed"), np.zeros((3, 3)))
+
+
+def test_loom_plan_cli(tmp_path, capsys):
+    from loom.multipath.cli import main
+
+    png, js = tmp_path / "l.png", tmp_path / "t.json"
+    assert main(["--topology", "testbed", "--skew", "hot-pair", "--size", "4M", "--png", str(png),
+                 "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "mwu" in out and "lp" in out and "single-path" in out
+    assert png.stat().st_size > 1000
+    rows = {r["method"]: r for r in json.loads(js.read_text())["rows"]}
+    assert rows["mwu"]["gain"] > 1.9
+    assert main(["--topology", "nope"]) == 2

@@ -103,7 +103,8 @@ class HybridParallel:
         grad_hook: ``hook(flat_bucket, dp_comm, bucket_index) -> mean over dp`` (e.g.
             ``loom.compress.dp_hook(policy)``); default ``dp.allreduce(t, op="avg")`` (non-blocking).
         compression: a ``loom.compress.CompressionPolicy``; its ``pp`` codec compresses pipeline traffic.
-        sample_inputs: one micro-batch of inputs, for ``balance="time"``.
+        sample_inputs: one micro-batch of inputs, for ``balance="time"``, and to capture with ``torch.export``
+            a model ``torch.fx`` cannot trace (the graph is then specialised to this micro-batch's shapes).
         bucket_mb: gradient bucket size in MiB.
         leaf_modules: module classes ``torch.fx`` calls as one layer instead of tracing into (for bodies
             with shape-dependent Python control flow, e.g. ``leaf_modules=(Block,)`` for loom's Llama).
@@ -137,8 +138,8 @@ class HybridParallel:
             if codec is not None and schedule != "gpipe":
                 raise ValueError(f"pipeline compression sends with blocking loom.compress.send, which can deadlock "
                                  f"the {schedule!r} steady state; use schedule='gpipe' with a pp codec")
-        self.graph: Graph = capture(model, leaf_modules=leaf_modules)
         sample = _as_tuple(sample_inputs) if sample_inputs is not None else None
+        self.graph: Graph = capture(model, leaf_modules=leaf_modules, sample=sample)
         costs = None
         if balance == "time":
             if sample is None:
@@ -248,7 +249,7 @@ class HybridParallel:
 
     def _mode(self, training: bool) -> None:
         """torch modules: ``train()``/``eval()`` (Dropout, BatchNorm); Keras layers get ``training=`` per call."""
-        if self.graph.kind in ("fx", "sequential") and self.model.training != training:
+        if self.graph.kind in ("fx", "sequential", "export") and self.model.training != training:
             self.model.train(training)
 
     def _key(self, mb: tuple) -> tuple:

@@ -10,7 +10,8 @@ skip connection from the input costs nothing, and one from stage 0 to stage 3 cr
 Three front ends build the same :class:`Graph`:
 
 * ``nn.Sequential`` -- one unit per child;
-* any ``nn.Module`` that ``torch.fx.symbolic_trace`` can trace -- one node per graph node;
+* any ``nn.Module`` that ``torch.fx.symbolic_trace`` can trace -- one node per graph node; failing that, and
+  given a sample micro-batch, ``torch.export`` (aten-level nodes, specialised to the sample's shapes);
 * Keras 3 models on the torch backend (``KERAS_BACKEND=torch``): ``keras.Sequential`` by its layer list and
   Functional models by walking Keras's own node graph (``_nodes_by_depth``), since Keras layers are not
   registered as torch child modules.
@@ -251,7 +252,7 @@ def split_units(graph: Graph, parts: int, how: str | Sequence[int], sample: Sequ
 
 
 # ---------------------------------------------------------------------------- front ends
-def capture(model: Any, *, leaf_modules: Sequence[type] = ()) -> Graph:
+def capture(model: Any, *, leaf_modules: Sequence[type] = (), sample: Sequence[Any] | None = None) -> Graph:
     """Build the :class:`Graph` of ``model`` (``nn.Sequential``, a Keras 3 model, or an fx-traceable module).
 
     Args:
@@ -259,6 +260,8 @@ def capture(model: Any, *, leaf_modules: Sequence[type] = ()) -> Graph:
         leaf_modules: ``nn.Module`` classes that ``torch.fx`` must call as one node instead of tracing into
             (e.g. a transformer block whose body has shape-dependent Python control flow); each call of such
             a module is then one layer.
+        sample: one micro-batch of inputs; when ``torch.fx`` fails, the model is captured with
+            ``torch.export`` on it instead (the graph is then specialised to that micro-batch shape).
 
     Raises:
         TraceError: ``torch.fx`` cannot trace the model (the message says which construct and what to do).
@@ -269,7 +272,7 @@ def capture(model: Any, *, leaf_modules: Sequence[type] = ()) -> Graph:
     if isinstance(model, nn.Sequential):
         return _from_sequential(model)
     if isinstance(model, nn.Module):
-        return _from_fx(model, tuple(leaf_modules))
+        return _from_fx(model, tuple(leaf_modules), sample)
     raise TypeError(f"HybridParallel needs a torch.nn.Module or a Keras 3 model (torch backend), got "
                     f"{type(model).__name__}")
 
@@ -302,7 +305,7 @@ def _getter(value: Any) -> Callable[[], Any]:
     return lambda: value
 
 
-def _from_fx(model: nn.Module, leaves: tuple[type, ...] = ()) -> Graph:
+def _from_fx(model: nn.Module, leaves: tuple[type, ...] = (), sample: Sequence[Any] | None = None) -> Graph:
     import torch.fx as fx
 
     class Tracer(fx.Tracer):
@@ -312,12 +315,37 @@ def _from_fx(model: nn.Module, leaves: tuple[type, ...] = ()) -> Graph:
     try:
         gm = fx.GraphModule(model, Tracer().trace(model), type(model).__name__)
     except Exception as exc:  # fx raises TraceError, TypeError, RuntimeError... for untraceable Python
+        if sample is not None:
+            return _from_export(model, sample, exc)
         raise TraceError(
             f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: {exc}. Usually this is "
             f"data-dependent control flow (an `if`/`for` on a tensor's value) or a non-torch call on a tensor. "
             f"Fix: move that code into a submodule and pass its class in leaf_modules=(...) so it runs as one "
-            f"layer, wrap the function with torch.fx.wrap, or express the model as nn.Sequential"
+            f"layer, pass sample_inputs= (one micro-batch) to capture it with torch.export instead, wrap the "
+            f"function with torch.fx.wrap, or express the model as nn.Sequential"
         ) from exc
+    return _walk_fx(gm, type(model).__name__, "fx")
+
+
+def _from_export(model: nn.Module, sample: Sequence[Any], fx_error: Exception) -> Graph:
+    """Capture with ``torch.export`` (aten-level graph, specialised to the sample micro-batch's shapes)."""
+    try:
+        ep = torch.export.export(model, tuple(sample), strict=False)
+        gm = ep.module()
+    except Exception as exc:
+        raise TraceError(
+            f"neither torch.fx ({type(fx_error).__name__}: {fx_error}) nor torch.export ({type(exc).__name__}: "
+            f"{exc}) can capture {type(model).__name__}. Data-dependent control flow (a branch on a tensor's "
+            f"value) cannot be split into stages: move it into a submodule and pass its class in "
+            f"leaf_modules=(...), or express the model as nn.Sequential"
+        ) from exc
+    return _walk_fx(gm, type(model).__name__, "export")
+
+
+def _walk_fx(gm: nn.Module, what: str, kind: str) -> Graph:
+    import torch.fx as fx
+    from torch.utils import _pytree
+
     nodes: list[Node] = []
     inputs: list[str] = []
     output: Any = None
@@ -325,11 +353,14 @@ def _from_fx(model: nn.Module, leaves: tuple[type, ...] = ()) -> Graph:
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             if n.args:  # default value: the model has an optional argument
-                raise TraceError(f"{type(model).__name__}.forward argument {n.target!r} has a default; pass every "
+                raise TraceError(f"{what}.forward argument {n.target!r} has a default; pass every "
                                  f"input explicitly (HybridParallel splits each input into micro-batches)")
             inputs.append(n.name)
         elif n.op == "output":
             output = conv(n.args[0])
+            info = getattr(gm.graph._codegen, "pytree_info", None)  # torch.export: flat outputs + a spec
+            if info is not None and info.out_spec is not None:
+                output = _pytree.tree_unflatten(list(output), info.out_spec)
         elif n.op == "call_module":
             mod = gm.get_submodule(n.target)
             nodes.append(Node(n.name, mod, conv(n.args), conv(n.kwargs), _own(mod),
@@ -346,18 +377,28 @@ def _from_fx(model: nn.Module, leaves: tuple[type, ...] = ()) -> Graph:
         elif n.op == "call_method":
             nodes.append(Node(n.name, _method(n.target), conv(n.args), conv(n.kwargs), (), f".{n.target}()"))
         else:  # pragma: no cover - fx has no other opcodes today
-            raise TraceError(f"unsupported torch.fx node {n.op!r} ({n.name}) in {type(model).__name__}")
+            raise TraceError(f"unsupported torch.fx node {n.op!r} ({n.name}) in {what}")
     if not nodes:
-        raise ValueError(f"{type(model).__name__} has no operations to partition")
-    # A parameter read is glued to the next node (its consumer, in fx's order), so a stage boundary never
-    # ships a weight as an activation.
+        raise ValueError(f"{what} has no operations to partition")
+    # Parameter reads move to just before their first reader and are glued to it, so a stage boundary does
+    # not ship a weight as an activation (torch.export lists every get_attr at the top of the graph).
+    attrs = {n.name: n for n in nodes if n.label.endswith("(attribute)")}
+    ordered: list[Node] = []
+    for n in nodes:
+        if n.name in attrs:
+            continue
+        for r in _refs((n.args, n.kwargs)):
+            if r in attrs:
+                ordered.append(attrs.pop(r))
+        ordered.append(n)
+    ordered += list(attrs.values())  # read only by the output
     units, start = [], 0
-    for i, n in enumerate(nodes):
-        glue = n.label.endswith("(attribute)") and i + 1 < len(nodes)
+    for i, n in enumerate(ordered):
+        glue = n.label.endswith("(attribute)") and i + 1 < len(ordered)
         if not glue:
             units.append((start, i + 1))
             start = i + 1
-    return Graph(inputs=inputs, nodes=nodes, units=units, output=output, kind="fx")
+    return Graph(inputs=inputs, nodes=ordered, units=units, output=output, kind=kind)
 
 
 def _is_keras(model: Any) -> bool:

@@ -228,3 +228,43 @@ def test_train_and_eval_modes_reach_dropout():
         torch.manual_seed(1)
         b = hp.train_step(x, y, nn.MSELoss())
         assert a != b  # train: dropout on (different masks)
+
+
+class ShapeBranch(nn.Module):
+    """fx cannot trace the shape-dependent `if`; torch.export specialises it to the sample micro-batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x, z):
+        h = self.a(x)
+        if h.shape[0] > 1:
+            h = h + torch.tanh(self.b(h))
+        return self.c(h * z) + h[:, :2]
+
+
+def test_torch_export_fallback_with_sample_inputs():
+    torch.manual_seed(2)
+    model, ref = ShapeBranch().double(), ShapeBranch().double()
+    ref.load_state_dict(model.state_dict())
+    x, z, y = (torch.randn(8, d, dtype=torch.float64) for d in (4, 4, 2))
+    with pytest.raises(TraceError, match="sample_inputs="):
+        HybridParallel(model, micro_batches=2)
+    hp = HybridParallel(model, micro_batches=2, sample_inputs=(x[:4], z[:4]))
+    assert hp.graph.kind == "export"
+    # parameter reads sit right before their users, so every unit owning a weight also computes
+    assert all(n.label.endswith("(attribute)") is False for n in hp.graph.nodes[-1:])
+    opt, ropt = torch.optim.SGD(hp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    assert len(list(hp.parameters())) == 6
+    for _ in range(3):
+        opt.zero_grad()
+        loss = hp.train_step((x, z), y, nn.MSELoss())
+        opt.step()
+        ropt.zero_grad()
+        rl = nn.MSELoss()(ref(x, z), y)
+        rl.backward()
+        ropt.step()
+        assert abs(loss - rl.item()) < 1e-12
+    for k, v in ref.state_dict().items():
+        assert (hp.state_dict()[k] - v).abs().max().item() < 1e-12

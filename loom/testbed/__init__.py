@@ -9,7 +9,7 @@
 """
 
 from .netns import NAME_PREFIX, Testbed, TestbedError, TestbedUnavailable, clean, leftovers, preflight, rank_env
-from .topology import RankInfo, Route, TestbedSpec, ranks, routes, static_path, topology_dict
+from .topology import RankInfo, Route, TestbedSpec, current_topology, ranks, routes, static_path, topology_dict
 
 __all__ = [
     "NAME_PREFIX",
@@ -20,6 +20,7 @@ __all__ = [
     "TestbedSpec",
     "TestbedUnavailable",
     "clean",
+    "current_topology",
     "leftovers",
     "preflight",
     "rank_env",

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -165,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from loom.comm import world
 
+    from .topology import current_topology
+
     args = parser().parse_args(argv)
     names = [c.strip() for c in args.classes.split(",") if c.strip()]
     for c in names:
@@ -172,11 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"probe: unknown link class {c!r}; valid: {', '.join(CLASSES)}")
     if args.size < 1 or args.window < 1 or args.seconds <= 0 or args.pingpongs < 1:
         raise SystemExit("probe: --size, --window, --pingpongs must be >= 1 and --seconds > 0")
-    path = os.environ.get("LOOM_TESTBED_TOPOLOGY")
-    if not path:
+    topo = current_topology()
+    if topo is None:
         raise SystemExit("probe: LOOM_TESTBED_TOPOLOGY is not set; run it through `loom testbed check`")
-    with open(path) as f:
-        topo = json.load(f)
     torch.set_num_threads(1)
     comm = world()
     if comm.size != len(topo["ranks"]):

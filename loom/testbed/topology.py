@@ -51,6 +51,8 @@ pairs are the links it uses, in order.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -61,6 +63,7 @@ __all__ = [
     "routes",
     "static_path",
     "topology_dict",
+    "current_topology",
     "ADDRESS_PREFIX",
     "RAIL_IFACE",
     "INTRA_IFACE",
@@ -271,3 +274,13 @@ def topology_dict(spec: TestbedSpec) -> dict:
         "rail_gbit": float(spec.rail_gbit),
         "intra_gbit": float(spec.intra_gbit),
     }
+
+
+def current_topology() -> dict | None:
+    """Inside a testbed rank: the running testbed's :func:`topology_dict` (from ``$LOOM_TESTBED_TOPOLOGY``);
+    ``None`` outside a testbed. Lets a benchmark plan with the topology it actually runs on."""
+    path = os.environ.get("LOOM_TESTBED_TOPOLOGY")
+    if not path:
+        return None
+    with open(path) as f:
+        return json.load(f)

@@ -1,15 +1,15 @@
-"""Checks that run *on the testbed's ranks* (launched by tests/integration/test_testbed.py inside a Testbed).
+"""Checks that run *on the testbed's ranks* (tests/integration/test_testbed_cluster.py runs them in a Testbed).
 
 Each rank reads its own NIC byte counters from /sys (``ip netns exec`` mounts the namespace's sysfs), so the
 route checks see which links really carried the bytes.
 """
 
-import json
 import os
 
 import numpy as np
 import torch
 
+from loom.testbed import current_topology
 from loom.testbed.probe import measure
 from loom.testing import mpi_checks, seeded
 
@@ -17,8 +17,9 @@ PAYLOAD = 4 << 20  # bytes of each route probe; background traffic (barriers, ga
 
 
 def _topology():
-    with open(os.environ["LOOM_TESTBED_TOPOLOGY"]) as f:
-        return json.load(f)
+    topo = current_topology()
+    assert topo is not None, "LOOM_TESTBED_TOPOLOGY is not set: run this inside a Testbed"
+    return topo
 
 
 def _counters():

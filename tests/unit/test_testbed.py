@@ -159,6 +159,17 @@ def test_rank_env_and_mpmd_launch_line():
         Testbed(spec, nodes=2)
 
 
+def test_current_topology(monkeypatch, tmp_path):
+    from loom.testbed import current_topology
+
+    monkeypatch.delenv("LOOM_TESTBED_TOPOLOGY", raising=False)
+    assert current_topology() is None
+    want = topology_dict(TestbedSpec(nodes=2, ranks_per_node=2, rails=2))
+    (tmp_path / "t.json").write_text(json.dumps(want))
+    monkeypatch.setenv("LOOM_TESTBED_TOPOLOGY", str(tmp_path / "t.json"))
+    assert current_topology() == want
+
+
 def test_refuses_without_root(monkeypatch):
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     with pytest.raises(TestbedUnavailable, match="needs root"):

@@ -303,6 +303,31 @@ class _ControlProbe:
         return True, (m.source, buf)
 
 
+class _Kick:
+    """Pollable that completes on its second test: submitting it resets the poller's back-off and wakes it.
+
+    Sent after every write: a reply is usually on its way, so the reads waiting on this loop should be tested
+    at spin speed again rather than at the slow rate they may have backed off to (up to 2 ms per test).
+    """
+
+    __slots__ = ("tested",)
+
+    def __init__(self):
+        self.tested = False
+
+    def poll(self) -> tuple[bool, Any]:
+        if self.tested:
+            return True, None
+        self.tested = True
+        return False, None
+
+
+def _kick() -> None:
+    p = poller()
+    if p.pending:  # something is waiting (a read, the dispatcher): make it fast again
+        p.submit(_Kick())
+
+
 class _Channel:
     """One end of a connection: peer rank, the tags, message counters and in-flight sends.
 
@@ -516,10 +541,12 @@ class MPIComm(Comm):
         if self._closed:
             raise CommClosedError(f"{self!r} was closed while serialising")
         try:
-            return self._send_frames(frames)
+            n = self._send_frames(frames)
         except BaseException:
             self.abort()
             raise
+        _kick()
+        return n
 
     def _send_frames(self, frames: list) -> int:
         chan = self._chan

@@ -28,7 +28,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-__all__ = ["initialize", "shutdown", "Roles", "WORKER_TTL"]
+__all__ = ["initialize", "serve", "shutdown", "Roles", "WORKER_TTL"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +80,16 @@ def _dask_config() -> dict:
     }
 
 
-async def _run_scheduler(comm, roles: Roles, dashboard: bool) -> None:
+def _host_kwargs(protocol: str) -> dict:
+    # TCP (the benchmark's peer) on the loopback interface; mpi:// addresses carry their own host.
+    return {"host": "127.0.0.1"} if protocol in ("tcp", "tls") else {}
+
+
+async def _run_scheduler(comm, roles: Roles, dashboard: bool, protocol: str = "mpi") -> None:
     from distributed import Scheduler
 
-    async with Scheduler(protocol="mpi", dashboard=dashboard, dashboard_address=":0" if dashboard else None,
-                         ) as scheduler:
+    async with Scheduler(protocol=protocol, dashboard=dashboard, dashboard_address=":0" if dashboard else None,
+                         **_host_kwargs(protocol)) as scheduler:
         address = scheduler.address
         comm.bcast_object(address, SCHEDULER_RANK)
         if os.environ.get("LOOM_DASK_VERBOSE"):
@@ -92,11 +97,13 @@ async def _run_scheduler(comm, roles: Roles, dashboard: bool) -> None:
         await scheduler.finished()
 
 
-async def _run_worker(comm, address: str, nthreads: int, memory_limit, local_directory) -> None:
+async def _run_worker(comm, address: str, nthreads: int, memory_limit, local_directory,
+                      protocol: str = "mpi") -> None:
     from distributed import Worker
 
     kwargs = {} if local_directory is None else {"local_directory": local_directory}
-    async with Worker(address, protocol="mpi", name=f"rank-{comm.rank}", nthreads=nthreads,
+    kwargs.update(_host_kwargs(protocol))
+    async with Worker(address, protocol=protocol, name=f"rank-{comm.rank}", nthreads=nthreads,
                       memory_limit=memory_limit, dashboard=False, dashboard_address=None, **kwargs) as worker:
         await worker.finished()
 
@@ -147,6 +154,32 @@ def initialize(*, nthreads: int = 1, memory_limit: str | int | None = "auto", lo
     return False
 
 
+def serve(*, protocol: str = "mpi", nthreads: int = 1, memory_limit: str | int | None = "auto",
+          local_directory: str | None = None, wait_timeout: float = 120.0) -> str | None:
+    """One cluster lifetime without exiting: the building block of :func:`initialize` and ``loom bench dask``.
+
+    Every rank calls it. The scheduler and worker ranks serve until the cluster is shut down and return
+    ``None``; the client rank returns the scheduler's address once every worker registered, and must call
+    :func:`shutdown` with it when done. ``protocol="tcp"`` runs the same cluster over Dask's TCP (loopback).
+    """
+    import dask
+
+    from loom.comm import world
+
+    comm = world()
+    roles = Roles(size=comm.size)
+    with dask.config.set(_dask_config()):
+        if comm.rank == SCHEDULER_RANK:
+            asyncio.run(_run_scheduler(comm, roles, False, protocol))
+            return None
+        address = comm.bcast_object(None, SCHEDULER_RANK)
+        if comm.rank == CLIENT_RANK:
+            _wait_for_workers(address, len(roles.workers), wait_timeout)
+            return address
+        asyncio.run(_run_worker(comm, address, nthreads, memory_limit, local_directory, protocol))
+        return None
+
+
 def _announce(roles: Roles, pids: list[int]) -> None:
     """Print the rank -> role -> pid map (MPICH names a dead process by pid) and save it for ``loom dask run``."""
     entries = {str(pid): {"rank": r, "role": roles.role(r)} for r, pid in enumerate(pids)}
@@ -167,11 +200,17 @@ def _wait_for_workers(address: str, n: int, timeout: float) -> None:
         client.wait_for_workers(n, timeout=timeout)
 
 
-def shutdown() -> None:
-    """From the client rank: close the scheduler and every worker (idempotent; registered ``atexit``)."""
-    if _STATE["shutdown"] or _STATE["address"] is None:
-        return
-    _STATE["shutdown"] = True
+def shutdown(address: str | None = None) -> None:
+    """From the client rank: close the scheduler and every worker (idempotent; registered ``atexit``).
+
+    Args:
+        address: the scheduler to close (default: the one :func:`initialize` started).
+    """
+    if address is None:
+        if _STATE["shutdown"] or _STATE["address"] is None:
+            return
+        _STATE["shutdown"] = True
+        address = _STATE["address"]
 
     # The script's own clients first, so they do not try to reconnect to a scheduler that is going away.
     from distributed import Client
@@ -186,7 +225,7 @@ def shutdown() -> None:
     async def close() -> None:
         from distributed.core import rpc
 
-        async with rpc(_STATE["address"]) as scheduler:
+        async with rpc(address) as scheduler:
             try:
                 await scheduler.terminate()
             except Exception:  # noqa: BLE001 - the scheduler closing its end may race with the reply

@@ -1,0 +1,286 @@
+"""``loom bench dask``: Dask's comm layer over ``mpi://`` against ``tcp://``, then two applications.
+
+Plan (one invocation; relaunches itself on ``--np`` ranks, default 4, when started outside MPI):
+
+1. **Reference**: loom.comm's blocking ``send``/``recv`` ping-pong between ranks 0 and 1 (the MPI floor).
+2. **Comm ping-pong**: rank 1 listens on ``mpi://`` and ``tcp://127.0.0.1`` with an echo handler, rank 0
+   connects to both and, per power-of-two size from ``-m`` to ``-M``, times ``write`` + ``read`` round trips,
+   the two transports interleaved round by round (best round kept). Messages up to 8 KiB are a ``bytes``
+   object (inside Dask's msgpack frame); larger ones a numpy buffer behind ``to_serialize`` (its own frame,
+   zero-copy), as Dask sends task data. Latency is half the round trip; bandwidth is size / latency.
+3. **Applications** on 1 scheduler (rank 0) + 1 client (rank 1) + workers (ranks 2..), one cluster per
+   transport: ``(x + x.T).sum()`` of a persisted random numpy-backed dask array (``--array`` square in
+   ``--chunk`` blocks) and a dataframe merge of two persisted pandas-backed frames (``--rows`` rows each,
+   ``--partitions`` partitions, ~``rows/4`` distinct keys); best of ``--app-rounds`` wall times.
+
+Rank 0 prints the comm tables, rank 1 the application table; ``--json PATH`` writes all three.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from datetime import datetime, timezone
+
+import numpy as np
+
+from . import omb
+
+__all__ = ["main"]
+
+SMALL = 8192
+
+
+def _parser():
+    p = omb.parser("dask", "Dask comm ping-pong and applications: mpi:// vs tcp://", min_size=1,
+                   max_size=64 << 20, vs=("tcp",), default_vs="tcp")
+    p.set_defaults(iterations=500, iterations_large=30, warmup=50, warmup_large=3, rounds=2, max_seconds=2.0)
+    p.add_argument("--np", type=int, default=4, help="ranks to launch when started outside MPI (>= 4 for apps)")
+    p.add_argument("--array", type=int, default=8000, help="side of the square array for (x + x.T).sum()")
+    p.add_argument("--chunk", type=int, default=1000, help="chunk side of that array")
+    p.add_argument("--rows", type=int, default=2_000_000, help="rows of each dataframe in the merge")
+    p.add_argument("--partitions", type=int, default=8, help="partitions of each dataframe")
+    p.add_argument("--app-rounds", type=int, default=2, help="timed runs per application and transport")
+    p.add_argument("--skip-comm", action="store_true", help="only the applications")
+    p.add_argument("--skip-apps", action="store_true", help="only the comm ping-pong")
+    return p
+
+
+def _msg(size: int):
+    from distributed.protocol import to_serialize
+
+    if size <= SMALL:
+        return b"x" * size
+    return {"x": to_serialize(np.ones(size, np.uint8))}
+
+
+async def _echo_server(comm, transports: list[str]) -> None:
+    from distributed.comm import CommClosedError, listen
+    from distributed.protocol import to_serialize
+
+    finished = asyncio.Event()
+    ended: list[str] = []
+
+    async def echo(c):
+        try:
+            while True:
+                m = await c.read()
+                await c.write({"x": to_serialize(m["x"])} if isinstance(m, dict) else m)
+        except CommClosedError:
+            pass
+        finally:
+            ended.append(c.local_address)
+            if len(ended) == len(transports):
+                finished.set()
+
+    listeners = [await listen("mpi://" if t == "mpi" else "tcp://127.0.0.1", echo) for t in transports]
+    comm.send_object([lst.contact_address for lst in listeners], 0, tag=13)
+    await finished.wait()
+    for lst in listeners:
+        lst.stop()
+
+
+async def _ping_client(comm, args, transports: list[str], sizes: list[int]) -> dict[str, dict[int, float]]:
+    from distributed.comm import connect
+
+    addresses = comm.recv_object(1, tag=13)
+    comms = {t: await connect(a, timeout=60) for t, a in zip(transports, addresses)}
+    best: dict[str, dict[int, float]] = {t: {} for t in transports}
+    for size in sizes:
+        msg = _msg(size)
+        warm, iters = omb.iterations(size, args)
+        for _ in range(max(1, args.rounds)):
+            for t in transports:
+                c = comms[t]
+                for _ in range(warm):
+                    await c.write(msg)
+                    await c.read()
+                t0 = time.perf_counter()
+                done = 0
+                while done < iters:
+                    await c.write(msg)
+                    await c.read()
+                    done += 1
+                    if time.perf_counter() - t0 > args.max_seconds:
+                        break
+                rtt = (time.perf_counter() - t0) / done
+                best[t][size] = min(best[t].get(size, float("inf")), rtt / 2)
+    for c in comms.values():
+        await c.close()
+    return best
+
+
+def _quiet_barrier(comm) -> None:
+    """A barrier that sleeps while it waits (loom's back-off), unlike MPI_Barrier's busy spin: on a machine
+    with more ranks than cores, spinning bystanders would slow the ranks being measured."""
+    comm.iallreduce(np.zeros(1)).wait()
+
+
+def _loom_pingpong(comm, args, sizes: list[int]) -> dict[int, float]:
+    """loom.comm send/recv ping-pong between ranks 0 and 1 only (rank 0 picks each count and tells rank 1)."""
+    out = {}
+    if comm.rank > 1:
+        return out
+    for size in sizes:
+        buf = np.ones(size, np.uint8)
+        warm, iters = omb.iterations(size, args)
+        best = float("inf")
+        for _ in range(max(1, args.rounds)):
+            if comm.rank == 0:
+                comm.send_object(warm + iters, 1, tag=12)
+                for _ in range(warm):
+                    comm.send(buf, 1, tag=11)
+                    comm.recv(buf, 1, tag=11)
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    comm.send(buf, 1, tag=11)
+                    comm.recv(buf, 1, tag=11)
+                best = min(best, (time.perf_counter() - t0) / iters / 2)
+            else:
+                for _ in range(comm.recv_object(0, tag=12)):
+                    comm.recv(buf, 0, tag=11)
+                    comm.send(buf, 0, tag=11)
+        out[size] = best
+    return out
+
+
+def _comm_tables(comm, args, doc: dict) -> None:
+    sizes = omb.sizes(args.min_size, args.max_size)
+    transports = ["mpi", "tcp"]
+    ref = _loom_pingpong(comm, args, sizes)
+    _quiet_barrier(comm)
+    best = None
+    if comm.rank == 1:
+        asyncio.run(_echo_server(comm, transports))
+    elif comm.rank == 0:
+        best = asyncio.run(_ping_client(comm, args, transports, sizes))
+    _quiet_barrier(comm)
+    meta = {"ranks": "0 <-> 1", "peer": "tcp://127.0.0.1 (Dask's TCP comm)", "reference": "loom.comm send/recv"}
+    lat = omb.Table("Dask comm Latency Test (mpi:// vs tcp://)",
+                    ["Size", "mpi (us)", "tcp (us)", "tcp/mpi", "loom.comm (us)", "mpi/loom.comm"],
+                    rank=comm.rank, meta=meta)
+    bw = omb.Table("Dask comm Bandwidth Test (ping-pong, mpi:// vs tcp://)",
+                   ["Size", "mpi (MB/s)", "tcp (MB/s)", "mpi/tcp"], rank=comm.rank, meta=meta)
+    if comm.rank == 0:
+        lat.header()
+        for s in sizes:
+            m, t = best["mpi"][s], best["tcp"][s]
+            lat.add(s, m * 1e6, t * 1e6, t / m, ref[s] * 1e6, m / ref[s])
+        print(flush=True)
+        bw.header()
+        for s in sizes:
+            m, t = best["mpi"][s], best["tcp"][s]
+            bw.add(s, s / m / 1e6, s / t / 1e6, t / m)
+        print(flush=True)
+        doc["latency"] = lat.rows
+        doc["bandwidth"] = bw.rows
+
+
+def _apps_client(address: str, args) -> dict[str, float]:
+    import dask.array as da
+    import dask.dataframe as dd
+    import pandas as pd
+    from distributed import Client, wait
+
+    def frame(i: int, seed: int, rows: int, keys: int) -> pd.DataFrame:
+        rng = np.random.default_rng(seed * 1000 + i)
+        return pd.DataFrame({"k": rng.integers(0, keys, rows), f"v{seed}": rng.standard_normal(rows)})
+
+    times: dict[str, float] = {}
+    with Client(address) as client:
+        x = da.random.default_rng(0).random((args.array, args.array), chunks=(args.chunk, args.chunk))
+        x = client.persist(x)
+        wait(x)
+        best = float("inf")
+        for _ in range(max(1, args.app_rounds)):
+            t0 = time.perf_counter()
+            total = float((x + x.T).sum().compute())
+            best = min(best, time.perf_counter() - t0)
+        times["(x + x.T).sum()"] = best
+        del x
+        rows = args.rows // args.partitions
+        keys = max(1, args.rows // 4)
+        left = dd.from_map(frame, range(args.partitions), seed=1, rows=rows, keys=keys)
+        right = dd.from_map(frame, range(args.partitions), seed=2, rows=rows, keys=keys)
+        left, right = client.persist([left, right])
+        wait([left, right])
+        best = float("inf")
+        for _ in range(max(1, args.app_rounds)):
+            t0 = time.perf_counter()
+            merged = client.persist(left.merge(right, on="k"))
+            wait(merged)
+            n = int(merged.map_partitions(len).sum().compute())
+            best = min(best, time.perf_counter() - t0)
+            del merged
+        times["dataframe merge"] = best
+        times["_check"] = total + n
+    return times
+
+
+def _app_table(comm, args, doc: dict) -> None:
+    from loom.dask.launcher import serve, shutdown
+
+    results: dict[str, dict[str, float]] = {}
+    for protocol in ("mpi", "tcp"):
+        address = serve(protocol=protocol, memory_limit=None)
+        if address is not None:
+            try:
+                results[protocol] = _apps_client(address, args)
+            finally:
+                shutdown(address)
+        _quiet_barrier(comm)
+    if comm.rank == 1:
+        w = comm.size - 2
+        table = omb.Table(f"Dask applications (1 scheduler + 1 client + {w} workers)",
+                          ["Application", "mpi (s)", "tcp (s)", "tcp/mpi"], rank=0,
+                          meta={"array": f"{args.array}^2 fp64 in {args.chunk}^2 chunks",
+                                "merge": f"2 x {args.rows} rows, {args.partitions} partitions"})
+        table.header()
+        for app in ("(x + x.T).sum()", "dataframe merge"):
+            m, t = results["mpi"][app], results["tcp"][app]
+            table.add(app, m, t, t / m)
+        doc["apps"] = table.rows
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    from loom.cli import _inside_mpi
+
+    if not _inside_mpi():
+        from loom.comm import launch
+
+        if args.np < 2:
+            print(f"loom bench dask: --np {args.np} must be >= 2 (>= 4 for the applications)", file=sys.stderr)
+            return 2
+        env = {"LOOM_LAUNCHED": "1", "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED": "error"}
+        return launch.run(args.np, [sys.executable, "-m", "loom.cli", "bench", "dask", *argv], env=env).returncode
+    import logging
+
+    logging.getLogger("distributed").setLevel(logging.ERROR)
+    from loom.comm import world
+
+    comm = world()
+    if comm.size < 2:
+        print("loom bench dask needs >= 2 ranks (4 for the applications): loom bench dask --np 4", file=sys.stderr)
+        return 2
+    doc: dict = {}
+    if not args.skip_comm:
+        _comm_tables(comm, args, doc)
+    if not args.skip_apps:
+        if comm.size < 4:
+            if comm.rank == 0:
+                print("# applications skipped: they need >= 4 ranks (scheduler, client, 2 workers)", flush=True)
+        else:
+            _app_table(comm, args, doc)
+    docs = comm.gather_object(doc, 0)
+    if args.json and comm.rank == 0:
+        merged = {k: v for d in docs for k, v in d.items()}
+        merged.update(machine=omb.machine_info(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      command="loom bench dask " + " ".join(argv), ranks=comm.size,
+                      note=f"{os.cpu_count()}-core machine shared with other jobs; timings are noisy")
+        with open(args.json, "w") as f:
+            json.dump(merged, f, indent=2)
+    return 0

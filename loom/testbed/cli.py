@@ -143,20 +143,38 @@ def check_rows(spec: TestbedSpec, args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def verdict(row: dict, ceiling_gbit: float | None) -> str:
+    """What limits a measured class: ``link`` (>= 80 % of the configured rate), ``cpu`` (below that but each
+    flow reaches >= 70 % of the unlimited single-flow ``ceiling_gbit``: this machine, not the link), ``low``
+    (neither: look into it), ``-`` for the unlimited reference itself."""
+    conf, got = row["configured_gbit"], row["achieved_gbit"]
+    if conf > 0 and got >= 0.8 * conf:
+        return "link"
+    if ceiling_gbit and got / max(1, len(row.get("pairs", [0]))) >= 0.7 * ceiling_gbit:
+        return "cpu" if conf > 0 else "-"
+    return "low" if conf > 0 else "-"
+
+
 def print_table(rows: list[dict], spec: TestbedSpec, json_path: str | None = None) -> None:
+    """Print the OMB-style check table on stdout (and ``json_path``); the ``no-limit`` row, when present, is
+    the ceiling the verdicts compare against."""
     from loom.bench import omb
 
-    cols = ["Link", "Route", "Configured (Gbit/s)", "Achieved (Gbit/s)", "Achieved/Configured", "Latency (us)"]
+    cols = ["Link", "Route", "Configured (Gbit/s)", "Achieved (Gbit/s)", "Achieved/Configured", "Latency (us)",
+            "Limit"]
     table = omb.Table(title="Testbed Link Check", columns=cols)
     table.meta = {"topology": spec.describe(),
-                  "method": "windowed isend stream (osu_bw) + 8-byte ping-pong, loom.comm over OFI/TCP"}
+                  "method": "windowed isend stream (osu_bw) + 8-byte ping-pong, loom.comm over OFI/TCP",
+                  "limit": "link: >= 80% of configured; cpu: below, but near the no-limit (CPU) ceiling"}
     table.widths = [10, max(8, *(len(r["path"]) + 2 for r in rows)) if rows else 8] + [len(c) + 2 for c in cols[2:]]
+    ceiling = next((r["achieved_gbit"] for r in rows if r["class"] == "no-limit"), None)
     table.header()
     for r in rows:
         conf = r["configured_gbit"]
         ratio = f"{r['achieved_gbit'] / conf:.2f}" if conf else "-"
+        r["limit"] = verdict(r, ceiling)
         table.add(r["class"], r["path"], _fmt_rate(conf), f"{r['achieved_gbit']:.3f}", ratio,
-                  round(r["latency_us"], 1))
+                  round(r["latency_us"], 1), r["limit"])
     table.write_json(json_path, rows=rows)
 
 

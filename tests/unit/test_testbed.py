@@ -200,3 +200,20 @@ def test_cli_show_dry_run_and_errors(capsys):
     assert cli.main(["run", "--dry-run"]) == 2
     with pytest.raises(SystemExit):
         cli.main(["frobnicate"])
+
+
+def test_check_table_and_verdicts(capsys):
+    def row(cls, conf, got, pairs=1):
+        return {"class": cls, "path": "r0 rail0 r1", "configured_gbit": conf, "achieved_gbit": got,
+                "latency_us": 12.5, "pairs": [[0, 1]] * pairs}
+
+    rows = [row("rail", 1.0, 0.95), row("intra", 10.0, 1.5), row("rails", 2.0, 0.5, pairs=2),
+            row("no-limit", 0.0, 1.6)]
+    cli.print_table(rows, TestbedSpec(nodes=2, ranks_per_node=2, rails=2))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "# OSU-style loom Testbed Link Check"
+    body = {line.split()[0]: line.split() for line in out if not line.startswith("#")}
+    assert body["rail"][-3:] == ["0.95", "12.50", "link"]
+    assert body["intra"][-1] == "cpu"  # 1.5 of 10 configured, but >= 70 % of the 1.6 Gbit/s ceiling
+    assert body["rails"][-1] == "low"  # 0.25 per flow: neither the link nor the CPU explains it
+    assert body["no-limit"][-5:] == ["unlimited", "1.600", "-", "12.50", "-"]

@@ -33,7 +33,7 @@ def test_run_applications_exact_and_clean_exit():
     proc = _loom_dask_run(4, "apps")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "APPS OK" in proc.stdout, out
+    assert "APPS OK" in proc.stdout and "IDLE CPU" in proc.stdout, out
     assert "rank 2 worker rank-2" in proc.stderr and "rank 3 worker rank-3" in proc.stderr, out
 
 

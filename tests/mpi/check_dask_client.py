@@ -1,7 +1,10 @@
-"""Client script for ``loom dask run`` (tests/integration/test_dask.py): MODE = apps | raise | kill.
+"""Client script for ``loom dask run`` (tests/integration/test_dask.py): MODE = apps | idle | raise | kill.
 
 apps:  (x + x.T).sum() of a numpy-backed dask array and a pandas merge, against single-process references
-       (fp64, relative tolerance 1e-12; the merge compared exactly after sorting); every worker is mpi://.
+       (fp64, relative tolerance 1e-12; the merge compared exactly after sorting); every worker is mpi://;
+       then the idle check.
+idle:  CPU of the idle scheduler and workers over 3 s (bound 25 % of a core, Dask's own timers included;
+       measured here: about 4 %).
 raise: the script raises, so the job must exit non-zero with the traceback.
 kill:  a task SIGKILLs the worker running it mid-computation; the job must end promptly, naming the worker.
 """
@@ -40,6 +43,26 @@ def apps(client: Client) -> None:
     print("APPS OK", got, len(merged), flush=True)
 
 
+def _cpu() -> float:
+    import time
+
+    return time.process_time()
+
+
+def idle(client: Client, seconds: float = 3.0) -> None:
+    """CPU used by the scheduler and each worker rank while the cluster sits idle for ``seconds``."""
+    import time
+
+    time.sleep(1.0)  # let start-up work settle
+    s0, w0, t0 = client.run_on_scheduler(_cpu), client.run(_cpu), time.monotonic()
+    time.sleep(seconds)
+    s1, w1, dt = client.run_on_scheduler(_cpu), client.run(_cpu), time.monotonic() - t0
+    shares = {"scheduler": (s1 - s0) / dt, **{w: (w1[w] - w0[w]) / dt for w in w0}}
+    print("IDLE CPU " + " ".join(f"{k}={v:.1%}" for k, v in shares.items()), flush=True)
+    worst = max(shares.values())
+    assert worst < 0.25, f"an idle rank used {worst:.0%} of a core: {shares}"
+
+
 def _die():
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -56,6 +79,9 @@ if __name__ == "__main__":
     with Client() as client:
         if mode == "apps":
             apps(client)
+            idle(client)
+        elif mode == "idle":
+            idle(client)
         elif mode == "raise":
             raise ValueError("requested failure from the client script")
         elif mode == "kill":

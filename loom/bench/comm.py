@@ -288,7 +288,15 @@ def alltoall(argv: list[str]) -> int:
 
 
 def alltoallv(argv: list[str]) -> int:
-    """osu_alltoallv: ``size`` bytes to every rank through the vector interface (counts known to both sides)."""
+    """osu_alltoallv: ``size`` bytes to every rank through the vector interface (counts known to both sides).
+
+    ``--skew balanced|hot-pair|zipf-pairs:A|zipf-dest:A`` or ``--vs direct``: the multi-path table instead
+    (:mod:`loom.multipath.bench`: loom multi-path vs direct alltoallv in one run).
+    """
+    if any(a == "--skew" or a.startswith("--skew=") for a in argv) or "direct" in argv or "--vs=direct" in argv:
+        from ..multipath.bench import alltoallv_skew
+
+        return alltoallv_skew(argv)
     args, comm = _setup("alltoallv", "alltoallv latency (uniform counts)", argv, min_size=1, max_size=1 << 20)
     MPI = _raw()
     raw = MPI.COMM_WORLD

@@ -1,0 +1,97 @@
+"""``loom bench alltoallv --skew ... --vs direct``: direct alltoallv vs multi-path alltoallv in one run.
+
+Each size is the *balanced* bytes per ordered pair; the skew reshapes the same total volume
+(:mod:`loom.multipath.demand`). Rows are bytes (``uint8``), so counts equal the demand matrix. Both sides
+move the identical buffers with identical counts; the multi-path side plans once per size (the plan is
+cached, as a training loop with stable routing would) and the peer is ``comm.alltoallv`` (MPI's
+``Alltoallv``: every pair on its static route). The topology is the running testbed's (inside
+``loom testbed run``), else ``--topology``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..bench import omb
+from ..comm import world
+from .demand import demand_matrix, parse_skew
+from .relay import alltoallv as mp_alltoallv
+from .topology import PRESETS, Topology, preset
+
+__all__ = ["alltoallv_skew", "bench_topology"]
+
+
+def bench_topology(name: str, size: int) -> Topology:
+    """The testbed's own topology inside a testbed rank; else the preset ``name`` fitted to ``size`` ranks."""
+    try:
+        from loom.testbed import current_topology
+
+        d = current_topology()
+    except ImportError:
+        d = None
+    if d is not None:
+        return Topology.from_dict(d, name="testbed")
+    if name == "testbed":
+        per = 2 if size % 2 == 0 and size > 1 else 1
+        return preset("testbed", nodes=max(size // per, 1), ranks_per_node=per, rails=per)
+    if name == "shm":
+        return preset("shm", nodes=1, ranks_per_node=size, rails=1)
+    t = preset(name)
+    if t.size != size:
+        raise ValueError(f"preset {name!r} has {t.size} ranks but the job has {size}; launch {t.size} ranks")
+    return t
+
+
+def alltoallv_skew(argv: list[str]) -> int:
+    p = omb.parser("alltoallv", "alltoallv with skewed counts: multi-path vs direct", min_size=1 << 20,
+                   max_size=4 << 20, vs=("none", "direct"), default_vs="direct")
+    p.add_argument("--skew", default="balanced", help="balanced | hot-pair | zipf-pairs:A | zipf-dest:A")
+    p.add_argument("--topology", default="shm", help=f"preset outside a testbed ({', '.join(PRESETS)})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the zipf rankings")
+    p.add_argument("--min-bytes", type=omb.parse_size, default=1 << 20, help="multi-path threshold per pair")
+    p.add_argument("--chunk", type=omb.parse_size, default=1 << 20, help="relay chunk bytes")
+    args = p.parse_args(argv)
+    try:
+        parse_skew(args.skew)
+    except ValueError as exc:
+        p.error(str(exc))
+    torch.set_num_threads(1)
+    comm = world()
+    topo = bench_topology(args.topology, comm.size)
+    cols = ["Size", "Latency (us)"]
+    if args.vs == "direct":
+        cols += ["direct (us)", "speedup"]
+    cols += ["moved (%)", "plan"]
+    table = omb.Table("All-to-Allv multi-path Test", cols, rank=comm.rank,
+                      meta={"ranks": comm.size, "skew": args.skew, "topology": topo.describe(), "peer": args.vs,
+                            "size": "balanced bytes per ordered pair"})
+    table.header()
+    from .planner import plan as make_plan
+
+    for size in omb.sizes(args.min_size, args.max_size):
+        demand = np.rint(demand_matrix(comm.size, args.skew, size, seed=args.seed)).astype(np.int64)
+        sc = demand[comm.rank].tolist()
+        rc = demand[:, comm.rank].tolist()
+        x = np.full(sum(sc), comm.rank, dtype=np.uint8)
+        if args.buffer == "torch":
+            x = torch.from_numpy(x)
+        kw = dict(topology=topo, min_bytes=args.min_bytes, chunk_bytes=args.chunk)
+        warm, iters = omb.iterations(size, args)
+        best_m = best_d = float("inf")
+        for _ in range(max(1, args.rounds)):
+            best_m = min(best_m, omb.time_op(lambda: mp_alltoallv(x, sc, comm, rc, **kw), comm, warm, iters,
+                                             max_seconds=args.max_seconds))
+            if args.vs == "direct":
+                best_d = min(best_d, omb.time_op(lambda: comm.alltoallv(x, sc, rc), comm, warm, iters,
+                                                 max_seconds=args.max_seconds))
+        tm = comm.allreduce_object(best_m, "max")
+        pl = make_plan(topo, demand.astype(float) * (1 - np.eye(comm.size)), min_bytes=args.min_bytes)
+        row = [size, tm * 1e6]
+        if args.vs == "direct":
+            td = comm.allreduce_object(best_d, "max")
+            row += [td * 1e6, td / tm]
+        row += [round(100 * pl.moved_fraction(), 1), pl.method]
+        table.add(*row)
+    table.write_json(args.json)
+    return 0

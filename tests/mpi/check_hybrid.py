@@ -226,6 +226,29 @@ def check_grad_hook_and_compression(comm):
     assert abs(loss - rl.item()) < 1e-2 * rl.item()
 
 
+def check_mesh_composition(comm):
+    """With an extra axis (sp, as `loom train` composes it), mesh= or explicit pp=/dp= give the same training."""
+    if comm.size != 4:
+        return
+    from loom.comm import Mesh
+
+    mesh = Mesh(pp=2, dp=1, sp=2)
+    g = seeded(comm, 3)
+    x, y = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64)
+    losses = []
+    for kw in (dict(mesh=mesh), dict(pp=mesh["pp"], dp=mesh["dp"])):
+        torch.manual_seed(5)
+        model, ref = ResMLP().double(), ResMLP().double()
+        ref.load_state_dict(model.state_dict())
+        hp = HybridParallel(model, partitions=2, replicas=1, micro_batches=2, **kw)
+        assert hp.stage_index == mesh.coords["pp"]
+        loss = hp.train_step(x, y, nn.MSELoss())
+        rl = nn.MSELoss()(ref(x), y)
+        assert abs(loss - rl.item()) < 1e-12
+        losses.append(loss)
+    assert len(set(comm.allgather_object(losses[0]))) == 1
+
+
 def check_errors(comm):
     import pytest
 

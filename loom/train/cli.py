@@ -22,12 +22,16 @@ __all__ = ["main", "parser", "plan"]
 RELAUNCH = True
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, and the epilog's table of config keys kept as written."""
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="loom train",
         description="Train a Llama-style byte-level model (dp/sp mesh, compression, checkpoints). Any config "
                     "key can be overridden with --section.key=value, e.g. --train.steps=50 --mesh.dp=2.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Formatter,
         epilog=_defaults_epilog(),
     )
     p.add_argument("-c", "--config", metavar="TOML", help="run configuration (see configs/demo.toml)")

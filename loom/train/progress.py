@@ -77,7 +77,7 @@ class Display:
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss [cyan]{task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
                 TextColumn("peak {task.fields[mem]}/rank"), TextColumn("compress {task.fields[ratio]}"),
-                TimeRemainingColumn(), console=Console(force_terminal=True, width=width), refresh_per_second=4,
+                TimeRemainingColumn(), console=Console(force_terminal=True, width=width), auto_refresh=False,
             )
             self._progress.start()
             self._bar = self._progress.add_task(title, total=total, completed=start, loss="-", tps="-",
@@ -90,6 +90,7 @@ class Display:
         ratio = f"{rec['compress_ratio']:.2f}x"
         if self.mode == "bar":
             self._progress.update(self._bar, completed=rec["step"], loss=loss, tps=tps, mem=mem, ratio=ratio)
+            self._progress.refresh()  # redraw per step only: every redraw travels through mpiexec's pipes
         elif self.mode == "lines":
             ev = f"  eval {rec['eval_loss']:.4f}" if rec.get("eval_loss") is not None else ""
             print(f"step {rec['step']:>5}/{self.total}  loss {loss}{ev}  {tps} tok/s  peak {mem}/rank  "
@@ -179,7 +180,8 @@ def write_plots(records: Iterable[dict[str, Any]], out_dir: Path) -> list[Path]:
             t = axes.setdefault(axis, [0.0, 0.0])
             t[0] += b["raw"]
             t[1] += b["wire"]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    offload = sum(r.get("offload_bytes", 0) for r in recs)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(8, 4), gridspec_kw={"width_ratios": [3, 1]})
     if axes:
         names = sorted(axes)
         xs = range(len(names))
@@ -189,8 +191,11 @@ def write_plots(records: Iterable[dict[str, Any]], out_dir: Path) -> list[Path]:
         ax.legend()
     else:
         ax.text(0.5, 0.5, "no communication (1 rank)", ha="center", va="center", transform=ax.transAxes)
-    ax.set_ylabel("MiB sent per rank (whole run)")
-    ax.set_title("bytes on the wire per mesh axis")
+    ax.set_ylabel("MiB sent by rank 0 (whole run)")
+    ax.set_title("bytes per mesh axis")
+    ax2.bar([0], [offload / 2**20], 0.5, color="tab:gray")
+    ax2.set_xticks([0], ["FPDT offload"])
+    ax2.set_title("host<->device MiB")
     fig.tight_layout()
     paths.append(out_dir / "bytes.png")
     fig.savefig(paths[-1], dpi=110)

@@ -104,6 +104,16 @@ def _wire_bytes() -> dict[str, int]:
     return {name: sum(ops.values()) for name, ops in stats().items()}
 
 
+def _offload_bytes() -> int:
+    """Bytes moved between device and host memory by FPDT's chunk stores so far (loom.parallel.offload)."""
+    try:
+        from loom.parallel.offload import transfer_stats
+    except ImportError:
+        return 0
+    t = transfer_stats()
+    return int(t.get("to_host", 0) + t.get("to_device", 0))
+
+
 def _saved_bytes() -> dict[str, int]:
     """Per communicator name: uncompressed minus on-the-wire bytes of loom.compress collectives so far."""
     try:
@@ -403,7 +413,7 @@ class Trainer:
         stop = cfg.train.steps if until is None else min(until, cfg.train.steps)
         for step in range(self.start_step, stop):
             t0 = time.perf_counter()
-            before, saved0 = _wire_bytes(), _saved_bytes()
+            before, saved0, off0 = _wire_bytes(), _saved_bytes(), _offload_bytes()
             sp0 = COMM_TIME.get("sp", 0.0)
             lr = lr_at(step, cfg)
             for g in self.opt.param_groups:
@@ -417,7 +427,8 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             step_s = time.perf_counter() - t0
-            after, saved1 = _wire_bytes(), _saved_bytes()
+            after, saved1, off1 = _wire_bytes(), _saved_bytes(), _offload_bytes()
+            comm_s = sync_s + (COMM_TIME.get("sp", 0.0) - sp0)  # before eval, whose all-to-alls are not the step's
             done = step + 1
             # pp ranks of a replica already agree on the loss; averaging over everyone is still the global mean.
             loss_avg = comm.allreduce_object(loss) / comm.size
@@ -425,7 +436,6 @@ class Trainer:
             eval_loss = None
             if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
                 eval_loss = self.evaluate()
-            comm_s = sync_s + (COMM_TIME.get("sp", 0.0) - sp0)
             by_axis: dict[str, dict[str, int]] = {}
             for axis in ("dp", "pp", "sp"):
                 wire = after.get(axis, 0) - before.get(axis, 0)
@@ -438,7 +448,7 @@ class Trainer:
                 "kind": "step", "step": done, "loss": loss_avg, "eval_loss": eval_loss, "lr": lr, "grad_norm": gnorm,
                 "tokens": done * tokens, "tokens_per_s": tokens / step_s, "step_time": step_s,
                 "time": {"compute": max(0.0, step_s - comm_s), "comm": comm_s, "offload": 0.0},
-                "bytes": by_axis, "compress_ratio": (raw_all / wire_all) if wire_all else 1.0, "peak_mem": peak,
+                "bytes": by_axis, "offload_bytes": off1 - off0, "compress_ratio": (raw_all / wire_all) if wire_all else 1.0, "peak_mem": peak,
             }
             records.append(rec)
             if lead:

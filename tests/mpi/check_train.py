@@ -1,6 +1,6 @@
 """Rank-side checks for ``loom train``: every mesh equals the one-rank run; resume equals uninterrupted.
 
-Run at 2 and 4 ranks by tests/integration/test_train.py. The one-rank reference runs in-process on a
+Run at 2 and 4 ranks by tests/integration/test_train_jobs.py. The one-rank reference runs in-process on a
 size-1 communicator (``comm.split(rank)``) on every rank; fp64 everywhere, tolerance 1e-9 relative on losses
 and 1e-9 absolute on parameters (only summation order differs). Resume is compared bit for bit in fp32.
 """

@@ -72,8 +72,12 @@ class TestbedUnavailable(TestbedError):
     __test__ = False
 
 
-def preflight() -> None:
-    """Raise :class:`TestbedUnavailable` with the reason and the fix unless the testbed can be built here."""
+def preflight(*, probe: bool = False) -> None:
+    """Raise :class:`TestbedUnavailable` with the reason and the fix unless the testbed can be built here.
+
+    Args:
+        probe: also create and delete one empty namespace (catches containers without CAP_NET_ADMIN).
+    """
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         raise TestbedUnavailable(
             "loom testbed needs root: it creates network namespaces, veth pairs, bridges and tc limits. "
@@ -85,6 +89,13 @@ def preflight() -> None:
             f"loom testbed needs {' and '.join(missing)} from iproute2 on PATH; install it "
             f"(e.g. `apt-get install iproute2`)"
         )
+    if probe:
+        name = f"{NAME_PREFIX}{os.getpid()}-probe"
+        proc = _run(["ip", "netns", "add", name], check=False)
+        _run(["ip", "netns", "delete", name], check=False)
+        if proc.returncode != 0:
+            raise TestbedUnavailable(f"cannot create a network namespace here ({proc.stderr.strip()}); the testbed "
+                                     f"needs CAP_NET_ADMIN and CAP_SYS_ADMIN (a privileged container or a VM)")
 
 
 def rank_env(spec: TestbedSpec, rank: int, topology_file: str | None = None) -> dict[str, str]:

@@ -16,7 +16,7 @@ import pytest
 from loom.testbed import Testbed, TestbedUnavailable, leftovers, preflight
 
 try:
-    preflight()
+    preflight(probe=True)
     _SKIP = ""
 except TestbedUnavailable as exc:
     _SKIP = str(exc)

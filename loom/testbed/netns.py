@@ -429,7 +429,9 @@ class Testbed:
         if wait > 0:
             time.sleep(wait)
         cmd = self.mpiexec_argv(argv, env=env)
-        full_env = dict(os.environ)
+        # A caller that is itself an MPI rank must not hand its own PMI connection to the nested launcher.
+        full_env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "OMPI_", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))}
         full_env.setdefault("OMP_NUM_THREADS", "1")
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         # The ranks must import this checkout of loom whatever their working directory.

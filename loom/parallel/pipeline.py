@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.utils import _pytree
 
 from ..comm import Communicator, Request
 from .partition import Graph, resolve, run_node
@@ -130,30 +131,37 @@ class Stage:
             return crecv(out, source, self.comm, self.codec, tag=tag)
         return self.comm.recv(out, source, tag)
 
-    def _recv_live(self, key: Any, grad: bool) -> list[Any]:
+    def _recv_live(self, key: Any, grad: bool) -> tuple[list[Any], list[Any]]:
+        """The live values from ``s-1`` and their flattened leaves (tuples of tensors are flattened)."""
         meta = self._meta_in.get(key)
         if meta is None:
-            meta = self._meta_in[key] = self.comm.recv_object(self.index - 1, META)
-        vals: list[Any] = []
-        for m in meta:
+            spec, leaf_meta = self.comm.recv_object(self.index - 1, META)
+            meta = self._meta_in[key] = (_pytree.treespec_loads(spec), leaf_meta)
+        spec, leaf_meta = meta
+        flat: list[Any] = []
+        for m in leaf_meta:
             if m[0] == "t":
                 t = self._recv(m[1], m[2], self.index - 1, ACT)
                 if grad and m[3]:
                     t.requires_grad_(True)
-                vals.append(t)
+                flat.append(t)
             else:
-                vals.append(m[1])
-        return vals
+                flat.append(m[1])
+        return _pytree.tree_unflatten(flat, spec), flat
 
-    def _send_live(self, key: Any, vals: list[Any]) -> None:
+    def _send_live(self, key: Any, vals: list[Any]) -> list[Any]:
+        """Send the live values to ``s+1``; returns their flattened leaves."""
+        flat, spec = _pytree.tree_flatten(vals)
         if key not in self._meta_sent:
-            meta = [("t", tuple(v.shape), v.dtype, bool(v.requires_grad)) if isinstance(v, torch.Tensor)
-                    else ("v", v) for v in vals]
-            self.comm.send_object(meta, self.index + 1, META)
+            # Non-tensor leaves (x.size(0), dtypes...) depend only on the input shape, which keys the cache.
+            leaf_meta = [("t", tuple(v.shape), v.dtype, bool(v.requires_grad)) if isinstance(v, torch.Tensor)
+                         else ("v", v) for v in flat]
+            self.comm.send_object((_pytree.treespec_dumps(spec), leaf_meta), self.index + 1, META)
             self._meta_sent.add(key)
-        for v in vals:
+        for v in flat:
             if isinstance(v, torch.Tensor):
                 self._send(v, self.index + 1, ACT)
+        return flat
 
     def wait(self) -> None:
         """Complete every outstanding send of this step."""
@@ -172,13 +180,12 @@ class Stage:
     def forward(self, key: Any, inputs: Sequence[Any], target: Any, loss_fn: Callable | None,
                 grad: bool = True) -> tuple[_Slot, Any]:
         """Run micro-batch ``inputs`` through this stage; returns its backward slot and (last stage) output."""
-        received = self._recv_live((key, grad), grad) if not self.first else []
+        received, flat_in = self._recv_live((key, grad), grad) if not self.first else ([], [])
         env = self._run(inputs, received, grad)
-        leaves = [r if isinstance(r, torch.Tensor) and r.requires_grad else None for r in received]
+        leaves = [r if isinstance(r, torch.Tensor) and r.requires_grad else None for r in flat_in]
         if not self.last:
-            vals = [env[name] for name in self.live_out]
-            self._send_live((key, grad), vals)
-            outs = [v for v in vals if isinstance(v, torch.Tensor) and v.requires_grad]
+            flat_out = self._send_live((key, grad), [env[name] for name in self.live_out])
+            outs = [v for v in flat_out if isinstance(v, torch.Tensor) and v.requires_grad]
             return _Slot(leaves, outs, None), None
         out = resolve(self.graph.output, env)
         loss = loss_fn(out, target) if loss_fn is not None else None

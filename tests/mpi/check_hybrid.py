@@ -226,6 +226,46 @@ def check_grad_hook_and_compression(comm):
     assert abs(loss - rl.item()) < 1e-2 * rl.item()
 
 
+class Chunky(nn.Module):
+    """A tuple (torch.chunk's result) and an int (x.size(1)) cross the cut; the tuple is flattened on the wire."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(6, 8), nn.Linear(4, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        parts = torch.chunk(self.l1(x), 2, dim=1)
+        return self.l2(parts[0]) * self.l3(parts[1]) + x.size(1)
+
+
+def check_tuple_and_int_cross_the_cut(comm):
+    if comm.size != 2:
+        return
+    from loom.parallel.partition import capture
+
+    torch.manual_seed(9)
+    model, ref = Chunky().double(), Chunky().double()
+    ref.load_state_dict(model.state_dict())
+    n_units = len(capture(model).units)
+    hp = HybridParallel(model, partitions=2, replicas=1, micro_batches=2, balance=[2, n_units - 2])
+    if hp.stage_index == 0:
+        assert hp.stage.live_out == ["chunk"], hp.stage.live_out
+    g = seeded(comm, 1)
+    x, y = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g, dtype=torch.float64)
+    opt, ropt = torch.optim.SGD(hp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = hp.train_step(x, y, nn.MSELoss())
+        opt.step()
+        ropt.zero_grad()
+        rl = nn.MSELoss()(ref(x), y)
+        rl.backward()
+        ropt.step()
+        assert abs(loss - rl.item()) < 1e-10
+    for a, b in zip(hp.state_dict().values(), ref.state_dict().values()):
+        assert (a - b).abs().max().item() < 1e-10
+
+
 def check_mesh_composition(comm):
     """With an extra axis (sp, as `loom train` composes it), mesh= or explicit pp=/dp= give the same training."""
     if comm.size != 4:

@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
               "optimizer": f"AdamW lr {args.lr}", "final loss": f"mean of the last {args.tail} steps",
               "gap": "held-out loss vs policy none", "last column": "modelled: step + dp wire bytes / link"},
     )
-    table.widths = [10, 12, 12, 10, 8, 11, 11, 13, 14, 13, 16]
+    table.widths = [max(10, 2 + max(map(len, specs))), 17, 12, 10, 8, 11, 11, 13, 14, 13, 16]
     table.header()
     results = []
     base = None

@@ -67,6 +67,6 @@ def allreduce_main(argv: list[str], codec_name: str | None = None) -> int:
         tc = comm.allreduce_object(best_c, "sum") / comm.size
         tn = comm.allreduce_object(best_n, "sum") / comm.size
         wire, raw = s["wire"], s["raw"]
-        table.add(size, tc * 1e6, tn * 1e6, tc / tn, wire, raw, (raw / wire) if wire else 1.0, float(f"{err:.2e}"))
+        table.add(size, tc * 1e6, tn * 1e6, tc / tn, wire, raw, (raw / wire) if wire else 1.0, f"{err:.1e}")
     table.write_json(args.json)
     return 0

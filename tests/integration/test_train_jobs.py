@@ -67,7 +67,7 @@ def _rank_pid(marker: str, rank: int) -> int | None:
 
 def test_sigkill_fails_fast_and_resume_continues(tmp_path):
     out = tmp_path / "run"
-    args = ["--mesh.dp=2", f"--train.out={out}", "--train.steps=40", "--checkpoint.every=2", "--train.eval_every=0",
+    args = ["--mesh.dp=2", f"--train.out={out}", "--train.steps=2000", "--checkpoint.every=2", "--train.eval_every=0",
             "--train.progress=lines"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     cmd = launch.mpiexec_argv(2, [sys.executable, "-m", "loom.cli", "train", "--config", TINY, *args])
@@ -96,9 +96,10 @@ def test_sigkill_fails_fast_and_resume_continues(tmp_path):
             proc.wait()
     steps = sorted(int(p.name[5:11]) for p in (out / "checkpoints").glob("step_*.stage0.pt"))
     assert steps, "no complete checkpoint left behind"
-    res = _train(2, *args, "--resume", timeout=180)
+    # Finish 4 steps past the checkpoint (a shorter run than the killed one, so the test stays short).
+    res = _train(2, *args, "--resume", f"--train.steps={steps[-1] + 4}", timeout=180)
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"resumed from {out / 'checkpoints'} at step {steps[-1]}" in res.stdout, res.stdout
     recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs] == list(range(1, 41))
+    assert [r["step"] for r in recs] == list(range(1, steps[-1] + 5))
     assert (out / "plots" / "loss.png").exists()

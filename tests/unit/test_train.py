@@ -185,3 +185,14 @@ def test_single_rank_run_writes_metrics_plots_checkpoint_and_generates(tmp_path,
     b = generate.sample(model, "def ", tokens=20, seed=3)
     assert a == b and a.startswith("def ") and len(a.encode()) >= 20
     assert generate.main(["--checkpoint", str(tmp_path / "nope")]) == 2
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_demo_config_fits_any_rank_count(n, monkeypatch, capsys):
+    from loom import tour
+    from loom.train.cli import main
+
+    monkeypatch.setenv("PMI_SIZE", str(n))
+    monkeypatch.setenv("PMI_RANK", "0")
+    assert main(["--config", str(tour.demo_config()), *tour.mesh_for(n), "--dry-run"]) == 0
+    assert f"= {n} ranks" in capsys.readouterr().out

@@ -22,7 +22,7 @@ With ``loss_fn`` a mean over the batch, gradients equal single-process training 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch

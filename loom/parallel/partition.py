@@ -318,13 +318,25 @@ def _from_fx(model: nn.Module, leaves: tuple[type, ...] = (), sample: Sequence[A
         if sample is not None:
             return _from_export(model, sample, exc)
         raise TraceError(
-            f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: {exc}. Usually this is "
+            f"torch.fx cannot trace {type(model).__name__}{_where(exc)}: {type(exc).__name__}: {exc}. Usually this is "
             f"data-dependent control flow (an `if`/`for` on a tensor's value) or a non-torch call on a tensor. "
             f"Fix: move that code into a submodule and pass its class in leaf_modules=(...) so it runs as one "
             f"layer, pass sample_inputs= (one micro-batch) to capture it with torch.export instead, wrap the "
             f"function with torch.fx.wrap, or express the model as nn.Sequential"
         ) from exc
     return _walk_fx(gm, type(model).__name__, "fx")
+
+
+def _where(exc: BaseException) -> str:
+    """`` at file:line `code` `` of the innermost user frame (not torch's) in ``exc``'s traceback."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename and "/loom/parallel/" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" at {f.filename}:{f.lineno} `{(f.line or '').strip()}`"
 
 
 def _from_export(model: nn.Module, sample: Sequence[Any], fx_error: Exception) -> Graph:

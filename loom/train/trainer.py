@@ -124,21 +124,38 @@ def _saved_bytes() -> dict[str, int]:
 
 
 class TimedComm:
-    """A communicator proxy that adds the seconds spent in its calls to ``COMM_TIME[key]``.
+    """A communicator proxy for the attention code: times its calls and applies the policy's ``sp`` codec.
 
-    Handed to the attention code (which only calls ``size``/``rank``/``alltoall``) so the step-time
-    breakdown can separate sequence-parallel communication from compute.
+    The attention code (``loom.parallel.sequence``) only calls ``size``/``rank``/``alltoall`` (and the loss an
+    ``allreduce`` of a token count). Seconds spent in calls are added to ``COMM_TIME[key]`` for the step-time
+    breakdown; with a codec, ``alltoall`` becomes ``loom.compress.alltoallv`` with equal counts (each block
+    for another rank encoded, the own block kept exact), so the bytes saved show up in
+    ``loom.compress.stats()[key]``.
     """
 
     _TIMED = frozenset({"alltoall", "alltoallv", "allreduce", "allgather", "send", "recv", "sendrecv",
                         "reduce_scatter", "bcast", "ialltoallv", "iallreduce", "iallgather"})
 
-    def __init__(self, comm: Communicator, key: str):
-        self._comm, self._key = comm, key
+    def __init__(self, comm: Communicator, key: str, codec: Any = None):
+        self._comm, self._key, self._codec = comm, key, codec
         COMM_TIME.setdefault(key, 0.0)
 
+    def _compressed_alltoall(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        from loom.compress import alltoallv
+
+        p = self._comm.size
+        counts = [tensor.shape[0] // p] * p
+        res, _ = alltoallv(tensor, counts, self._comm, self._codec, recv_counts=counts)
+        if out is not None:
+            out.copy_(res)
+            return out
+        return res
+
     def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._comm, name)
+        if name == "alltoall" and self._codec is not None:
+            attr = self._compressed_alltoall
+        else:
+            attr = getattr(self._comm, name)
         if name not in self._TIMED:
             return attr
 
@@ -206,7 +223,8 @@ class Trainer:
             self.device = torch.device("cpu")
         self.dtype = _DTYPES[cfg.train.dtype]
         torch.manual_seed(cfg.train.seed)
-        sp_comm = TimedComm(self.sp, "sp") if self.sp is not None else None
+        sp_codec = self.policy.codec_for("sp") if self.policy is not None else None
+        sp_comm = TimedComm(self.sp, "sp", sp_codec) if self.sp is not None else None
         self.tm = build_model(cfg, sp_comm=sp_comm, dtype=self.dtype, device=self.device)
         self.model = self.tm.module
         self.positions = sp_layout(cfg.data.seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks).to(self.device)

@@ -11,9 +11,11 @@ the sequence length; the crossing with the budget is probed next, then bisection
 ``max(step, 1/32)`` of the length. Every reported length was actually run and fit; the next step up was run
 and did not (or hit ``--max-seq``).
 
-Configurations, cumulative (each row adds one FPDT ingredient to the previous one, all with per-block
-activation checkpointing): ``ulysses``; ``+ loss chunking`` (LM head + cross-entropy chunked);
-``+ FFN chunking``; ``+ attention pipeline`` (the FPDT chunked attention sublayer); ``+ offload`` (= FPDT).
+Configurations, cumulative (each row adds one FPDT ingredient to the previous one): ``ulysses`` (with
+per-block activation checkpointing, the usual long-context setting); ``+ loss chunking`` (LM head +
+cross-entropy chunked and recomputed); ``+ FFN chunking``; ``+ attention pipeline`` (each block one FPDT chunk
+pipeline, which keeps only its input and attention-output chunks and so replaces block checkpointing);
+``+ offload`` (those chunks and the pipeline's q/k/v/out/lse chunks in host memory: full FPDT).
 Then, at the Ulysses limit: time per token of both, the all-to-alls per layer and the host<->device bytes.
 """
 
@@ -67,10 +69,13 @@ def _config(step: str, args, seq: int, p: int) -> LlamaConfig:
     base: dict[str, Any] = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                                 vocab=args.vocab, ffn=args.ffn, checkpoint=True)
     i = STEPS.index(step)
-    if i == 0:
-        return LlamaConfig(**base, sequence_parallel="ulysses")
-    return LlamaConfig(**base, sequence_parallel="fpdt", chunks=u_attn if i >= 3 else 1,
-                       loss_chunks=u_small, ffn_chunks=u_small if i >= 2 else 1, offload=i >= 4)
+    if i < 3:  # Ulysses, then Ulysses with the loss and then also the FFN chunked
+        return LlamaConfig(**base, sequence_parallel="ulysses", loss_chunks=u_small if i >= 1 else 1,
+                           ffn_chunks=u_small if i >= 2 else 1)
+    # The FPDT block pipeline saves only x_i and o_i chunks per block: it replaces block checkpointing.
+    base["checkpoint"] = False
+    return LlamaConfig(**base, sequence_parallel="fpdt", chunks=u_attn, loss_chunks=u_small, ffn_chunks=u_small,
+                       offload=i >= 4)
 
 
 def _granule(args, p: int) -> int:
@@ -182,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     table.meta = {
         "model": f"Llama layers={args.layers} hidden={args.hidden} heads={args.heads} kv_heads={args.kv_heads} "
                  f"vocab={args.vocab} ({args.vocab / args.hidden:.1f}x hidden) ffn={args.ffn} {args.dtype} "
-                 f"batch={args.batch}, per-block activation checkpointing in every row",
+                 f"batch={args.batch}; Ulysses rows checkpoint every block",
         "ranks": f"{p} (sp={p})",
         "budget": f"{args.budget / 2**20:.2f} MiB per rank ({'CUDA allocator' if run.device.type == 'cuda' else 'CPU live-storage tracker'})",
         "chunks": f"FFN/loss chunk {args.chunk} tokens/rank, attention chunk {args.attn_chunk} tokens/rank",

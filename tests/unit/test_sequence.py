@@ -1,0 +1,117 @@
+"""One-process tests of loom.parallel.sequence / offload and loom.models.llama (COMM_WORLD of size 1)."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loom.comm import world
+from loom.models.llama import Llama, LlamaConfig, chunked_lm_loss, chunked_map
+from loom.parallel.offload import HostPool, MemoryTracker, reset_transfer_stats, transfer_stats
+from loom.parallel.sequence import check_sizes, fpdt_attention, ulysses_attention
+
+TOL = 1e-10
+
+
+def _sdpa(q, k, v, causal):
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          is_causal=causal, enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+
+
+@pytest.mark.parametrize("kernel", ["flash", "torch"])
+def test_fpdt_single_rank_exact(kernel, monkeypatch):
+    monkeypatch.setenv("LOOM_ATTN_KERNEL", kernel)
+    comm = world()
+    g = torch.Generator().manual_seed(7)
+    for causal, hk, chunks, offload in itertools.product((True, False), (4, 2, 1), (1, 3), (False, True)):
+        q = torch.randn(2, 12, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(2, 12, hk, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(2, 12, hk, 8, generator=g, dtype=torch.float64, requires_grad=True)
+        go = torch.randn(2, 12, 4, 8, generator=g, dtype=torch.float64)
+        ref = _sdpa(q, k, v, causal)
+        want = torch.autograd.grad(ref, (q, k, v), go)
+        out = fpdt_attention(q, k, v, comm, chunks=chunks, causal=causal, offload=offload)
+        got = torch.autograd.grad(out, (q, k, v), go)
+        assert (out - ref).abs().max() <= TOL
+        for a, b in zip(got, want):
+            assert (a - b).abs().max() <= TOL
+        uly = ulysses_attention(q, k, v, comm, causal=causal)
+        assert (uly - ref).abs().max() <= TOL
+
+
+def test_size_errors_name_the_fix():
+    q = torch.zeros(1, 10, 4, 2)
+    with pytest.raises(ValueError, match="pad to 12"):
+        check_sizes(q, q, q, 1, 3)
+    with pytest.raises(ValueError, match="kv_heads 3"):
+        check_sizes(q, q[:, :, :3], q[:, :, :3], 1, 1)
+    with pytest.raises(ValueError, match="sp size 8"):
+        check_sizes(torch.zeros(1, 8, 4, 2), torch.zeros(1, 8, 4, 2), torch.zeros(1, 8, 4, 2), 8, 1)
+
+
+def test_memory_tracker_counts_live_storages():
+    with MemoryTracker() as mem:
+        a = torch.ones(1 << 18)  # 1 MiB
+        b = a * 2
+        view = b[10:]
+        assert mem.current == 2 << 20
+        del a
+        assert mem.current == 1 << 20
+        c = torch.ones(1 << 17)
+        del b, view, c
+    assert mem.peak == (2 << 20)
+    assert mem.current == 0
+
+
+def test_host_pool_is_outside_the_tracker():
+    reset_transfer_stats()
+    pool = HostPool("cpu")
+    with MemoryTracker() as mem:
+        x = torch.randn(1 << 16)
+        h = pool.put(x)
+        assert mem.current == x.nbytes  # the host copy is not device memory
+        del x
+        pool.prefetch(h)
+        y = pool.pop(h)
+        assert mem.current == y.nbytes
+    assert transfer_stats() == {"to_host": y.nbytes, "to_device": y.nbytes}
+
+
+def test_chunked_loss_and_map_are_exact():
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 12, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(30, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 30, (2, 12), generator=g)
+    t[1, 2] = -100
+    ref = F.cross_entropy((h @ w.t()).reshape(-1, 30), t.reshape(-1), reduction="sum")
+    rg = torch.autograd.grad(ref, (h, w))
+    got = chunked_lm_loss(h, w, t, 4)
+    gg = torch.autograd.grad(got, (h, w))
+    assert abs(got.item() - ref.item()) <= TOL
+    assert all((a - b).abs().max() <= TOL for a, b in zip(gg, rg))
+    y = chunked_map(lambda i, xc: torch.tanh(xc @ w.t()), h, 3, [w])
+    assert torch.allclose(y, torch.tanh(h @ w.t()), atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="loss_chunks=5"):
+        chunked_lm_loss(h, w, t, 5)
+
+
+def test_llama_config_validation_and_modes_agree():
+    with pytest.raises(ValueError, match="valid: none, ulysses, fpdt"):
+        LlamaConfig(sequence_parallel="ring")
+    with pytest.raises(ValueError, match="kv_heads"):
+        LlamaConfig(heads=4, kv_heads=3)
+    assert LlamaConfig(sequence_parallel="fpdt", chunks=4).loss_chunks == 4
+    g = torch.Generator().manual_seed(1)
+    tok = torch.randint(0, 31, (1, 16), generator=g)
+    tgt = torch.randint(0, 31, (1, 16), generator=g)
+    base = dict(layers=2, hidden=16, heads=4, kv_heads=2, vocab=31)
+    losses = []
+    for kw in (dict(), dict(sequence_parallel="fpdt", chunks=4, offload=True), dict(ffn_chunks=2, checkpoint=True)):
+        m = Llama(LlamaConfig(**base, **kw)).double()
+        loss = m.loss(tok, tgt)
+        loss.backward()
+        losses.append((loss.item(), m.embed.weight.grad.clone()))
+    for loss, grad in losses[1:]:
+        assert abs(loss - losses[0][0]) <= TOL
+        assert (grad - losses[0][1]).abs().max() <= TOL

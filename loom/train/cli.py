@@ -82,7 +82,7 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
         stages.append((lo, lo + n))
         lo += n
     stage_params = max(block * (hi - lo) + (outer if mesh.pp == 1 else outer // 2) for lo, hi in stages)
-    b_loc = d.batch // mesh.dp
+    b_loc = d.batch // (mesh.dp * mesh.ep)
     s_loc = d.seq_len // mesh.sp
     # Activations kept for backward per block: ~ (34 elements per token x hidden) (Korthikanti et al. 2022,
     # without recomputation), plus the attention matrix of the local heads over the full sequence.
@@ -119,6 +119,11 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
         grads = stage_params * elem * 2 * (p - 1) / p
         lines.append(f"    sp  Ulysses all-to-all (q,k,v,o fwd+bwd) {_fmt(2 * per_layer * per)} "
                      f"+ gradient allreduce {_fmt(grads)}")
+    if mesh.ep > 1:
+        k = m.top_k
+        lines.append(f"    ep  MoE dispatch + combine all-to-allv (fwd+bwd) ~"
+                     f"{_fmt(4 * b_loc * s_loc * k * m.hidden * elem * (mesh.ep - 1) / mesh.ep * m.layers)} "
+                     f"(uniform routing)")
     if mesh.pp > 1:
         lines.append(f"    pp  activations + their grads between stages: "
                      f"{_fmt(2 * b_loc * s_loc * m.hidden * elem)}")

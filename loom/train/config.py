@@ -305,10 +305,11 @@ class Config:
 
     def __post_init__(self) -> None:
         m, d, s, mesh = self.model, self.data, self.sequence, self.mesh
-        _need(d.batch % mesh.dp == 0,
-              f"data.batch = {d.batch} is not divisible by mesh.dp = {mesh.dp}; "
-              f"use a multiple of {mesh.dp} (e.g. {mesh.dp * max(1, d.batch // mesh.dp)})")
-        per_dp = d.batch // mesh.dp
+        rows = mesh.dp * mesh.ep  # ep ranks take different rows of the batch, like dp replicas
+        _need(d.batch % rows == 0,
+              f"data.batch = {d.batch} is not divisible by mesh.dp = {mesh.dp} x mesh.ep = {mesh.ep}; "
+              f"use a multiple of {rows} (e.g. {rows * max(1, d.batch // rows)})")
+        per_dp = d.batch // rows
         _need(per_dp % d.micro_batches == 0,
               f"per-replica batch {per_dp} (data.batch / mesh.dp) is not divisible by data.micro_batches = "
               f"{d.micro_batches}; change one of them")

@@ -180,13 +180,37 @@ class FeedForward(nn.Module):
         return self.w2(F.gelu(self.w1(x)))
 
 
+class MoEFeedForward(nn.Module):
+    """``loom.parallel.moe.MoE`` (top-k, dropless, experts sharded over ``ep``) on ``[B, S, hidden]`` tokens.
+
+    Parameters: ``moe.gate`` (replicated) and ``moe.w1``/``moe.w2`` (this ``ep`` rank's experts along dim 0).
+    """
+
+    def __init__(self, cfg: ModelConfig, ep_comm, seed: int):
+        super().__init__()
+        try:
+            from loom.parallel.moe import MoE, MoEConfig
+        except ImportError as exc:
+            raise ConfigError(f"model.ffn = 'moe' needs loom.parallel.moe, which is not importable ({exc})") from None
+        try:
+            self.moe = MoE(MoEConfig(dim=cfg.hidden, hidden=cfg.ffn_hidden, experts=cfg.experts, top_k=cfg.top_k,
+                                     seed=seed, dtype=torch.float64), ep_comm)
+        except ValueError as exc:
+            raise ConfigError(f"model: {exc}") from None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        return self.moe(x.reshape(b * s, h)).reshape(b, s, h)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, pos: Positions, sp_comm=None, seq: SequenceConfig | None = None):
+    def __init__(self, cfg: ModelConfig, pos: Positions, sp_comm=None, seq: SequenceConfig | None = None,
+                 ep_comm=None, index: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg, pos, sp_comm, seq)
         self.ffn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.ffn = FeedForward(cfg)
+        self.ffn = MoEFeedForward(cfg, ep_comm, seed=1000 + index) if cfg.ffn == "moe" else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -226,12 +250,10 @@ class Llama(nn.Sequential):
         seq: sequence-parallel settings (algorithm, chunks, offload).
     """
 
-    def __init__(self, cfg: ModelConfig, sp_comm=None, seq: SequenceConfig | None = None):
-        if cfg.ffn == "moe":
-            raise ConfigError("model.ffn = 'moe' needs an MoE layer (loom.parallel.moe) that is not wired into "
-                              "loom train in this build; use ffn = 'swiglu' or 'gelu'")
+    def __init__(self, cfg: ModelConfig, sp_comm=None, seq: SequenceConfig | None = None, ep_comm=None):
         pos = Positions()
-        super().__init__(Embed(cfg), *[Block(cfg, pos, sp_comm, seq) for _ in range(cfg.layers)], Head(cfg))
+        super().__init__(Embed(cfg), *[Block(cfg, pos, sp_comm, seq, ep_comm, i) for i in range(cfg.layers)],
+                         Head(cfg))
         self.cfg = cfg
         self.positions = pos
         self._init_weights(cfg)
@@ -239,7 +261,7 @@ class Llama(nn.Sequential):
     def _init_weights(self, cfg: ModelConfig) -> None:
         # One generator per parameter seeded by its global name: identical on every rank and every stage split.
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or ".ffn.moe." in name:  # MoE initializes its own (seeded per layer)
                 continue
             g = torch.Generator().manual_seed(_name_seed(name))
             std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
@@ -339,12 +361,13 @@ def model_source() -> str:
     return "loom.train.model.Llama + its own Ulysses all-to-all"
 
 
-def build_model(cfg: Config, *, sp_comm=None, dtype: torch.dtype = torch.float32, device: Any = "cpu",
+def build_model(cfg: Config, *, sp_comm=None, ep_comm=None, dtype: torch.dtype = torch.float32, device: Any = "cpu",
                 impl: str | None = None) -> TrainModel:
     """The model for this rank: ``loom.models.llama`` when available (or when ``impl`` names it), else the
     reference :class:`Llama`. ``sp_comm=None`` builds the unsharded model (one rank, generation)."""
     ext = _external_llama()
-    want = impl or ("loom.models.llama" if ext is not None else "loom.train.model")
+    # loom.models.llama has no MoE FFN: MoE models use the reference Llama with loom.parallel.moe.
+    want = impl or ("loom.models.llama" if ext is not None and cfg.model.ffn != "moe" else "loom.train.model")
     sharded = sp_comm is not None and sp_comm.size > 1
     if want == "loom.models.llama":
         if ext is None:
@@ -367,5 +390,9 @@ def build_model(cfg: Config, *, sp_comm=None, dtype: torch.dtype = torch.float32
     if cfg.sequence.algorithm == "fpdt" and sharded and _sequence_ops() is None:
         raise ConfigError("sequence.algorithm = 'fpdt' needs loom.parallel.sequence, which is not available in this "
                           "build; use sequence.algorithm = 'ulysses'")
-    module = Llama(cfg.model, sp_comm if sharded else None, cfg.sequence).to(device=device, dtype=dtype)
+    if cfg.model.ffn == "moe" and ep_comm is None:
+        from ..comm import world
+
+        ep_comm = world().split(world().rank, 0, name="ep")  # unsharded experts (one rank, generation)
+    module = Llama(cfg.model, sp_comm if sharded else None, cfg.sequence, ep_comm).to(device=device, dtype=dtype)
     return TrainModel(module, module, module.positions, sp_sum=False, impl="loom.train.model")

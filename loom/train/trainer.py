@@ -196,9 +196,9 @@ class Trainer:
         self.cfg = cfg
         self.comm = comm or world()
         cfg.validate_world(self.comm.size)
-        if cfg.mesh.ep > 1 or cfg.model.ffn == "moe":
-            raise ConfigError("model.ffn = 'moe' / mesh.ep > 1 needs loom.parallel.moe, which is not wired into "
-                              "loom train in this build; use ffn = 'swiglu' or 'gelu' and mesh.ep = 1")
+        if cfg.model.ffn == "moe" and cfg.mesh.pp > 1:
+            raise ConfigError("model.ffn = 'moe' with mesh.pp > 1 is not wired (expert-sharded parameters inside "
+                              "pipeline stages); use mesh.pp = 1 with mesh.ep/dp/sp")
         self.out = Path(out or cfg.train.out)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out / "checkpoints"
         self.quiet = quiet
@@ -212,9 +212,16 @@ class Trainer:
         self.mesh = Mesh(cfg.mesh.axes(), comm=self.comm)
         c = self.mesh.coords
         self.dp_rank, self.sp_rank, self.pp_rank = c.get("dp", 0), c.get("sp", 0), c.get("pp", 0)
+        self.ep_rank = c.get("ep", 0)
         self.dp = self.mesh["dp"] if cfg.mesh.dp > 1 else None
         self.sp = self.mesh["sp"] if cfg.mesh.sp > 1 else None
         self.pp = self.mesh["pp"] if cfg.mesh.pp > 1 else None
+        self.ep = self.mesh["ep"] if cfg.mesh.ep > 1 else None
+        # Replicated parameters are averaged over every rank that sees other data: dp and ep together.
+        self.rep = self.mesh[("dp", "ep")] if cfg.mesh.ep > 1 else self.dp
+        ep_comm = None
+        if cfg.model.ffn == "moe":
+            ep_comm = self.ep if self.ep is not None else self.comm.split(self.comm.rank, 0, name="ep")
         if cfg.train.device == "cuda":
             if not torch.cuda.is_available():
                 raise ConfigError("train.device = 'cuda' but torch sees no CUDA device; use train.device = 'cpu'")
@@ -225,7 +232,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         sp_codec = self.policy.codec_for("sp") if self.policy is not None else None
         sp_comm = TimedComm(self.sp, "sp", sp_codec) if self.sp is not None else None
-        self.tm = build_model(cfg, sp_comm=sp_comm, dtype=self.dtype, device=self.device)
+        self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.dtype, device=self.device)
         self.model = self.tm.module
         self.positions = sp_layout(cfg.data.seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks).to(self.device)
         self.tm.positions.value = self.positions
@@ -286,63 +293,110 @@ class Trainer:
         if missing:
             raise ConfigError(f"checkpoint step {step} lacks parameters {missing[:3]}...; it is not from this model")
         named = dict(self.model.named_parameters())
+        optim = state["optim"]
         with torch.no_grad():
             for n in self.param_names:
-                named[n].copy_(state["model"][n])
-        self.opt.load_state_dict(state["optim"])
+                named[n].copy_(self._my_shard(n, state["model"][n]))
+        if self.ep is not None:  # checkpoints hold every expert: keep this ep rank's slice of the Adam moments
+            order = [p for g in self.opt.param_groups for p in g["params"]]
+            name_of = {id(p): n for n, p in zip(self.param_names, self.params)}
+            for idx, st in optim["state"].items():
+                n = name_of[id(order[int(idx)])]
+                for k in ("exp_avg", "exp_avg_sq"):
+                    if k in st:
+                        st[k] = self._my_shard(n, st[k])
+        self.opt.load_state_dict(optim)
         ckpt.restore_rng(state["rng"])
         self.start_step = int(state["step"])
 
+    def _my_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This ep rank's experts of a full expert tensor (dim 0); other tensors unchanged."""
+        if not self._is_expert(name):
+            return full
+        n = full.shape[0] // self.ep.size
+        return full[self.ep_rank * n:(self.ep_rank + 1) * n]
+
+    def _gather(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """All experts of an expert-sharded tensor (one allgather over ``ep``); others unchanged."""
+        t = t.detach().cpu()
+        return self.ep.allgather(t.contiguous()) if self._is_expert(name) else t.clone()
+
     def save(self, step: int) -> Path | None:
-        """Checkpoint after ``step`` optimizer steps: one file per pipeline stage, written by its (dp 0, sp 0) rank."""
+        """Checkpoint after ``step`` optimizer steps: one file per pipeline stage, written by its (dp 0, sp 0,
+        ep 0) rank; expert shards and their Adam moments are gathered over ``ep`` first, so the file holds
+        the whole stage whatever the mesh."""
         path = None
         if self.dp_rank == 0 and self.sp_rank == 0:
             named = dict(self.model.named_parameters())
-            payload = {
-                "format": ckpt.FORMAT, "step": step, "config": config_to_dict(self.cfg),
-                "stage": self.stage, "stages": self.stages, "params": list(self.param_names), "impl": self.tm.impl,
-                "model": {n: named[n].detach().cpu().clone() for n in self.param_names},
-                "optim": self.opt.state_dict(), "rng": ckpt.capture_rng(),
-            }
-            path = ckpt.save(ckpt.stage_path(self.ckpt_dir, step, self.stage), payload)
+            model = {n: self._gather(n, named[n]) for n in self.param_names}
+            optim = self.opt.state_dict()
+            if self.ep is not None:
+                order = [p for g in self.opt.param_groups for p in g["params"]]
+                name_of = {id(p): n for n, p in zip(self.param_names, self.params)}
+                for idx, st in list(optim["state"].items()):
+                    n = name_of[id(order[int(idx)])]
+                    # state_dict() shares the live state dicts: build new ones instead of editing them
+                    optim["state"][idx] = {k: (self._gather(n, v) if k in ("exp_avg", "exp_avg_sq") else v)
+                                           for k, v in st.items()}
+            if self.ep_rank == 0:
+                payload = {
+                    "format": ckpt.FORMAT, "step": step, "config": config_to_dict(self.cfg),
+                    "stage": self.stage, "stages": self.stages, "params": list(self.param_names),
+                    "impl": self.tm.impl, "model": model, "optim": optim, "rng": ckpt.capture_rng(),
+                }
+                path = ckpt.save(ckpt.stage_path(self.ckpt_dir, step, self.stage), payload)
         self.comm.barrier()  # every stage file exists before anyone prunes or moves on
         if self.comm.rank == 0:
             ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep, self.stages)
         return path
 
     # ------------------------------------------------------------------ pieces of a step
-    def _make_buckets(self) -> list[list[torch.nn.Parameter]]:
+    def _is_expert(self, name: str) -> bool:
+        """Expert weights are sharded over ``ep`` (each rank holds its experts' slice along dim 0)."""
+        return self.ep is not None and (name.endswith(".ffn.moe.w1") or name.endswith(".ffn.moe.w2"))
+
+    def _make_buckets(self) -> list[tuple[bool, list[torch.nn.Parameter]]]:
+        """``(expert, params)`` buckets of about ``compress.bucket_mb``; expert and replicated kept apart."""
         limit = int(self.cfg.compress.bucket_mb * 2**20)
-        buckets: list[list[torch.nn.Parameter]] = [[]]
-        size = 0
-        for p in self.params:
-            nb = p.numel() * p.element_size()
-            if buckets[-1] and size + nb > limit:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += nb
-        return buckets
+        out: list[tuple[bool, list[torch.nn.Parameter]]] = []
+        for expert in (False, True):
+            group = [p for n, p in zip(self.param_names, self.params) if self._is_expert(n) == expert]
+            size = limit + 1
+            for p in group:
+                nb = p.numel() * p.element_size()
+                if size + nb > limit and (not out or out[-1][1]):
+                    out.append((expert, []))
+                    size = 0
+                out[-1][1].append(p)
+                size += nb
+        return [b for b in out if b[1]]
 
     def local_batch(self, stream: torch.Tensor, step: int, stream_id: int = 0):
         """This rank's ``(inputs, targets)`` of the global batch of ``step`` (rows by dp, columns by sp layout)."""
         d = self.cfg.data
         x, y = batch_windows(stream, seed=self.cfg.train.seed, step=step, batch=d.batch, seq_len=d.seq_len,
                              stream_id=stream_id)
-        b = d.batch // self.cfg.mesh.dp
-        r0 = self.dp_rank * b
+        m = self.cfg.mesh
+        b = d.batch // (m.dp * m.ep)
+        r0 = (self.dp_rank * m.ep + self.ep_rank) * b  # ep ranks take different rows, like dp replicas
         cols = self.positions.cpu()
         x, y = x[r0:r0 + b][:, cols], y[r0:r0 + b][:, cols]
         return x.to(self.device), y.to(self.device)
 
-    def _flat_sync(self, comm: Communicator, use_hook: bool, op: str = "avg") -> None:
-        for i, bucket in enumerate(self._buckets):
+    def _flat_sync(self, comm: Communicator | None, *, use_hook: bool, op: str = "avg", expert: bool | None = None,
+                   scale: float = 1.0) -> None:
+        for i, (is_expert, bucket) in enumerate(self._buckets):
+            if expert is not None and is_expert != expert:
+                continue
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            if use_hook and self.hook is not None:
-                flat = self.hook(flat, comm, i)
-            else:
-                flat = comm.allreduce(flat, op=op)
+            if comm is not None and comm.size > 1:
+                if use_hook and self.hook is not None:
+                    flat = self.hook(flat, comm, i)
+                else:
+                    flat = comm.allreduce(flat, op=op)
+            if scale != 1.0:
+                flat = flat * scale
             off = 0
             for p, g in zip(bucket, grads):
                 n = g.numel()
@@ -350,23 +404,35 @@ class Trainer:
                 off += n
 
     def sync_grads(self) -> float:
-        """Average gradients over ``sp`` (plain allreduce) then ``dp`` (the compression hook); returns seconds.
+        """Reduce gradients to the gradient of the global mean loss; returns seconds.
 
-        Under a pipeline the dp average already happened inside ``HybridParallel.train_step``.
+        Plan: every bucket over ``sp`` (sum for a share-of-mean loss, else average; plain allreduce); then
+        replicated buckets averaged over ``dp x ep`` and expert buckets over ``dp`` (the compression hook,
+        one call per bucket), expert ones divided by ``ep`` (their local gradient already sums the ``ep``
+        peers' tokens, routed to this rank's experts). Under a pipeline the dp average already happened inside
+        ``HybridParallel.train_step``.
         """
         t0 = time.perf_counter()
         if self.sp is not None:
             self._flat_sync(self.sp, use_hook=False, op="sum" if self._sp_share else "avg")
-        if self.dp is not None and self.hybrid is None:
-            self._flat_sync(self.dp, use_hook=True)
+        if self.hybrid is None:
+            self._flat_sync(self.rep, use_hook=True, expert=False)
+            if self.ep is not None:
+                self._flat_sync(self.dp, use_hook=True, expert=True, scale=1.0 / self.ep.size)
         return time.perf_counter() - t0
 
     def clip(self) -> float:
         """Clip the global gradient norm (summed over pipeline stages) to ``optim.grad_clip``; returns the norm."""
         sq = torch.zeros((), dtype=torch.float64)
-        for p in self.params:
+        sq_ex = torch.zeros((), dtype=torch.float64)
+        for n, p in zip(self.param_names, self.params):
             if p.grad is not None:
-                sq += p.grad.detach().double().pow(2).sum()
+                if self._is_expert(n):
+                    sq_ex += p.grad.detach().double().pow(2).sum()
+                else:
+                    sq += p.grad.detach().double().pow(2).sum()
+        if self.ep is not None:  # each ep rank holds different experts: their squares add up
+            sq = sq + self.ep.allreduce(sq_ex.reshape(1), op="sum")[0]
         if self.pp is not None:
             sq = self.pp.allreduce(sq.reshape(1), op="sum")[0]
         norm = float(sq.sqrt())
@@ -455,7 +521,7 @@ class Trainer:
             if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
                 eval_loss = self.evaluate()
             by_axis: dict[str, dict[str, int]] = {}
-            for axis in ("dp", "pp", "sp"):
+            for axis in ("dp", "dp+ep", "ep", "pp", "sp"):
                 wire = after.get(axis, 0) - before.get(axis, 0)
                 if wire:
                     raw = wire + saved1.get(axis, 0) - saved0.get(axis, 0)

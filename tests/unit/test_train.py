@@ -32,6 +32,8 @@ def test_overrides_parse_types_and_apply(tmp_path):
     ({"mesh": {"sp": 8}}, ["model.heads = 4 is not divisible by mesh.sp = 8"]),
     ({"data": {"batch": 3}, "mesh": {"dp": 2}}, ["data.batch = 3 is not divisible by mesh.dp = 2"]),
     ({"sequence": {"chunks": 2}}, ["needs sequence.algorithm = 'fpdt'"]),
+    ({"mesh": {"ep": 2}}, ["mesh.ep = 2 needs model.ffn = 'moe'"]),
+    ({"mesh": {"ep": 2}, "model": {"ffn": "moe", "experts": 3, "top_k": 1}}, ["experts = 3 is not divisible"]),
     ({"data": {"seq_len": 30}, "mesh": {"sp": 4}}, ["data.seq_len = 30", "use data.seq_len = 32"]),
 ])
 def test_config_errors_name_value_rule_fix(data, words):

@@ -116,6 +116,13 @@ def check_mismatched_counts_raise_everywhere(comm):
     else:
         raise AssertionError("wrong send_counts length did not raise")
     if p >= 2:
+        x = torch.ones((p, 2), dtype=torch.float32 if comm.rank == 0 else torch.float64)
+        try:
+            alltoallv(x, [1] * p, comm, topology=topo)
+        except ValueError as exc:
+            assert "disagree on row shape/dtype" in str(exc), exc
+        else:
+            raise AssertionError("different dtypes did not raise")
         counts = np.full((p, p), 2, dtype=np.int64)
         if comm.rank == 0:
             counts[0, 1] = 3  # rank 0 planned for a different demand

@@ -31,7 +31,7 @@ from torch import nn
 from ..comm import Communicator, Mesh, world
 from .data import GradHook, GradReducer
 from .partition import Graph, capture, split_units
-from .pipeline import SCHEDULES, Stage, schedule as make_schedule
+from .pipeline import SCHEDULES, Stage, interleaved_schedule, schedule as make_schedule
 
 __all__ = ["HybridConfig", "HybridParallel"]
 
@@ -47,14 +47,16 @@ class HybridConfig:
     micro_batches: int = 1
     """Micro-batches per replica batch; the batch must divide by it."""
     schedule: str = "1f1b"
-    """Pipeline schedule: ``gpipe`` or ``1f1b``."""
+    """Pipeline schedule: ``gpipe``, ``1f1b`` or ``interleaved`` (1F1B over ``virtual_stages`` chunks per rank)."""
+    virtual_stages: int = 2
+    """Model chunks per rank under ``interleaved`` (stage ``j`` on rank ``j % partitions``)."""
     balance: str | list[int] = "params"
     """``params`` (min-max parameter count), ``time`` (profiled forward time) or layer counts per stage."""
     bucket_mb: float = 25.0
     """Gradient allreduce bucket size in MiB."""
 
     def __post_init__(self) -> None:
-        for name in ("partitions", "micro_batches"):
+        for name in ("partitions", "micro_batches", "virtual_stages"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
@@ -94,7 +96,9 @@ class HybridParallel:
         partitions: pipeline stages.
         replicas: data-parallel replicas (default world size // partitions).
         micro_batches: micro-batches per replica batch.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"`` (Megatron's interleaved 1F1B: each rank holds
+            ``virtual_stages`` non-contiguous chunks, a smaller bubble for more messages).
+        virtual_stages: chunks per rank under ``"interleaved"``.
         balance: ``"params"``, ``"time"`` (needs ``sample_inputs``) or a list of layer counts per stage.
         comm: communicator to lay the ``Mesh(pp=partitions, dp=replicas)`` over (default: the world).
         mesh: an existing mesh with ``pp`` and ``dp`` axes (e.g. also an ``sp`` axis) instead of ``comm``.
@@ -119,9 +123,11 @@ class HybridParallel:
                  schedule: str = "1f1b", balance: str | list[int] = "params", comm: Communicator | None = None,
                  mesh: Mesh | None = None, pp: Communicator | None = None, dp: Communicator | None = None,
                  grad_hook: GradHook | None = None, compression: Any = None,
-                 sample_inputs: Any = None, bucket_mb: float = 25.0, leaf_modules: Sequence[type] = ()):
+                 sample_inputs: Any = None, bucket_mb: float = 25.0, leaf_modules: Sequence[type] = (),
+                 virtual_stages: int = 2):
         self.config = HybridConfig(partitions=partitions, replicas=replicas, micro_batches=micro_batches,
-                                   schedule=schedule, balance=balance, bucket_mb=bucket_mb)
+                                   schedule=schedule, balance=balance, bucket_mb=bucket_mb,
+                                   virtual_stages=virtual_stages)
         self.model = model
         self.pp, self.dp = self._comms(comm, mesh, pp, dp)
         self.partitions, self.replicas = self.pp.size, self.dp.size
@@ -148,15 +154,20 @@ class HybridParallel:
             costs = self.graph.time_costs(sample)
             costs = self.dp.bcast_object(costs, 0)
             costs = self.pp.bcast_object(costs, 0)
-        self.counts = split_units(self.graph, self.partitions, balance, sample, costs)
+        # Interleaving needs a pipeline; on one stage it would only add self-messages.
+        self.chunks = virtual_stages if (schedule == "interleaved" and self.partitions > 1) else 1
+        self.counts = split_units(self.graph, self.partitions * self.chunks, balance, sample, costs)
         pp_comm = self.pp.dup(name="pp") if self.partitions > 1 else None
-        self.stage = Stage(self.graph, self.counts, pp_comm, codec=codec)
-        self._params = self.stage.parameters()
+        r, p = self.pp.rank, self.partitions
+        self.local_stages = [Stage(self.graph, self.counts, pp_comm, codec=codec, index=k * p + r)
+                             for k in range(self.chunks)]
+        self.stage = self.local_stages[0]
+        self._params = [t for t in self._tensors() if t.requires_grad]
         self._check_shared()
         self.reducer: GradReducer | None = None
         if self.replicas > 1:
             with torch.no_grad():
-                for t in self.stage.tensors():
+                for t in self._tensors():
                     t.copy_(self.dp.bcast(t.detach().clone(), 0))
             self.reducer = GradReducer(self._params, self.dp, grad_hook=grad_hook, bucket_mb=bucket_mb)
 
@@ -192,7 +203,7 @@ class HybridParallel:
         """A tensor read by two stages (tied weights across stages) would train as two copies: refuse it."""
         if self.partitions == 1:
             return
-        mine = {id(t) for t in self.stage.tensors()}
+        mine = {id(t) for t in self._tensors()}
         owners = self.pp.allgather_object(sorted(self._keys(mine)))
         seen: dict[str, int] = {}
         for s, keys in enumerate(owners):
@@ -212,13 +223,33 @@ class HybridParallel:
     def _named(self) -> dict[str, torch.Tensor]:
         if isinstance(self.model, nn.Module):
             return dict(self.model.state_dict(keep_vars=True))
-        return {f"t{i}": t for i, t in enumerate(self.stage.tensors())}
+        return {f"t{i}": t for i, t in enumerate(self._tensors())}
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Model tensors read by this rank's stage(s), de-duplicated."""
+        seen: dict[int, torch.Tensor] = {}
+        for st in self.local_stages:
+            for t in st.tensors():
+                seen.setdefault(id(t), t)
+        return list(seen.values())
+
+    @property
+    def _last(self) -> bool:
+        return self.local_stages[-1].last
+
+    def _ops(self) -> list[tuple[str, int, int]]:
+        """This rank's ``(F|B, chunk, micro_batch)`` actions for one step."""
+        m = self.micro_batches
+        if self.chunks > 1:
+            return interleaved_schedule(self.partitions, self.chunks, m)[self.pp.rank]
+        return [(op, 0, i) for op, i in make_schedule(self.schedule if self.schedule != "interleaved" else "1f1b",
+                                                      self.pp.rank, self.partitions, m)]
 
     # ------------------------------------------------------------------ public API
     @property
     def stage_index(self) -> int:
         """This rank's pipeline stage."""
-        return self.stage.index
+        return self.pp.rank
 
     @property
     def replica_index(self) -> int:
@@ -231,7 +262,7 @@ class HybridParallel:
 
     def named_layers(self) -> list[str]:
         """Labels of this stage's graph nodes (for inspection)."""
-        return [n.label for n in self.stage.nodes]
+        return [n.label for st in self.local_stages for n in st.nodes]
 
     def _split(self, x: Any, what: str) -> list[tuple]:
         xs = _as_tuple(x)
@@ -263,27 +294,29 @@ class HybridParallel:
         ``loss_fn(output, target)`` must return the *mean* over its micro-batch.
         """
         mbs = self._split(inputs, "inputs")
-        tgts = self._split(targets, "targets") if self.stage.last else [None] * self.micro_batches
+        tgts = self._split(targets, "targets") if self._last else [None] * self.micro_batches
         m = self.micro_batches
         self._mode(True)
         if self.reducer is not None:
             self.reducer.start(m)
-        slots: dict[int, Any] = {}
+        slots: dict[tuple[int, int], Any] = {}
         total = torch.zeros(1, dtype=torch.float64)
-        for op, i in make_schedule(self.schedule, self.stage.index, self.partitions, m):
+        for op, k, i in self._ops():
+            st = self.local_stages[k]
             if op == "F":
                 tgt = None
-                if self.stage.last:
+                if st.last:
                     tgt = tgts[i][0] if len(tgts[i]) == 1 else tgts[i]
-                slot, _ = self.stage.forward(self._key(mbs[i]), mbs[i], tgt, loss_fn)
+                slot, _ = st.forward(self._key(mbs[i]), mbs[i], tgt, loss_fn)
                 if slot.loss is not None:
                     total += float(slot.loss.detach())  # host scalar (a CUDA loss syncs here)
-                slots[i] = slot
+                slots[(k, i)] = slot
             else:
-                self.stage.backward(slots.pop(i), 1.0 / m)
+                st.backward(slots.pop((k, i)), 1.0 / m)
         if self.reducer is not None:
             self.reducer.finish()
-        self.stage.wait()
+        for st in self.local_stages:
+            st.wait()
         return self._mean_loss(total / m)
 
     def _mean_loss(self, local: torch.Tensor) -> float:
@@ -300,22 +333,28 @@ class HybridParallel:
         mbs = self._split(inputs, "inputs")
         self._mode(False)
         want_loss = loss_fn is not None
-        tgts = self._split(targets, "targets") if (want_loss and self.stage.last) else [None] * self.micro_batches
+        tgts = self._split(targets, "targets") if (want_loss and self._last) else [None] * self.micro_batches
         total = torch.zeros(1, dtype=torch.float64)
         outs = []
-        for i in range(self.micro_batches):
+        for op, k, i in self._ops():  # the forwards of the training order (valid on their own)
+            if op != "F":
+                continue
+            st = self.local_stages[k]
             tgt = None
-            if tgts[i] is not None:
+            if st.last and tgts[i] is not None:
                 tgt = tgts[i][0] if len(tgts[i]) == 1 else tgts[i]
-            slot, out = self.stage.forward(self._key(mbs[i]), mbs[i], tgt, loss_fn, grad=False)
+            slot, out = st.forward(self._key(mbs[i]), mbs[i], tgt, loss_fn, grad=False)
             if slot.loss is not None:
                 total += float(slot.loss)
-            outs.append(out)
-        self.stage.wait()
+            if st.last:
+                outs.append((i, out))
+        for st in self.local_stages:
+            st.wait()
         if want_loss:
             return self._mean_loss(total / self.micro_batches)
         res = None
-        if self.stage.last:
+        if self._last:
+            outs = [o for _, o in sorted(outs, key=lambda io: io[0])]
             res = torch.cat(outs) if isinstance(outs[0], torch.Tensor) else outs
         if self.partitions > 1:
             res = self.pp.bcast_object(res, self.partitions - 1)
@@ -325,7 +364,7 @@ class HybridParallel:
         """The full model state on every rank: each stage contributes the tensors it trains (one
         ``allgather_object`` over ``pp``); tensors no stage reads keep their initial values."""
         named = self._named()
-        mine = {id(t) for t in self.stage.tensors()}
+        mine = {id(t) for t in self._tensors()}
         own = {k: v.detach().clone() for k, v in named.items() if id(v) in mine}
         full = {k: v.detach().clone() for k, v in named.items()}
         if self.partitions > 1:

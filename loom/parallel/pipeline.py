@@ -34,11 +34,11 @@ from torch.utils import _pytree
 from ..comm import Communicator, Request
 from .partition import Graph, resolve, run_node
 
-__all__ = ["SCHEDULES", "schedule", "Stage"]
+__all__ = ["SCHEDULES", "schedule", "interleaved_schedule", "Stage"]
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
-ACT, GRAD, META = 11, 12, 13
+ACT, GRAD, META = 1, 2, 3  # tag = 4 * boundary + kind: one tag space per stage boundary (virtual stages)
 
 
 def schedule(kind: str, stage: int, stages: int, micro_batches: int) -> list[tuple[str, int]]:
@@ -60,6 +60,66 @@ def schedule(kind: str, stage: int, stages: int, micro_batches: int) -> list[tup
     raise ValueError(f"schedule={kind!r} is not one of {', '.join(SCHEDULES)}")
 
 
+def interleaved_schedule(ranks: int, chunks: int, micro_batches: int) -> list[list[tuple[str, int, int]]]:
+    """Interleaved 1F1B (Megatron-LM's virtual pipeline): rank ``r`` holds stages ``r, r+P, ..., r+(v-1)P``.
+
+    Returns, per rank, the ordered ``("F"|"B", chunk, micro_batch)`` actions (stage = ``chunk * P + r``).
+
+    The orders come from simulating the pipeline in unit time steps: each rank walks its forwards in
+    Megatron's order (micro-batches in groups of ``P``, chunk by chunk) and its backwards in the mirrored order,
+    runs a backward once it has ``2 (P - r - 1) + (v - 1) P + 1`` forwards in flight (Megatron's warm-up)
+    or has no forward ready, and an action is ready only when what it receives was produced at an earlier
+    step. Every receive therefore matches a send issued earlier in the global timeline, so with
+    non-blocking sends and blocking receives the schedule cannot deadlock, for any ``M``.
+
+    Raises:
+        ValueError: non-positive sizes.
+    """
+    p, v, m = ranks, chunks, micro_batches
+    if min(p, v, m) < 1:
+        raise ValueError(f"interleaved schedule needs ranks, chunks, micro_batches >= 1, got {p}, {v}, {m}")
+    last = p * v - 1
+    fwd: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    for r in range(p):
+        for g in range(0, m, p):
+            for k in range(v):
+                fwd[r] += [(k * p + r, i) for i in range(g, min(g + p, m))]
+    bwd = [[(s, i) for s, i in ((k * p + r, i) for g in range(0, m, p) for k in reversed(range(v))
+                                for i in range(g, min(g + p, m)))] for r in range(p)]
+    limit = [2 * (p - r - 1) + (v - 1) * p + 1 for r in range(p)]
+    f_done: dict[tuple[int, int], int] = {}
+    b_done: dict[tuple[int, int], int] = {}
+    fi, bi = [0] * p, [0] * p
+    out: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
+    t = 0
+    while any(bi[r] < len(bwd[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            f_ok = fi[r] < len(fwd[r]) and (fwd[r][fi[r]][0] == 0 or
+                                             f_done.get((fwd[r][fi[r]][0] - 1, fwd[r][fi[r]][1]), t) < t)
+            b_ok = False
+            if bi[r] < len(bwd[r]):
+                s_, i = bwd[r][bi[r]]
+                b_ok = f_done.get((s_, i), t) < t and (s_ == last or b_done.get((s_ + 1, i), t) < t)
+            if b_ok and (fi[r] - bi[r] >= limit[r] or not f_ok):
+                s_, i = bwd[r][bi[r]]
+                b_done[(s_, i)] = t
+                out[r].append(("B", s_ // p, i))
+                bi[r] += 1
+            elif f_ok:
+                s_, i = fwd[r][fi[r]]
+                f_done[(s_, i)] = t
+                out[r].append(("F", s_ // p, i))
+                fi[r] += 1
+            else:
+                continue
+            progressed = True
+        if not progressed:  # nothing could run: nothing will ever change
+            raise RuntimeError(f"interleaved schedule stalled at step {t} (P={p}, v={v}, M={m}); please report")
+        t += 1
+    return out
+
+
 @dataclass(slots=True)
 class _Slot:
     """What one micro-batch leaves on a stage between its forward and its backward."""
@@ -77,13 +137,17 @@ class Stage:
         counts: units per stage (from :func:`~loom.parallel.partition.split_units`).
         comm: the pipeline communicator (rank = stage index); ``None`` when there is one stage.
         codec: optional ``loom.compress`` codec for activations and gradients (blocking sends; gpipe only).
+        index: the (virtual) stage index; default ``comm.rank``. Stage ``j`` runs on rank ``j % comm.size``.
     """
 
-    def __init__(self, graph: Graph, counts: Sequence[int], comm: Communicator | None, *, codec: Any = None):
+    def __init__(self, graph: Graph, counts: Sequence[int], comm: Communicator | None, *, codec: Any = None,
+                 index: int | None = None):
         self.graph = graph
         self.counts = list(counts)
         self.stages = len(counts)
-        self.index = comm.rank if comm is not None else 0
+        self.index = index if index is not None else (comm.rank if comm is not None else 0)
+        p = comm.size if comm is not None else 1
+        self.prev, self.next = (self.index - 1) % p, (self.index + 1) % p  # ranks (a ring with virtual stages)
         self.comm = comm
         self.codec = codec
         self.nodes = graph.stage_nodes(counts, self.index)
@@ -114,6 +178,10 @@ class Stage:
         return [p for p in self.tensors() if p.requires_grad]
 
     # ------------------------------------------------------------------ p2p
+    def _tag(self, side: int, kind: int) -> int:
+        """Tag of the boundary before (``side=-1``) or after (``0``) this stage."""
+        return 4 * (self.index + side) + kind
+
     def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         t = t.detach().contiguous()
         if self.codec is not None:
@@ -135,13 +203,13 @@ class Stage:
         """The live values from ``s-1`` and their flattened leaves (tuples of tensors are flattened)."""
         meta = self._meta_in.get(key)
         if meta is None:
-            spec, leaf_meta = self.comm.recv_object(self.index - 1, META)
+            spec, leaf_meta = self.comm.recv_object(self.prev, self._tag(-1, META))
             meta = self._meta_in[key] = (_pytree.treespec_loads(spec), leaf_meta)
         spec, leaf_meta = meta
         flat: list[Any] = []
         for m in leaf_meta:
             if m[0] == "t":
-                t = self._recv(m[1], m[2], self.index - 1, ACT)
+                t = self._recv(m[1], m[2], self.prev, self._tag(-1, ACT))
                 if grad and m[3]:
                     t.requires_grad_(True)
                 flat.append(t)
@@ -156,11 +224,11 @@ class Stage:
             # Non-tensor leaves (x.size(0), dtypes...) depend only on the input shape, which keys the cache.
             leaf_meta = [("t", tuple(v.shape), v.dtype, bool(v.requires_grad)) if isinstance(v, torch.Tensor)
                          else ("v", v) for v in flat]
-            self.comm.send_object((_pytree.treespec_dumps(spec), leaf_meta), self.index + 1, META)
+            self.comm.send_object((_pytree.treespec_dumps(spec), leaf_meta), self.next, self._tag(0, META))
             self._meta_sent.add(key)
         for v in flat:
             if isinstance(v, torch.Tensor):
-                self._send(v, self.index + 1, ACT)
+                self._send(v, self.next, self._tag(0, ACT))
         return flat
 
     def wait(self) -> None:
@@ -199,11 +267,11 @@ class Stage:
             if slot.loss.requires_grad:
                 (slot.loss * scale).backward()
         else:
-            grads = [self._recv(o.shape, o.dtype, self.index + 1, GRAD) for o in slot.outs]
+            grads = [self._recv(o.shape, o.dtype, self.next, self._tag(0, GRAD)) for o in slot.outs]
             if slot.outs:
                 torch.autograd.backward(slot.outs, grads)
         if not self.first:
             for leaf in slot.leaves:
                 if leaf is not None:
                     g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                    self._send(g, self.index - 1, GRAD)
+                    self._send(g, self.prev, self._tag(-1, GRAD))

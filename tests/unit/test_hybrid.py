@@ -71,6 +71,33 @@ def test_schedules_run_every_microbatch_once_in_order(kind):
         schedule("zb", 0, 2, 2)
 
 
+def test_interleaved_schedule_is_complete_and_causal():
+    from loom.parallel.pipeline import interleaved_schedule
+
+    for p, v, m in itertools.product(range(1, 6), range(1, 4), range(1, 10)):
+        per_rank = interleaved_schedule(p, v, m)
+        for r, ops in enumerate(per_rank):
+            assert sorted(ops) == sorted((o, k, i) for o in "FB" for k in range(v) for i in range(m))
+            for k, i in itertools.product(range(v), range(m)):
+                assert ops.index(("F", k, i)) < ops.index(("B", k, i))
+        # replay with blocking receives and non-blocking sends: every rank must finish
+        sent, pos = set(), [0] * p
+        last = p * v - 1
+        while any(pos[r] < len(per_rank[r]) for r in range(p)):
+            moved = False
+            for r in range(p):
+                if pos[r] == len(per_rank[r]):
+                    continue
+                op, k, i = per_rank[r][pos[r]]
+                s = k * p + r
+                need = ("F", s - 1, i) if op == "F" and s > 0 else ("B", s + 1, i) if op == "B" and s < last else None
+                if need is None or need in sent:
+                    sent.add((op, s, i))
+                    pos[r] += 1
+                    moved = True
+            assert moved, (p, v, m, pos)
+
+
 class Skip(nn.Module):
     def __init__(self):
         super().__init__()

@@ -9,7 +9,8 @@ Plan of :meth:`HybridParallel.train_step` on each rank:
 
 1. split this replica's batch into ``M`` equal micro-batches along dim 0 (every stage rank of a replica holds
    the same batch, so graph inputs are read locally by any stage that needs them);
-2. run the schedule (``gpipe`` or ``1f1b``): forwards receive/send live sets from/to the neighbouring stages,
+2. run the schedule (``gpipe``, ``1f1b`` or ``interleaved``): forwards receive/send live sets from/to the
+   neighbouring stages,
    the last stage computes ``loss_fn(out_m, target_m) / M`` and backward sends gradients upstream;
 3. the dp reducer averages each stage's gradients over replicas in buckets as soon as the last micro-batch's
    backward finishes them (``iallreduce``, overlapped with the remaining backward; or the user's hook);

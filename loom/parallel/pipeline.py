@@ -20,7 +20,9 @@ Communication plan of one training step on stage ``s`` of ``P`` (pp communicator
 
 Schedules (:func:`schedule`): ``gpipe`` (all forwards, then all backwards) and ``1f1b`` (``P-s-1`` warm-up
 forwards, then one-forward-one-backward, then the remaining backwards; activation memory bounded by ``P``
-micro-batches instead of ``M``).
+micro-batches instead of ``M``); :func:`interleaved_schedule` (``v`` virtual stages per rank, stage ``j`` on
+rank ``j % P``: the stage graph becomes a ring, the bubble shrinks by ``v`` for ``v`` times the messages).
+Tags are ``4 * boundary + kind``, so the boundaries of different virtual stages never mix.
 """
 
 from __future__ import annotations

@@ -50,6 +50,8 @@ def alltoallv_skew(argv: list[str]) -> int:
     p.add_argument("--topology", default="shm", help=f"preset outside a testbed ({', '.join(PRESETS)})")
     p.add_argument("--seed", type=int, default=0, help="seed of the zipf rankings")
     p.add_argument("--min-bytes", type=omb.parse_size, default=1 << 20, help="multi-path threshold per pair")
+    p.add_argument("--exchange", action="store_true",
+                   help="multi-path side learns the counts matrix by an allgather every call")
     p.add_argument("--chunk", type=omb.parse_size, default=1 << 20, help="relay chunk bytes")
     args = p.parse_args(argv)
     try:
@@ -76,7 +78,10 @@ def alltoallv_skew(argv: list[str]) -> int:
         x = np.full(sum(sc), comm.rank, dtype=np.uint8)
         if args.buffer == "torch":
             x = torch.from_numpy(x)
-        kw = dict(topology=topo, min_bytes=args.min_bytes, chunk_bytes=args.chunk)
+        # Both sides know the counts up front (the direct side gets recv_counts, the multi-path side the
+        # whole matrix, as an MoE gets it from an allgather of expert counts instead of an alltoall).
+        kw = dict(topology=topo, min_bytes=args.min_bytes, chunk_bytes=args.chunk,
+                  counts=None if args.exchange else demand)
         warm, iters = omb.iterations(size, args)
         best_m = best_d = float("inf")
         for _ in range(max(1, args.rounds)):

@@ -183,6 +183,20 @@ def _agree(comm: Communicator, x: Buffer, send_counts, recv_counts, topology: To
     return counts
 
 
+def _check_known(comm: Communicator, x: Buffer, send_counts, recv_counts, counts) -> np.ndarray:
+    m = np.asarray(counts, dtype=np.int64)
+    p, me = comm.size, comm.rank
+    if m.shape != (p, p) or (m < 0).any():
+        raise ValueError(f"counts has shape {m.shape}; give the ({p}, {p}) matrix of rows (>= 0), row = source")
+    if [int(v) for v in send_counts] != m[me].tolist() or int(m[me].sum()) != x.shape[0]:
+        raise ValueError(f"send_counts {list(send_counts)} on rank {me} do not match row {me} of counts "
+                         f"{m[me].tolist()} or dim 0 ({x.shape[0]} rows)")
+    if recv_counts is not None and [int(v) for v in recv_counts] != m[:, me].tolist():
+        raise ValueError(f"recv_counts {list(recv_counts)} on rank {me} do not match column {me} of counts "
+                         f"{m[:, me].tolist()}")
+    return m
+
+
 def _h(obj: Any) -> int:
     """A 62-bit fingerprint of a small picklable-by-repr value (equal on every rank for equal values)."""
     return int.from_bytes(hashlib.sha1(repr(obj).encode()).digest()[:8], "little") >> 2
@@ -200,6 +214,7 @@ def alltoallv(
     chunk_bytes: int = 1 << 20,
     window: int = 4,
     planner: dict[str, Any] | None = None,
+    counts: np.ndarray | None = None,
 ) -> tuple[Buffer, list[int]]:
     """``comm.alltoallv(tensor, send_counts, recv_counts)`` with multi-path routing.
 
@@ -214,6 +229,9 @@ def alltoallv(
         chunk_bytes: chunk size on relayed paths (pipelining granularity).
         window: staging buffers per relay rank (bounded memory: ``window * chunk_bytes``).
         planner: extra keyword arguments for :func:`loom.multipath.planner.plan`.
+        counts: the whole ``(P, P)`` row-count matrix (row = source), identical on every rank, when the
+            caller already has it (an MoE that allgathers its expert counts): skips the agreement
+            collective. Checked locally against this rank's ``send_counts``/``recv_counts`` only.
 
     Returns:
         ``(received, recv_counts)`` exactly as ``comm.alltoallv`` returns them.
@@ -226,7 +244,10 @@ def alltoallv(
     topology = topology if topology is not None else plan.topology
     if window < 1 or chunk_bytes < 1:
         raise ValueError(f"window={window} and chunk_bytes={chunk_bytes} must be >= 1")
-    counts = _agree(comm, tensor, send_counts, recv_counts, topology, plan)
+    if counts is None:
+        counts = _agree(comm, tensor, send_counts, recv_counts, topology, plan)
+    else:
+        counts = _check_known(comm, tensor, send_counts, recv_counts, counts)
     p = comm.size
     if topology.size != p:
         raise ValueError(f"topology {topology.name!r} has {topology.size} ranks but communicator {comm.name!r} has "

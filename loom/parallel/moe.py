@@ -70,6 +70,8 @@ class _AllToAllV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         send_counts, recv_counts, comm, kw = ctx.meta
+        if kw is not None and kw.get("counts") is not None:  # the reverse exchange: the matrix transposed
+            kw = {**kw, "counts": kw["counts"].T.copy()}
         return _a2av(g.contiguous(), recv_counts, send_counts, comm, kw), None, None, None, None
 
 
@@ -142,11 +144,20 @@ class MoE(torch.nn.Module):
         expert = idx.reshape(-1)
         token = torch.arange(x.shape[0], device=x.device).repeat_interleave(cfg.top_k)
         order = torch.argsort(expert, stable=True)
-        per_expert = torch.bincount(expert, minlength=cfg.experts).reshape(p, el)
-        recv_per_expert = comm.alltoall(per_expert.to(torch.int64).contiguous())     # [P sources, E/P]
+        per_expert = torch.bincount(expert, minlength=cfg.experts).reshape(p, el).to(torch.int64)
+        mp = self.multipath
+        if mp is None:
+            recv_per_expert = comm.alltoall(per_expert.contiguous())                  # [P sources, E/P]
+        else:
+            # Multi-path planning needs every pair's volume: one allgather of the expert counts (the same
+            # single collective as the alltoall it replaces) gives the whole matrix to every rank.
+            every = comm.allgather(per_expert.reshape(1, -1)).reshape(p, p, el)       # [src, dst, E/P]
+            recv_per_expert = every[:, comm.rank].contiguous()
+            matrix = every.sum(2).numpy()
+            mp = {**mp, "counts": matrix}
         send_counts = per_expert.sum(1).tolist()
         recv_counts = recv_per_expert.sum(1).tolist()
-        rows = dispatch_alltoallv(x[token[order]], send_counts, recv_counts, comm, self.multipath)
+        rows = dispatch_alltoallv(x[token[order]], send_counts, recv_counts, comm, mp)
         # Received rows: by source, then by local expert. Regroup by local expert for one matmul each.
         local_id = torch.arange(el).repeat(p).repeat_interleave(recv_per_expert.reshape(-1))
         perm = torch.argsort(local_id, stable=True)
@@ -154,7 +165,8 @@ class MoE(torch.nn.Module):
         outs = [F.gelu(chunk @ self.w1[j]) @ self.w2[j]
                 for j, chunk in enumerate(torch.split(rows[perm], sizes))]
         grouped = torch.cat(outs) if outs else rows[:0]
-        back = dispatch_alltoallv(grouped[torch.argsort(perm)], recv_counts, send_counts, comm, self.multipath)
+        back_mp = None if mp is None else {**mp, "counts": mp["counts"].T.copy()}
+        back = dispatch_alltoallv(grouped[torch.argsort(perm)], recv_counts, send_counts, comm, back_mp)
         contrib = back * weight.reshape(-1)[order].unsqueeze(1)
         return torch.zeros_like(x).index_add(0, token[order], contrib)
 

@@ -63,6 +63,9 @@ def check_forced_relays_equal_direct(comm):
         # recv_counts given explicitly takes the same path.
         got2, _ = alltoallv(x, sc, comm, want_rc, topology=topo, plan=pl, chunk_bytes=row_bytes * 3, window=1)
         assert (torch.equal(got2, want) if isinstance(got2, torch.Tensor) else np.array_equal(got2, want))
+        # The whole matrix given up front (no agreement collective) takes the same path.
+        got3, _ = alltoallv(x, sc, comm, topology=topo, plan=pl, chunk_bytes=row_bytes * 3, counts=counts)
+        assert (torch.equal(got3, want) if isinstance(got3, torch.Tensor) else np.array_equal(got3, want))
     if p >= 3:
         assert relays_seen > 0, "the topology should have forced relays"
 

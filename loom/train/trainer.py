@@ -1,21 +1,24 @@
 """The training loop: mesh, model, data slices, gradient synchronization, metrics, checkpoints, resume.
 
-Step plan (every rank, mesh ``dp x pp x sp``):
+Step plan (every rank, mesh ``dp x pp x ep x sp``, ``sp`` fastest):
 
 1. **Data.** Every rank draws the same global batch for this step (``batch_windows(seed, step)``) and keeps
-   rows ``[dp_rank * B/dp, +B/dp)`` and its ``sp`` columns in the Ulysses/FPDT layout (contiguous for
-   ``chunks = 1``; pieces ``r, r+P, ...`` of ``chunks x P`` for FPDT), whose global positions feed RoPE.
-2. **Forward/backward.** ``pp = 1``: the model runs whole on this rank; its attention runs Ulysses or FPDT
-   all-to-alls over ``sp`` inside autograd; the loss is the mean over this rank's tokens. ``pp > 1``:
-   ``loom.parallel.HybridParallel`` cuts the ``nn.Sequential`` model into stages and runs the 1F1B/GPipe
-   schedule over ``data.micro_batches`` micro-batches; its reducer averages stage gradients over ``dp``
-   through the same dp hook.
-3. **Gradient sync** (parameters are replicated over ``dp`` and ``sp``): gradients are flattened into
-   buckets of ``compress.bucket_mb``; each bucket is averaged over ``sp`` with ``allreduce(op="avg")``
-   (uncompressed: the fast intra-node axis), then over ``dp`` through the compression policy's dp hook
-   (``hook(bucket, dp_comm, index) -> mean``) or ``allreduce(op="avg")`` without one. Equal shard sizes make
-   the mean of local means the global mean, so any mesh matches one rank up to summation order.
-4. **Update.** Global-norm clipping (grads are identical on all replicas after step 3), AdamW with the
+   its rows (``dp`` and ``ep`` ranks take different rows: ``B / (dp ep)`` each) and its ``sp`` columns in the
+   Ulysses/FPDT layout (contiguous for ``chunks = 1``; pieces ``r, r+P, ...`` of ``chunks x P`` for FPDT),
+   whose global positions feed RoPE.
+2. **Forward/backward.** ``pp = 1``: the model (``loom.models.llama``, or the reference decoder with
+   ``loom.parallel.moe`` experts over ``ep``) runs whole on this rank; its attention runs Ulysses or FPDT
+   all-to-alls over ``sp`` inside autograd (compressed by the policy's ``sp`` codec). ``pp > 1``:
+   ``loom.parallel.HybridParallel`` cuts an ``nn.Sequential`` view of the model into stages and runs the
+   1F1B/GPipe schedule over ``data.micro_batches`` micro-batches; its reducer averages stage gradients over
+   ``dp`` through the same dp hook.
+3. **Gradient sync** (see :meth:`Trainer.sync_grads`): gradients are flattened into buckets of
+   ``compress.bucket_mb``; each bucket is reduced over ``sp`` with a plain allreduce (the fast intra-node
+   axis), then replicated buckets are averaged over ``dp x ep`` and expert buckets over ``dp`` (divided by
+   ``ep``) through the compression policy's dp hook (``hook(bucket, comm, index) -> mean``), or
+   ``allreduce(op="avg")`` without one. Equal shard sizes make the mean of local means the global mean, so
+   any mesh matches one rank up to summation order (and codec error).
+4. **Update.** Global-norm clipping (norm summed over pipeline stages and expert shards), AdamW with the
    warm-up + cosine learning rate of this step.
 5. **Book-keeping.** Loss and peak memory reduced as Python objects (not counted as training traffic);
    bytes per mesh axis are the deltas of ``loom.comm.stats()``; the uncompressed equivalent adds back what

@@ -6,16 +6,17 @@ whose per-rank peak memory (max over ranks) stays within ``--budget``. Memory is
 :class:`loom.parallel.offload.MemoryTracker`: on CPU the peak of live torch storages on the compute device
 (chunks offloaded to the host pool are not counted), on CUDA the allocator's ``max_memory_allocated``.
 
-Search plan per configuration: two cheap probes at small lengths give the (affine) slope of peak memory in
-the sequence length; the crossing with the budget is probed next, then bisection until the bracket is within
-``max(step, 1/32)`` of the length. Every reported length was actually run and fit; the next step up was run
+Search plan per configuration: two cheap probes at small lengths give the slope of peak memory in the
+sequence length; the secant through the two longest fitting lengths predicts the crossing with the budget
+(at most 4x further) until a length does not fit, then linear interpolation inside the bracket until it is
+within ``max(step, 1/32)`` of the length. Every reported length was actually run and fit; the next step up was run
 and did not (or hit ``--max-seq``).
 
 Configurations, cumulative (each row adds one FPDT ingredient to the previous one): ``ulysses`` (with
 per-block activation checkpointing, the usual long-context setting); ``+ loss chunking`` (LM head +
 cross-entropy chunked and recomputed); ``+ FFN chunking``; ``+ attention pipeline`` (each block one FPDT chunk
-pipeline, which keeps only its input and attention-output chunks and so replaces block checkpointing);
-``+ offload`` (those chunks and the pipeline's q/k/v/out/lse chunks in host memory: full FPDT).
+pipeline, still checkpointed); ``+ offload`` (no checkpointing: each block keeps its input and
+attention-output chunks and its pipeline's q/k/v/out/lse chunks in host memory: full FPDT).
 Then, at the Ulysses limit: time per token of both, the all-to-alls per layer and the host<->device bytes.
 """
 
@@ -41,7 +42,7 @@ STEPS = ("ulysses", "+ loss chunking", "+ FFN chunking", "+ attention pipeline",
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loom bench seqlen", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--budget", type=parse_size, default=parse_size("6M"), help="per-rank device memory budget")
+    p.add_argument("--budget", type=parse_size, default=parse_size("2560K"), help="per-rank device memory budget")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--heads", type=int, default=4)
@@ -50,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ffn", choices=("swiglu", "gelu"), default="swiglu")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--chunk", type=int, default=64, help="tokens per rank in one FFN / loss chunk")
-    p.add_argument("--attn-chunk", type=int, default=512, help="tokens per rank in one attention chunk")
+    p.add_argument("--attn-chunk", type=int, default=128, help="tokens per rank in one attention chunk")
     p.add_argument("--max-seq", type=int, default=1 << 20, help="stop searching beyond this global length")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--no-breakdown", action="store_true", help="only Ulysses and full FPDT")
@@ -72,8 +73,9 @@ def _config(step: str, args, seq: int, p: int) -> LlamaConfig:
     if i < 3:  # Ulysses, then Ulysses with the loss and then also the FFN chunked
         return LlamaConfig(**base, sequence_parallel="ulysses", loss_chunks=u_small if i >= 1 else 1,
                            ffn_chunks=u_small if i >= 2 else 1)
-    # The FPDT block pipeline saves only x_i and o_i chunks per block: it replaces block checkpointing.
-    base["checkpoint"] = False
+    # With offload the FPDT block keeps x_i and o_i chunks (and its pipeline's chunks) on the host, which
+    # replaces block checkpointing; without offload the blocks stay checkpointed (only their input is kept).
+    base["checkpoint"] = i < 4
     return LlamaConfig(**base, sequence_parallel="fpdt", chunks=u_attn, loss_chunks=u_small, ffn_chunks=u_small,
                        offload=i >= 4)
 
@@ -136,39 +138,39 @@ class _Runner:
                           flush=True)
             return seen[seq]["peak"] <= budget
 
-        s1, s2 = gran, 2 * gran
+        s1 = gran
         if not fits(s1):
             raise SystemExit(f"loom bench seqlen: {step} does not fit even {s1} tokens in {budget} bytes per rank; "
                              f"raise --budget or lower --chunk/--attn-chunk")
         lo, hi = s1, None
-        if fits(s2):
-            lo = s2
-            slope = max((seen[s2]["peak"] - seen[s1]["peak"]) / (s2 - s1), 1e-9)
-            guess = int(s2 + (budget - seen[s2]["peak"]) / slope) // gran * gran
-            guess = max(min(guess, args.max_seq // gran * gran), lo)
-            if guess > lo:
-                if fits(guess):
-                    lo = guess
-                else:
-                    hi = guess
-        else:
-            hi = s2
-        while hi is None:  # the estimate fit: step up by ~3 % until a length does not fit
-            nxt = lo + max(gran, (lo // 32) // gran * gran)
-            if nxt > args.max_seq:
+        fits(2 * gran)
+
+        def rnd(x: float) -> int:
+            return int(x) // gran * gran
+
+        while True:
+            ok = sorted(k for k, m in seen.items() if m["peak"] <= budget)
+            bad = sorted(k for k, m in seen.items() if m["peak"] > budget)
+            lo = ok[-1]
+            hi = next((k for k in bad if k > lo), None)
+            tol = max(gran, rnd(lo / 32))
+            if hi is not None and hi - lo <= tol:
                 break
-            if fits(nxt):
-                lo = nxt
-            else:
-                hi = nxt
-        while hi is not None and hi - lo > max(gran, (lo // 32) // gran * gran):
-            mid = (lo + hi) // 2 // gran * gran
-            if mid <= lo:
-                break
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
+            if hi is None:  # extrapolate (secant through the two longest fitting lengths), at most 4x further
+                a_, b_ = (ok[-2], lo) if len(ok) > 1 else (lo, lo)
+                slope = (seen[b_]["peak"] - seen[a_]["peak"]) / max(b_ - a_, 1)
+                nxt = lo + (budget - seen[lo]["peak"]) / slope if slope > 0 else 4 * lo
+                nxt = min(max(rnd(nxt), lo + tol), 4 * lo)
+                if nxt > args.max_seq:
+                    break
+            else:  # interpolate between the bracket's ends, kept strictly inside it
+                frac = (budget - seen[lo]["peak"]) / max(seen[hi]["peak"] - seen[lo]["peak"], 1)
+                nxt = min(max(rnd(lo + frac * (hi - lo)), lo + gran), hi - gran)
+                if nxt in seen:
+                    nxt = rnd((lo + hi) / 2)
+                if nxt <= lo or nxt >= hi:
+                    break
+            fits(nxt)
         return lo, seen[lo], len(seen)
 
 
@@ -222,8 +224,9 @@ def main(argv: list[str] | None = None) -> int:
               f"FPDT throughput = {tu / tf:.2f}x Ulysses (goal >= 0.8x)")
         for st in (steps[0], steps[-1]):
             c = counts[st]
-            print(f"# {st.split('(')[-1].rstrip(')') if '(' in st else st}: {c['a2a'] / args.layers:.0f} all-to-alls "
-                  f"per layer per step at {seq_eq} (forward, checkpoint recompute and backward)")
+            what = "FPDT" if "FPDT" in st else "Ulysses"
+            how = "forward + backward" if "FPDT" in st else "forward + checkpoint recompute + backward"
+            print(f"# {what}: {c['a2a'] / args.layers:.0f} all-to-alls per layer per step at {seq_eq} ({how})")
         print(f"# host<->device per rank per step: at {seq_eq}: {counts[steps[-1]]['to_host'] / 2**20:.1f} MiB "
               f"to host, {counts[steps[-1]]['to_device'] / 2**20:.1f} MiB back; at {fp['max_seq']}: "
               f"{fp['to_host'] / 2**20:.1f} MiB to host, {fp['to_device'] / 2**20:.1f} MiB back")

@@ -176,6 +176,8 @@ def check_model_exact(comm):
         dict(sequence_parallel="fpdt", chunks=2, ffn_chunks=4, offload=True, kv_heads=1),
         dict(sequence_parallel="fpdt", chunks=3, offload=False, ffn="gelu", tie_embeddings=True, kv_heads=heads),
         dict(sequence_parallel="fpdt", chunks=1, loss_chunks=2, ffn_chunks=1, kv_heads=3 if p == 3 else 2),
+        dict(sequence_parallel="fpdt", chunks=2, causal=False, offload=True, kv_heads=3 if p == 3 else 2),
+        dict(sequence_parallel="ulysses", causal=False, ffn_chunks=2, loss_chunks=2, kv_heads=1),
     ]
     for kw in variants:
         n = p * kw.get("chunks", 1) * 4
@@ -183,7 +185,8 @@ def check_model_exact(comm):
         tgt = torch.randint(0, 40, (2, n), generator=g)
         tgt[0, :3] = -100
         base = dict(layers=2, hidden=4 * heads, heads=heads, vocab=40, ffn=kw.get("ffn", "swiglu"),
-                    tie_embeddings=kw.get("tie_embeddings", False), kv_heads=kw["kv_heads"])
+                    tie_embeddings=kw.get("tie_embeddings", False), kv_heads=kw["kv_heads"],
+                    causal=kw.get("causal", True))
         ref_loss, ref_grads = _model_run(LlamaConfig(**base), comm, tok, tgt)
         loss, grads = _model_run(LlamaConfig(**{**base, **kw}), comm, tok, tgt)
         total = comm.allreduce(loss.reshape(1)) if p > 1 else loss.reshape(1)

@@ -257,8 +257,10 @@ class Trainer:
              {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}],
             lr=o.lr, betas=(o.beta1, o.beta2), foreach=False)
         self.start_step = 0
+        self.resumed_from_nothing = False
         if resume:
             self._resume()
+            self.resumed_from_nothing = self.start_step == 0
         self._buckets = self._make_buckets()
 
     def _make_hybrid(self):
@@ -289,6 +291,13 @@ class Trainer:
         if step is None:
             return
         state = ckpt.load(ckpt.stage_path(self.ckpt_dir, step, self.stage))
+        mine = config_to_dict(self.cfg)["model"]
+        theirs = state.get("config", {}).get("model", mine)
+        if theirs != mine:
+            diff = ", ".join(f"model.{k}: checkpoint {theirs.get(k)!r} vs config {v!r}"
+                             for k, v in mine.items() if theirs.get(k) != v)
+            raise ConfigError(f"--resume: the newest checkpoint in {self.ckpt_dir} (step {step}) is of another model "
+                              f"({diff}); use the same [model] or another train.out / checkpoint.dir")
         if state.get("stages", 1) != self.stages or list(state.get("params", self.param_names)) != self.param_names:
             raise ConfigError(f"checkpoint {self.ckpt_dir} step {step} was written with {state.get('stages')} "
                               f"pipeline stages and a different layer split; resume with the same mesh.pp")
@@ -494,6 +503,8 @@ class Trainer:
         display = Display(cfg.train.progress if show else "none", cfg.train.steps, self.start_step)
         if show and self.start_step:
             display.message(f"resumed from {self.ckpt_dir} at step {self.start_step}")
+        elif show and self.resumed_from_nothing:
+            display.message(f"--resume: no checkpoint in {self.ckpt_dir} yet; starting at step 0")
         tokens = cfg.data.batch * cfg.data.seq_len
         records: list[dict[str, Any]] = []
         self.model.train()

@@ -198,3 +198,17 @@ def test_demo_config_fits_any_rank_count(n, monkeypatch, capsys):
     monkeypatch.setenv("PMI_RANK", "0")
     assert main(["--config", str(tour.demo_config()), *tour.mesh_for(n), "--dry-run"]) == 0
     assert f"= {n} ranks" in capsys.readouterr().out
+
+
+def test_resume_refuses_another_model(tmp_path):
+    from loom.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    base = {"model": {"layers": 1, "hidden": 16, "heads": 2, "kv_heads": 1},
+            "data": {"seq_len": 16, "batch": 2, "max_bytes": 20_000},
+            "train": {"steps": 1, "eval_every": 0, "progress": "none", "plots": False}}
+    Trainer(config_from_dict(base), out=tmp_path, quiet=True).run()
+    assert ckpt.latest(tmp_path / "checkpoints") == 1
+    other = {**base, "model": {**base["model"], "hidden": 32}}
+    with pytest.raises(ConfigError, match="model.hidden: checkpoint 16 vs config 32"):
+        Trainer(config_from_dict(other), out=tmp_path, resume=True, quiet=True)

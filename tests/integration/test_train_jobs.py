@@ -65,6 +65,7 @@ def _rank_pid(marker: str, rank: int) -> int | None:
     return None
 
 
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds rank 1's pid through /proc (Linux)")
 def test_sigkill_fails_fast_and_resume_continues(tmp_path):
     out = tmp_path / "run"
     args = ["--mesh.dp=2", f"--train.out={out}", "--train.steps=2000", "--checkpoint.every=2", "--train.eval_every=0",

@@ -267,7 +267,7 @@ def plan(
         # Indices into the CSR data for the bottleneck (max) and sum of each path's link costs.
         starts = inc.indptr[:-1]
         # Small instances (every run-time plan of a job's alltoallv) use dense arrays: ~20x fewer overheads.
-        dense = inc.shape[0] * inc.shape[1] <= 4_000_000
+        dense = inc.shape[0] * inc.shape[1] <= 100_000
         if dense:
             inc = inc.toarray()
         rows = np.arange(len(grid))

@@ -80,8 +80,9 @@ def _config(step: str, args, seq: int, p: int) -> LlamaConfig:
                        offload=i >= 4)
 
 
-def _granule(args, p: int) -> int:
-    return p * args.chunk
+def _granule(args, p: int, step: str) -> int:
+    """Search step: the chunked rows need whole chunks per rank; plain Ulysses is searched 16 tokens/rank fine."""
+    return p * (16 if step == STEPS[0] else args.chunk)
 
 
 class _Runner:
@@ -125,7 +126,7 @@ class _Runner:
     def longest(self, step: str) -> tuple[int, dict[str, float], int]:
         """The longest fitting global length, its measurements, and the number of probes run."""
         args, p = self.args, self.comm.size
-        gran = _granule(args, p)
+        gran = _granule(args, p, step)
         budget = args.budget
         seen: dict[int, dict[str, float]] = {}
 
@@ -160,8 +161,8 @@ class _Runner:
                 a_, b_ = (ok[-2], lo) if len(ok) > 1 else (lo, lo)
                 slope = (seen[b_]["peak"] - seen[a_]["peak"]) / max(b_ - a_, 1)
                 nxt = lo + (budget - seen[lo]["peak"]) / slope if slope > 0 else 4 * lo
-                nxt = min(max(rnd(nxt), lo + tol), 4 * lo)
-                if nxt > args.max_seq:
+                nxt = min(max(rnd(nxt), lo + tol), 4 * lo, rnd(args.max_seq))
+                if nxt <= lo:  # reached --max-seq
                     break
             else:  # interpolate between the bracket's ends, kept strictly inside it
                 frac = (budget - seen[lo]["peak"]) / max(seen[hi]["peak"] - seen[lo]["peak"], 1)

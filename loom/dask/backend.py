@@ -47,6 +47,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -76,6 +77,8 @@ _INLINE, _HOST, _CUDA = 0, 1, 2
 
 #: frames below this many bytes travel inside the header message
 INLINE_MAX = 64 * 1024
+#: header messages up to this size are received at once; larger ones by a non-blocking receive
+EAGER_HEADER = 4096
 #: frames above this many bytes are sent as several MPI messages of at most this size
 CHUNK_BYTES = 512 * 1024 * 1024
 
@@ -138,31 +141,79 @@ class _Engine:
         self.accepted: weakref.WeakValueDictionary[tuple[int, int], MPIComm] = weakref.WeakValueDictionary()
         self.orphans: list[Request] = []
         self.lingering: list[_Channel] = []
+        self.channels: weakref.WeakSet[_Channel] = weakref.WeakSet()
+        self.flushed = False
+        self.known: dict[int, int] = {}  # every receive tag ever used -> its peer rank (drained at exit)
         atexit.register(self._flush)
 
-    def _flush(self) -> None:
-        """At exit: drain closed channels and complete what finished, so MPI_Finalize finds no dangling
-        requests (best effort; sends to a peer's process complete on their own, sends to this process only
-        once received)."""
+    def _flush(self, deadline_s: float = 5.0, quiet_s: float = 0.2) -> None:
+        """At exit, before ``MPI_Finalize``: close every open channel, then drain what peers sent and wait for
+        our own sends, until all sends completed and nothing arrived for ``quiet_s`` (or ``deadline_s``).
+
+        Why: MPICH moves a large message by a rendezvous in which the receiver copies from the sender's memory
+        (CMA). A process that exits with such a send pending leaves its peer an unreceivable message, on
+        which the peer's ``MPI_Finalize`` fails an assertion and the launcher kills the whole job (seen here
+        as intermittent exit code 9 at the end of clean runs). Every exiting rank drains and waits here, so
+        two ranks shutting down together complete each other's messages.
+        """
+        if self.flushed:
+            return
+        self.flushed = True
         try:
-            self.keep([])
+            for chan in list(self.channels):
+                if not chan.closed:
+                    chan.send_close(abort=True)
+            t0 = last = time.monotonic()
+            while True:
+                got = self._drain_all()
+                with self.lock:
+                    self.orphans = [r for r in self.orphans if not r.test()]
+                    pending = len(self.orphans)
+                now = time.monotonic()
+                if got:
+                    last = now
+                if (not pending and now - last >= quiet_s) or now - t0 >= deadline_s:
+                    break
+                time.sleep(0.002)
         except Exception:  # noqa: BLE001 - never fail at exit
-            pass
+            logger.debug("mpi:// exit flush failed", exc_info=True)
+
+    def _drain_all(self) -> int:
+        """Receive and drop every message waiting on any tag this process ever received on (exit only):
+        ``MPI_Finalize`` fails on a communicator that still holds unmatched messages."""
+        got = 0
+        comm = self.comm
+        for tag, peer in [(CTRL_TAG, ANY_SOURCE)] + [(t, p) for t, p in list(self.known.items())]:
+            for t in (tag, tag + 1) if tag != CTRL_TAG else (tag,):
+                while (m := comm.improbe(peer, t)) is not None:
+                    try:
+                        m.recv(np.empty(m.nbytes, np.uint8))
+                    except Exception:  # noqa: BLE001 - a large message from a process that already exited
+                        logger.debug("mpi:// could not drain a message from rank %d", m.source, exc_info=True)
+                    got += 1
+        return got
 
     def linger(self, chan: "_Channel") -> None:
         """Remember a locally closed channel until its peer's CLOSE (and anything before it) is drained."""
         with self.lock:
             self.lingering.append(chan)
 
-    def _drain(self) -> None:
+    def _drain(self, everything: bool = False) -> int:
+        """Receive and drop what arrived on closed channels (all channels at exit); returns messages drained."""
+        got = 0
         keep = []
         for chan in self.lingering:
             while (m := self.comm.improbe(chan.peer, chan.recv_tag)) is not None:
-                m.recv(np.empty(m.nbytes, np.uint8))
+                try:
+                    m.recv(np.empty(m.nbytes, np.uint8))
+                except Exception:  # noqa: BLE001 - a large message from a process that already exited
+                    logger.debug("mpi:// could not drain a message from rank %d", chan.peer, exc_info=True)
                 chan.n_recv += 1
-            if not chan.check_peer_close() or chan.n_recv < (chan.peer_total or 0):
+                got += 1
+            if everything or not chan.check_peer_close() or chan.n_recv < (chan.peer_total or 0):
                 keep.append(chan)
         self.lingering = keep
+        return got
 
     def new_tag(self) -> int:
         with self.lock:
@@ -328,6 +379,35 @@ def _kick() -> None:
         p.submit(_Kick())
 
 
+class _SendProgress:
+    """Pollable over a write's sends that are still in flight (messages beyond MPI's eager limit need the
+    sender to make progress while the receiver pulls them). Submitting it keeps the poller testing them at
+    spin speed until they complete, instead of at its backed-off rate; nobody awaits its future."""
+
+    __slots__ = ("reqs",)
+
+    def __init__(self, reqs: list[Request]):
+        self.reqs = reqs
+
+    def poll(self) -> tuple[bool, Any]:
+        self.reqs = [r for r in self.reqs if not r.test()]
+        return not self.reqs, None
+
+
+def _drive(reqs: list[Request]) -> None:
+    pending = [r for r in reqs if not r.test()]
+    if pending:
+        fut = poller().submit(_SendProgress(pending))
+        fut.add_done_callback(_ignore_result)
+    else:
+        _kick()
+
+
+def _ignore_result(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        logger.debug("mpi:// send failed: %r", fut.exception())
+
+
 class _Channel:
     """One end of a connection: peer rank, the tags, message counters and in-flight sends.
 
@@ -335,7 +415,7 @@ class _Channel:
     """
 
     __slots__ = ("eng", "peer", "send_tag", "recv_tag", "n_sent", "n_recv", "peer_total", "peer_aborted",
-                 "closed", "sends")
+                 "closed", "sends", "__weakref__")
 
     def __init__(self, eng: _Engine, peer: int, *, send_tag: int, recv_tag: int):
         self.eng = eng
@@ -348,6 +428,8 @@ class _Channel:
         self.peer_aborted = False
         self.closed = False
         self.sends: list[Request] = []
+        eng.channels.add(self)
+        eng.known[recv_tag] = peer
 
     def isend(self, arr, tag: int | None = None) -> None:
         self.sends.append(self.eng.comm.isend(arr, self.peer, self.send_tag if tag is None else tag))
@@ -391,30 +473,42 @@ def _finalize_channel(chan: _Channel) -> None:
 class _ReadOp:
     """Pollable for one ``read``: header, then the separate frames; result is the frame list."""
 
-    __slots__ = ("comm", "chan", "frames", "reqs")
+    __slots__ = ("comm", "chan", "frames", "reqs", "head", "head_req")
 
     def __init__(self, comm: "MPIComm"):
         self.comm = comm
         self.chan = comm._chan
         self.frames: list | None = None
         self.reqs: list[Request] = []
+        self.head: np.ndarray | None = None
+        self.head_req: Request | None = None
 
     def poll(self) -> tuple[bool, Any]:
         chan = self.chan
         if self.comm._closed:
             raise CommClosedError(f"{self.comm!r} was closed while reading")
         if self.frames is None:
-            m = chan.eng.comm.improbe(chan.peer, chan.recv_tag)
-            if m is None:
-                if chan.check_peer_close():
-                    self.comm._mark_closed()
-                    why = "aborted" if chan.peer_aborted else "closed"
-                    raise CommClosedError(f"{self.comm!r}: the peer {why} the connection")
-                return False, None
-            buf = np.empty(m.nbytes, np.uint8)
-            m.recv(buf)
-            chan.n_recv += 1
-            self._start(buf)
+            if self.head_req is None:
+                m = chan.eng.comm.improbe(chan.peer, chan.recv_tag)
+                if m is None:
+                    if chan.check_peer_close():
+                        self.comm._mark_closed()
+                        why = "aborted" if chan.peer_aborted else "closed"
+                        raise CommClosedError(f"{self.comm!r}: the peer {why} the connection")
+                    return False, None
+                self.head = np.empty(m.nbytes, np.uint8)
+                chan.n_recv += 1
+                if m.nbytes <= EAGER_HEADER:
+                    m.recv(self.head)  # already here: small messages travel eagerly
+                else:
+                    # A large header may need the sender's progress to arrive: never block the loop on it.
+                    self.head_req = m.irecv(self.head)
+            if self.head_req is not None:
+                if not self.head_req.test():
+                    return False, None
+                self.head_req = None
+            self._start(self.head)
+            self.head = None
         reqs = self.reqs  # reversed: the first pending chunk is last
         while reqs and reqs[-1].test():
             reqs.pop()
@@ -541,14 +635,14 @@ class MPIComm(Comm):
         if self._closed:
             raise CommClosedError(f"{self!r} was closed while serialising")
         try:
-            n = self._send_frames(frames)
+            n, reqs = self._send_frames(frames)
         except BaseException:
             self.abort()
             raise
-        _kick()
+        _drive(reqs)
         return n
 
-    def _send_frames(self, frames: list) -> int:
+    def _send_frames(self, frames: list) -> tuple[int, list[Request]]:
         chan = self._chan
         n = len(frames)
         sizes = [0] * n
@@ -579,6 +673,7 @@ class MPIComm(Comm):
             if flags[i] == _INLINE:
                 head[off:off + sizes[i]] = arrays[i]
                 off += sizes[i]
+        start = len(chan.sends)
         chan.isend(np.frombuffer(head, np.uint8))
         sent = 1
         for i in range(n):
@@ -588,8 +683,9 @@ class MPIComm(Comm):
                     chan.isend(arr[lo:lo + chunk])
                     sent += 1
         chan.n_sent += sent
+        reqs = chan.sends[start:]
         chan.prune()
-        return len(head) + sum(sizes[i] for i in range(n) if flags[i] != _INLINE)
+        return len(head) + sum(sizes[i] for i in range(n) if flags[i] != _INLINE), reqs
 
     def _mark_closed(self) -> None:
         if not self._closed:
@@ -657,6 +753,7 @@ class MPIConnector(Connector):
             raise ConnectionRefusedError(
                 f"mpi://{address}: rank {rank} is not in this MPI world of {eng.size} ranks")
         tag = eng.new_tag()
+        eng.known[tag] = rank
         my_port = eng.new_port()
         req_id = eng.new_request_id()
         reply = np.zeros(4, np.uint64)

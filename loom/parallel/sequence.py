@@ -259,6 +259,7 @@ def ulysses_attention(
     *,
     causal: bool = True,
     scale: float | None = None,
+    doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DeepSpeed-Ulysses attention over the sequence shards of ``comm``.
 
@@ -272,6 +273,8 @@ def ulysses_attention(
         comm: the sequence-parallel communicator (``P = comm.size``).
         causal: causal mask over global positions.
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        doc_ids: packed sequences: ``[batch, seq_local]`` document ids; attention stays within a document
+            (an explicit ``[seq, seq]`` mask, so memory grows with the square of the sequence).
 
     Returns:
         ``[batch, seq_local, heads, head_dim]``, equal to single-process SDPA on the gathered tensors.
@@ -283,8 +286,14 @@ def ulysses_attention(
     check_sizes(q, k, v, p, 1)
     k, v = _replicate_kv(k, v, p)
     qh, kh, vh = seq_to_heads(q, k, v, comm=comm) if p > 1 else (q, k, v)
+    doc = _global_docs(doc_ids, q, comm, 1)
+    mask = None
+    if doc is not None:
+        mask = doc[:, None, :, None] == doc[:, None, None, :]
+        if causal:
+            mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
     o = F.scaled_dot_product_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2),
-                                       is_causal=causal, scale=scale,
+                                       attn_mask=mask, is_causal=causal and mask is None, scale=scale,
                                        enable_gqa=qh.shape[2] != kh.shape[2]).transpose(1, 2)
     if p == 1:
         return o
@@ -292,11 +301,33 @@ def ulysses_attention(
 
 
 # ---------------------------------------------------------------------------------------------- block kernels
-def _block_forward(q, k, v, causal: bool, scale: float, kernel: str):
-    """Attention of one q block against one kv block: ``(out [B,h,Lq,D], lse [B,h,Lq])`` (SDPA layout)."""
+def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
+    """``[B, Lq, Lk]`` bool -> ``[B, 1, Lq, Lk]`` additive mask (0 / -inf) for the SDPA kernels."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))[:, None]
+
+
+def _block_forward(q, k, v, causal: bool, scale: float, kernel: str, allowed: torch.Tensor | None = None):
+    """Attention of one q block against one kv block: ``(out [B,h,Lq,D], lse [B,h,Lq])`` (SDPA layout).
+
+    ``allowed`` (``[B, Lq, Lk]`` bool, causality folded in) restricts attention to packed documents; rows with
+    no allowed key get ``out = 0`` and ``lse = -inf`` so that the merge ignores them.
+    """
+    if allowed is not None:
+        rows = allowed.any(-1)[:, None, :]  # [B, 1, Lq]
+        if kernel == "flash":
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, False, attn_mask=_additive(allowed, q.dtype), scale=scale)
+        else:
+            out, lse = _block_forward_torch(q, k, v, False, scale, allowed)
+        lse = lse.masked_fill(~rows, float("-inf"))
+        return out.masked_fill(~rows[..., None], 0.0), lse
     if kernel == "flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse
+    return _block_forward_torch(q, k, v, causal, scale, None)
+
+
+def _block_forward_torch(q, k, v, causal: bool, scale: float, allowed):
     acc = _acc_dtype(q.dtype)
     b, h, lq, d = q.shape
     hk = k.shape[1]
@@ -308,14 +339,21 @@ def _block_forward(q, k, v, causal: bool, scale: float, kernel: str):
     if causal:
         lk = k.shape[2]
         sc = sc.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if allowed is not None:
+        sc = sc.masked_fill(~allowed[:, None, None], float("-inf"))
     lse = torch.logsumexp(sc, dim=-1)
-    out = torch.matmul(torch.exp(sc - lse[..., None]), va)
+    safe = lse.masked_fill(torch.isinf(lse), 0.0)
+    out = torch.matmul(torch.exp(sc - safe[..., None]), va)
     return out.reshape(b, h, lq, d), lse.reshape(b, h, lq)
 
 
-def _block_backward(do, q, k, v, out, lse, causal: bool, scale: float, kernel: str):
+def _block_backward(do, q, k, v, out, lse, causal: bool, scale: float, kernel: str,
+                    allowed: torch.Tensor | None = None):
     """Exact gradient contributions of one (q block, kv block) pair given the *merged* out and lse."""
     if kernel == "flash":
+        if allowed is not None:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                do, q, k, v, out, lse, 0.0, False, attn_mask=_additive(allowed, q.dtype), scale=scale)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse, 0.0, causal, scale=scale)
     acc = _acc_dtype(q.dtype)
@@ -330,6 +368,8 @@ def _block_backward(do, q, k, v, out, lse, causal: bool, scale: float, kernel: s
     sc = torch.matmul(qa, ka.transpose(-1, -2)) * scale
     if causal:
         sc = sc.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    if allowed is not None:
+        sc = sc.masked_fill(~allowed[:, None, None], float("-inf"))
     pr = torch.exp(sc - lse.to(acc).reshape(b, hk, g, lq, 1))
     dv = torch.matmul(pr.transpose(-1, -2), doa).sum(2)
     dp = torch.matmul(doa, va.transpose(-1, -2))
@@ -346,7 +386,8 @@ def _merge(o_acc, l_acc, o, l):
     if o_acc is None:
         return o, l
     l_new = torch.logaddexp(l_acc, l)
-    return o_acc * torch.exp(l_acc - l_new)[..., None] + o * torch.exp(l - l_new)[..., None], l_new
+    safe = l_new.masked_fill(torch.isinf(l_new), 0.0)  # rows no key reached yet (packed documents) stay 0
+    return o_acc * torch.exp(l_acc - safe)[..., None] + o * torch.exp(l - safe)[..., None], l_new
 
 
 # ---------------------------------------------------------------------------------------------- FPDT
@@ -366,14 +407,26 @@ class FPDTPipeline:
         device: where the chunks are computed (selects the block kernel).
     """
 
-    def __init__(self, comm, chunks: int, causal: bool, scale: float, store, device: torch.device):
+    def __init__(self, comm, chunks: int, causal: bool, scale: float, store, device: torch.device,
+                 doc: torch.Tensor | None = None):
         self.comm, self.u, self.causal, self.scale, self.store = comm, chunks, causal, scale, store
         self.kernel = attention_kernel(device)
+        self.doc = doc  # global document ids [B, n] (packed sequences) or None
         self.hq: list[int] = []
         self.hk: list[int] = []
         self.hv: list[int] = []
         self.ho: list[int] = []
         self.hl: list[int] = []
+
+    def allowed(self, i: int, j: int) -> torch.Tensor | None:
+        """``[B, Lq, Lk]`` bool: which keys of global chunk ``j`` the queries of chunk ``i`` may attend to."""
+        if self.doc is None:
+            return None
+        n = self.doc.shape[1] // self.u
+        a = self.doc[:, i * n:(i + 1) * n, None] == self.doc[:, None, j * n:(j + 1) * n]
+        if self.causal and i == j:
+            a = a & torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
+        return a
 
     def forward(self, get_qkv, emit_out) -> None:
         """``get_qkv(i)`` -> local chunk ``(q_i, k_i, v_i)`` ``[B, c, heads|kv_heads, D]`` (kv already split-able
@@ -401,7 +454,10 @@ class FPDTPipeline:
                 if n + 1 < len(js) and not (own_kv is not None and js[n + 1] == i):
                     store.prefetch(hk[js[n + 1]])  # double buffering: the next kv chunk is on its way
                     store.prefetch(hv[js[n + 1]])
-                o, l = _block_forward(qi, kj, vj, causal and j == i, self.scale, self.kernel)
+                mask = self.allowed(i, j)
+                if mask is not None and not bool(mask.any()):
+                    continue  # no query of chunk i sees a key of chunk j (other documents)
+                o, l = _block_forward(qi, kj, vj, causal and j == i, self.scale, self.kernel, mask)
                 o_acc, l_acc = _merge(o_acc, l_acc, o, l)
                 del kj, vj, o, l
             oi = o_acc.to(qi.dtype)
@@ -450,8 +506,13 @@ class FPDTPipeline:
                     if hdq[nxt] is not None:
                         store.prefetch(hdq[nxt])
                 qi, oi, li, doi = store.get(hq[i]), store.get(ho[i]), store.get(hl[i]), store.get(hdo[i])
-                g_q, g_k, g_v = _block_backward(doi, qi, kj, vj, oi, li, causal and i == j, self.scale,
-                                                self.kernel)
+                mask = self.allowed(i, j)
+                if mask is not None and not bool(mask.any()):
+                    g_q = torch.zeros_like(qi, dtype=acc)
+                    g_k = g_v = torch.zeros_like(kj, dtype=acc)
+                else:
+                    g_q, g_k, g_v = _block_backward(doi, qi, kj, vj, oi, li, causal and i == j, self.scale,
+                                                    self.kernel, mask)
                 del qi, oi, li, doi
                 dk_j = g_k.to(acc) if dk_j is None else dk_j + g_k
                 dv_j = g_v.to(acc) if dv_j is None else dv_j + g_v
@@ -493,9 +554,9 @@ class _FPDTAttention(torch.autograd.Function):
     """:class:`FPDTPipeline` on slices of given q/k/v (the standalone :func:`fpdt_attention`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, chunks, causal, scale, offload):
+    def forward(ctx, q, k, v, comm, chunks, causal, scale, offload, doc):
         c = q.shape[1] // chunks
-        pipe = FPDTPipeline(comm, chunks, causal, scale, chunk_store(offload, q.device), q.device)
+        pipe = FPDTPipeline(comm, chunks, causal, scale, chunk_store(offload, q.device), q.device, doc)
         out = torch.empty_like(q)
 
         def emit(i, o):
@@ -521,7 +582,7 @@ class _FPDTAttention(torch.autograd.Function):
 
         ctx.pipe.backward(lambda i: gout[:, i * c:(i + 1) * c], emit)
         ctx.pipe = None
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def fpdt_attention(
@@ -534,6 +595,7 @@ def fpdt_attention(
     causal: bool = True,
     offload: bool = True,
     scale: float | None = None,
+    doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fully pipelined distributed attention (FPDT) over the sequence shards of ``comm``.
 
@@ -547,6 +609,9 @@ def fpdt_attention(
         causal: causal mask over global positions.
         offload: keep saved chunks in host memory (:class:`loom.parallel.offload.HostPool`) between uses.
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        doc_ids: packed sequences: ``[batch, seq_local]`` integer document ids in the same layout; a token
+            attends only to tokens of its own document (one allgather of the ids; blocks that no query can
+            see are skipped).
 
     Returns:
         ``[batch, seq_local, heads, head_dim]`` in the same layout, equal to single-process SDPA on the
@@ -561,4 +626,14 @@ def fpdt_attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     k, v = _replicate_kv(k, v, p)
-    return _FPDTAttention.apply(q, k, v, comm, chunks, bool(causal), float(scale), bool(offload))
+    doc = _global_docs(doc_ids, q, comm, chunks)
+    return _FPDTAttention.apply(q, k, v, comm, chunks, bool(causal), float(scale), bool(offload), doc)
+
+
+def _global_docs(doc_ids, q, comm, chunks) -> torch.Tensor | None:
+    if doc_ids is None:
+        return None
+    if tuple(doc_ids.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must be [batch, seq_local] = {tuple(q.shape[:2])}, in "
+                         f"the same layout as q")
+    return gather_sequence(doc_ids.to(torch.int64), comm, chunks=chunks).to(q.device)

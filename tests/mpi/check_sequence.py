@@ -32,22 +32,32 @@ def _kv_options(p: int, h: int) -> list[int]:
     return out + mid[:1]
 
 
-def _reference(q, k, v, causal, go):
+def _reference(q, k, v, causal, go, doc=None):
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
-                                       is_causal=causal, enable_gqa=qs.shape[2] != ks.shape[2]).transpose(1, 2)
+    mask = None
+    if doc is not None:  # packed documents: attend within a document only
+        mask = doc[:, None, :, None] == doc[:, None, None, :]
+        if causal:
+            mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool).tril()
+    o = F.scaled_dot_product_attention(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mask,
+                                       is_causal=causal and mask is None,
+                                       enable_gqa=qs.shape[2] != ks.shape[2]).transpose(1, 2)
     return (o.detach(), *torch.autograd.grad(o, (qs, ks, vs), go))
 
 
-def _compare(comm, fn, b, n, h, hk, d, chunks, causal, g, dtype=torch.float64, tol=TOL, ref_dtype=None):
+def _compare(comm, fn, b, n, h, hk, d, chunks, causal, g, dtype=torch.float64, tol=TOL, ref_dtype=None,
+             packed=False):
     ref_dtype = ref_dtype or dtype
     q = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
     k = torch.randn(b, n, hk, d, generator=g, dtype=torch.float64)
     v = torch.randn(b, n, hk, d, generator=g, dtype=torch.float64)
     go = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
-    ref = _reference(*(t.to(ref_dtype) for t in (q, k, v)), causal, go.to(ref_dtype))
+    doc = None
+    if packed:  # documents of random lengths (boundaries anywhere, also inside chunks)
+        doc = torch.cumsum((torch.rand(b, n, generator=g) < 0.2).long(), dim=1)
+    ref = _reference(*(t.to(ref_dtype) for t in (q, k, v)), causal, go.to(ref_dtype), doc)
     loc = [shard_sequence(t.to(dtype), comm, chunks=chunks).requires_grad_() for t in (q, k, v)]
-    out = fn(*loc)
+    out = fn(*loc) if doc is None else fn(*loc, doc_ids=shard_sequence(doc, comm, chunks=chunks))
     grads = torch.autograd.grad(out, loc, shard_sequence(go.to(dtype), comm, chunks=chunks))
     for name, mine, want in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
         got = gather_sequence(mine.detach(), comm, chunks=chunks).double()
@@ -121,6 +131,26 @@ def check_bf16_against_fp32(comm):
                  dtype=torch.bfloat16, tol=3e-2, ref_dtype=torch.float32)
         _compare(comm, lambda q, k, v: ulysses_attention(q, k, v, comm, causal=True),
                  1, p * 8, h, h, 16, 1, True, g, dtype=torch.bfloat16, tol=3e-2, ref_dtype=torch.float32)
+
+
+def check_packed_documents_exact(comm):
+    """Packed sequences: attention stays inside each document, exact for Ulysses and FPDT (both kernels)."""
+    g = seeded(comm, 6)
+    p = comm.size
+    h = 12 if p == 3 else 8
+    for kernel in ("flash", "torch"):
+        os.environ["LOOM_ATTN_KERNEL"] = kernel
+        try:
+            for idx, (causal, hk, chunks) in enumerate(itertools.product((True, False), _kv_options(p, h)[:2],
+                                                                         (1, 2, 3))):
+                _compare(comm, lambda q, k, v, doc_ids: fpdt_attention(q, k, v, comm, chunks=chunks, causal=causal,
+                                                                       offload=bool(idx % 2), doc_ids=doc_ids),
+                         1 + idx % 2, p * chunks * 4, h, hk, 4, chunks, causal, g, packed=True)
+        finally:
+            del os.environ["LOOM_ATTN_KERNEL"]
+    for causal in (True, False):
+        _compare(comm, lambda q, k, v, doc_ids: ulysses_attention(q, k, v, comm, causal=causal, doc_ids=doc_ids),
+                 2, p * 6, h, 1, 4, 1, causal, g, packed=True)
 
 
 def check_errors(comm):

@@ -293,7 +293,8 @@ class Topology:
         node = self.node_of
         if node[s] == node[d]:
             for hop in self._hops_from(s).get(d, []):
-                cands.append((hop, "direct"))
+                if not self._has_rail(hop):  # looping out through a NIC is not an intra-node path
+                    cands.append((hop, "direct"))
             base = set(self._links_of(static))
             for k in range(self.size):
                 if node[k] != node[s] or k in (s, d):

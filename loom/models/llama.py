@@ -10,7 +10,9 @@ Sequence parallelism (``LlamaConfig.sequence_parallel``):
 * ``"ulysses"``: tokens are sharded contiguously over the ``sp`` communicator
   (``shard_sequence(x, comm, chunks=1)``); attention is :func:`~loom.parallel.sequence.ulysses_attention`.
 * ``"fpdt"``: tokens are sharded in the FPDT layout (``shard_sequence(x, comm, chunks=cfg.chunks)``);
-  attention is :func:`~loom.parallel.sequence.fpdt_attention` with ``cfg.chunks`` and ``cfg.offload``.
+  each block is one :class:`~loom.parallel.sequence.FPDTPipeline` (the attention of
+  :func:`~loom.parallel.sequence.fpdt_attention`, with the projections, residuals and FFN fused in per chunk)
+  with ``cfg.chunks`` and ``cfg.offload``.
 
 Memory knobs, usable in every mode (``"fpdt"`` turns them on by default, FPDT paper Sec. 4.3):
 
@@ -52,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.offload import chunk_store
-from ..parallel.sequence import FPDTPipeline, check_sizes, fpdt_attention, local_positions, ulysses_attention
+from ..parallel.sequence import FPDTPipeline, _global_docs, check_sizes, local_positions, ulysses_attention
 
 __all__ = ["LlamaConfig", "Llama", "build_llama", "chunked_lm_loss", "chunked_ffn", "SEQUENCE_PARALLEL"]
 
@@ -325,7 +327,7 @@ class Attention(nn.Module):
         k = rope(self.wk(y).view(b, s, c.kv_heads, c.head_dim), pos, c.rope_theta)
         return torch.cat([q.flatten(2), k.flatten(2), self.wv(y)], dim=-1)
 
-    def core(self, packed: torch.Tensor) -> torch.Tensor:
+    def core(self, packed: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of packed q/k/v ``[B, s, ...]`` -> ``[B, s, heads * head_dim]`` (before ``wo``)."""
         c = self.cfg
         b, s, _ = packed.shape
@@ -334,12 +336,16 @@ class Attention(nn.Module):
         k = packed[..., nq:nq + nk].unflatten(-1, (c.kv_heads, c.head_dim))
         v = packed[..., nq + nk:].unflatten(-1, (c.kv_heads, c.head_dim))
         if c.sequence_parallel == "ulysses":
-            o = ulysses_attention(q, k, v, self.sp, causal=c.causal)
-        elif c.sequence_parallel == "fpdt":
-            o = fpdt_attention(q, k, v, self.sp, chunks=c.chunks, causal=c.causal, offload=c.offload)
-        else:
+            o = ulysses_attention(q, k, v, self.sp, causal=c.causal, doc_ids=doc)
+        else:  # "none" ("fpdt" blocks run _FPDTBlock instead)
+            mask = None
+            if doc is not None:
+                mask = doc[:, None, :, None] == doc[:, None, None, :]
+                if c.causal:
+                    mask = mask & torch.ones(s, s, dtype=torch.bool, device=doc.device).tril()
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               is_causal=c.causal, enable_gqa=c.kv_heads != c.heads).transpose(1, 2)
+                                               attn_mask=mask, is_causal=c.causal and mask is None,
+                                               enable_gqa=c.kv_heads != c.heads).transpose(1, 2)
         return o.reshape(b, s, nq)
 
 
@@ -380,7 +386,7 @@ class _FPDTBlock(torch.autograd.Function):
         u = cfg.chunks
         c = s // u
         store = chunk_store(cfg.offload, x.device)
-        pipe = FPDTPipeline(a.sp, u, cfg.causal, 1.0 / math.sqrt(cfg.head_dim), store, x.device)
+        pipe = FPDTPipeline(a.sp, u, cfg.causal, 1.0 / math.sqrt(cfg.head_dim), store, x.device, block.doc)
         out = torch.empty_like(x)
         hx = [store.put(x[:, i * c:(i + 1) * c]) for i in range(u)] if keep else []
         ho: list[int] = []
@@ -455,6 +461,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.ffn = FeedForward(cfg)
         self.pos: torch.Tensor | None = None
+        self.doc: torch.Tensor | None = None  # global document ids (fpdt) for packed sequences
 
     def _ffn_residual(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.ffn(self.ffn_norm(x))
@@ -484,10 +491,12 @@ class Block(nn.Module):
         return chunked_map(lambda i, xc: self._ffn_residual(xc), x1, sub,
                            [self.ffn_norm.weight, *self.ffn.parameters()], what="ffn_chunks")
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[B, s, hidden]`` at global positions ``pos``; ``doc_ids`` ``[B, s]`` for packed sequences."""
         cfg, a = self.cfg, self.attn
         self.pos = pos
         if cfg.sequence_parallel == "fpdt":
+            self.doc = _global_docs(doc_ids, x, a.sp, cfg.chunks)  # x: [B, s, ...] like q
             b, s, _ = x.shape
             meta = torch.empty(b, s, cfg.heads, cfg.head_dim, device="meta")
             check_sizes(meta, meta[:, :, :cfg.kv_heads], meta[:, :, :cfg.kv_heads], a.sp.size, cfg.chunks)
@@ -495,7 +504,7 @@ class Block(nn.Module):
                       self.ffn_norm.weight, *self.ffn.parameters()]
             keep = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
             return _FPDTBlock.apply(x, self, keep, *params)
-        x = x + a.wo(a.core(a.qkv(self.attn_norm(x), pos)))
+        x = x + a.wo(a.core(a.qkv(self.attn_norm(x), pos), doc_ids))
         return chunked_map(lambda i, xc: self._ffn_residual(xc), x, cfg.ffn_chunks,
                            [self.ffn_norm.weight, *self.ffn.parameters()], what="ffn_chunks")
 
@@ -547,35 +556,42 @@ class Llama(nn.Module):
             return torch.arange(seq_local, device=device)
         return local_positions(seq_local, self.sp, chunks=self.cfg.layout_chunks, device=device)
 
-    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Last block's output ``[B, s, hidden]`` (before the final norm) for this rank's tokens ``[B, s]``."""
+    def hidden_states(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Last block's output ``[B, s, hidden]`` (before the final norm) for this rank's tokens ``[B, s]``.
+
+        ``doc_ids`` (``[B, s]``, same layout as ``tokens``): packed sequences, attention stays within each
+        document (positions stay global: RoPE is relative, so only the document mask matters).
+        """
         cfg = self.cfg
         pos = self.positions(tokens.shape[1], tokens.device)
         h = self.embed(tokens)
         store = chunk_store(cfg.offload, h.device) if cfg.checkpoint else None
         for blk in self.blocks:
             if cfg.checkpoint:
-                h = recompute(lambda x, blk=blk: blk(x, pos), h, list(blk.parameters()), store)
+                h = recompute(lambda x, blk=blk: blk(x, pos, doc_ids), h, list(blk.parameters()), store)
             else:
-                h = blk(h, pos)
+                h = blk(h, pos, doc_ids)
         return h
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, s, vocab]`` (materialised: for generation and small checks; train with :meth:`loss`)."""
-        return self.norm(self.hidden_states(tokens)) @ self.head_weight.t()
+        return self.norm(self.hidden_states(tokens, doc_ids)) @ self.head_weight.t()
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
+             doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's share of the mean next-token cross-entropy (see the module docstring).
 
         Args:
             tokens: ``[B, s]`` input ids on this rank (its shard in the model's layout).
             targets: ``[B, s]`` target ids, sharded the same way; ``ignore_index`` entries are skipped.
+            ignore_index: target id that contributes nothing (e.g. the last token of each packed document).
+            doc_ids: ``[B, s]`` document ids for packed sequences (see :meth:`hidden_states`).
 
         Returns:
             ``local loss sum / global target count`` (fp32; fp64 for an fp64 model). Summed over the ``sp``
             ranks it is the mean loss of the whole sequence; with ``none`` it is that mean.
         """
-        h = self.hidden_states(tokens)
+        h = self.hidden_states(tokens, doc_ids)
         total = chunked_lm_loss(h, self.head_weight, targets, self.cfg.loss_chunks, ignore_index, norm=self.norm)
         count = torch.tensor([float((targets != ignore_index).sum())], dtype=torch.float64)
         if self.sp is not None and self.sp.size > 1:

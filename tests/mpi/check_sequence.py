@@ -185,12 +185,13 @@ def check_errors(comm):
             raise AssertionError("kv_heads 3 on 4 ranks did not raise")
 
 
-def _model_run(cfg, comm, tok, tgt):
+def _model_run(cfg, comm, tok, tgt, doc=None):
     m = Llama(cfg, comm).double()
     chunks = cfg.layout_chunks
     if cfg.sequence_parallel != "none":
         tok, tgt = shard_sequence(tok, comm, chunks=chunks), shard_sequence(tgt, comm, chunks=chunks)
-    loss = m.loss(tok, tgt)
+        doc = None if doc is None else shard_sequence(doc, comm, chunks=chunks)
+    loss = m.loss(tok, tgt, doc_ids=doc)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in m.named_parameters()}
 
@@ -208,17 +209,23 @@ def check_model_exact(comm):
         dict(sequence_parallel="fpdt", chunks=1, loss_chunks=2, ffn_chunks=1, kv_heads=3 if p == 3 else 2),
         dict(sequence_parallel="fpdt", chunks=2, causal=False, offload=True, kv_heads=3 if p == 3 else 2),
         dict(sequence_parallel="ulysses", causal=False, ffn_chunks=2, loss_chunks=2, kv_heads=1),
+        dict(sequence_parallel="fpdt", chunks=3, offload=True, kv_heads=1, packed=True),
+        dict(sequence_parallel="ulysses", kv_heads=heads, packed=True, checkpoint=True),
     ]
     for kw in variants:
         n = p * kw.get("chunks", 1) * 4
         tok = torch.randint(0, 40, (2, n), generator=g)
         tgt = torch.randint(0, 40, (2, n), generator=g)
         tgt[0, :3] = -100
+        packed = kw.pop("packed", False)
+        doc = torch.cumsum((torch.rand(2, n, generator=g) < 0.15).long(), dim=1) if packed else None
         base = dict(layers=2, hidden=4 * heads, heads=heads, vocab=40, ffn=kw.get("ffn", "swiglu"),
                     tie_embeddings=kw.get("tie_embeddings", False), kv_heads=kw["kv_heads"],
                     causal=kw.get("causal", True))
-        ref_loss, ref_grads = _model_run(LlamaConfig(**base), comm, tok, tgt)
-        loss, grads = _model_run(LlamaConfig(**{**base, **kw}), comm, tok, tgt)
+        ref_loss, ref_grads = _model_run(LlamaConfig(**base), comm, tok, tgt, doc)
+        if packed:  # the document mask must matter, or this check could not fail
+            assert abs(_model_run(LlamaConfig(**base), comm, tok, tgt)[0].item() - ref_loss.item()) > 1e-6
+        loss, grads = _model_run(LlamaConfig(**{**base, **kw}), comm, tok, tgt, doc)
         total = comm.allreduce(loss.reshape(1)) if p > 1 else loss.reshape(1)
         assert abs(total.item() - ref_loss.item()) <= TOL, (kw, total.item(), ref_loss.item())
         for name, want in ref_grads.items():

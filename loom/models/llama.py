@@ -518,7 +518,7 @@ class Llama(nn.Module):
             ``loom.comm.world()``. Ignored for ``none``.
 
     Parameters have the same names on every rank (``embed.weight``, ``blocks.<i>.attn.wq.weight``, ...,
-    ``norm.weight``, ``head.weight`` unless tied) and are initialised from generators seeded by those names,
+    ``norm.weight``, ``head.weight``; when tied, ``head.weight`` *is* ``embed.weight`` and is listed once) and are initialised from generators seeded by those names,
     so every rank builds identical weights without communicating.
     """
 
@@ -533,7 +533,9 @@ class Llama(nn.Module):
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
         self.blocks = nn.ModuleList([Block(cfg, self.sp) for _ in range(cfg.layers)])
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        if cfg.tie_embeddings:  # one Parameter in two places: named_parameters() lists it once, as embed.weight
+            self.head.weight = self.embed.weight
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -547,8 +549,8 @@ class Llama(nn.Module):
 
     @property
     def head_weight(self) -> torch.Tensor:
-        """The LM head weight ``[vocab, hidden]`` (the embedding when tied)."""
-        return self.embed.weight if self.head is None else self.head.weight
+        """The LM head weight ``[vocab, hidden]`` (the embedding's, when tied)."""
+        return self.head.weight
 
     def positions(self, seq_local: int, device=None) -> torch.Tensor:
         """Global positions of this rank's ``seq_local`` tokens in the model's layout."""

@@ -43,6 +43,7 @@ import errno
 import inspect
 import itertools
 import logging
+import os
 import socket
 import struct
 import sys
@@ -77,6 +78,11 @@ _INLINE, _HOST, _CUDA = 0, 1, 2
 
 #: frames below this many bytes travel inside the header message
 INLINE_MAX = 64 * 1024
+#: seconds the poller keeps testing at full speed after activity before it backs off. Its back-off sleeps go
+#: through the event loop's timer, which epoll rounds up to 1 ms, so a reply arriving just after a short spin
+#: (loom.comm's default is 200 us; a Dask round trip takes longer) costs about 1 ms. A 1 ms spin after each
+#: message costs little CPU on an idle rank: Dask's own timers fire a few times a second.
+SPIN_S = float(os.environ.get("LOOM_DASK_SPIN_US", "1000")) * 1e-6
 #: header messages up to this size are received at once; larger ones by a non-blocking receive
 EAGER_HEADER = 4096
 #: frames above this many bytes are sent as several MPI messages of at most this size
@@ -373,8 +379,16 @@ class _Kick:
         return False, None
 
 
-def _kick() -> None:
+def _poller():
+    """This loop's loom poller, its spin phase lengthened to :data:`SPIN_S` (see there)."""
     p = poller()
+    if p.backoff.spin_s < SPIN_S:
+        p.backoff.spin_s = SPIN_S
+    return p
+
+
+def _kick() -> None:
+    p = _poller()
     if p.pending:  # something is waiting (a read, the dispatcher): make it fast again
         p.submit(_Kick())
 
@@ -397,7 +411,7 @@ class _SendProgress:
 def _drive(reqs: list[Request]) -> None:
     pending = [r for r in reqs if not r.test()]
     if pending:
-        fut = poller().submit(_SendProgress(pending))
+        fut = _poller().submit(_SendProgress(pending))
         fut.add_done_callback(_ignore_result)
     else:
         _kick()
@@ -596,7 +610,7 @@ class MPIComm(Comm):
         self._reader = op
         self._loop = asyncio.get_running_loop()
         try:
-            frames = await poller().submit(op)
+            frames = await _poller().submit(op)
         except CommClosedError:
             self._mark_closed()
             raise

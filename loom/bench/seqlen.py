@@ -180,9 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     comm = world()
     p = comm.size
-    for name, val in (("heads", args.heads), ("kv_heads", args.kv_heads)):
-        if name == "heads" and val % p:
-            raise SystemExit(f"loom bench seqlen: --heads {val} is not divisible by {p} ranks; use a multiple of {p}")
+    if args.heads % p:
+        raise SystemExit(f"loom bench seqlen: --heads {args.heads} is not divisible by {p} ranks; use a multiple of {p}")
+    if args.kv_heads % p and p % args.kv_heads:
+        raise SystemExit(f"loom bench seqlen: --kv-heads {args.kv_heads} is neither a multiple nor a divisor of {p} "
+                         f"ranks; choose one that is")
     run = _Runner(args, comm)
     steps = [STEPS[0], STEPS[-1]] if args.no_breakdown else list(STEPS)
     table = Table("Longest Trainable Sequence (forward + backward)",

@@ -82,7 +82,10 @@ INLINE_MAX = 64 * 1024
 #: through the event loop's timer, which epoll rounds up to 1 ms, so a reply arriving just after a short spin
 #: (loom.comm's default is 200 us; a Dask round trip takes longer) costs about 1 ms. A 1 ms spin after each
 #: message costs little CPU on an idle rank: Dask's own timers fire a few times a second.
-SPIN_S = float(os.environ.get("LOOM_DASK_SPIN_US", "1000")) * 1e-6
+#: Only where this node has a core per rank (``MPI_LOCALNRANKS`` <= cores): on an oversubscribed node a spinning
+#: rank steals the CPU its peers need, and loom.comm's own 200 us spin is kept.
+_OVERSUBSCRIBED = int(os.environ.get("MPI_LOCALNRANKS", "1")) > (os.cpu_count() or 1)
+SPIN_S = float(os.environ.get("LOOM_DASK_SPIN_US", "200" if _OVERSUBSCRIBED else "1000")) * 1e-6
 #: header messages up to this size are received at once; larger ones by a non-blocking receive
 EAGER_HEADER = 4096
 #: frames above this many bytes are sent as several MPI messages of at most this size

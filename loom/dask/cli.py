@@ -71,14 +71,6 @@ _PID = re.compile(r"PID (\d+) RUNNING AT")
 _CODE = re.compile(r"EXIT CODE: (\d+)")
 
 
-def _alive(pid: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def _launch(n: int, argv: list[str], timeout: float | None) -> int:
     """Run this command on ``n`` ranks; forward the output; if a rank died, say which role it had.
 
@@ -105,22 +97,39 @@ def _launch(n: int, argv: list[str], timeout: float | None) -> int:
         done = threading.Event()
 
         def watch() -> None:
-            # MPICH's report names *a* pid of the torn-down job, not necessarily the one that died first;
-            # the rank processes are watched here so that the first to vanish is named.
+            # MPICH's report names *a* pid of the torn-down job, not necessarily the one that died first, and
+            # it kills the others within milliseconds; pidfds make the kernel tell us each exit as it happens.
             pids: list[str] = []
-            while not done.wait(0.02):
-                if not pids:
-                    if os.path.exists(roles_path):
-                        try:
-                            with open(roles_path) as f:
-                                pids = list(json.load(f))
-                        except (OSError, ValueError):
-                            pids = []
+            while not pids and not done.wait(0.02):
+                if os.path.exists(roles_path):
+                    try:
+                        with open(roles_path) as f:
+                            pids = list(json.load(f))
+                    except (OSError, ValueError):
+                        pids = []
+            if not pids:
+                return
+            import select
+
+            poll = select.poll()
+            fds: dict[int, str] = {}
+            for pid in pids:
+                try:
+                    fd = os.pidfd_open(int(pid))
+                except (OSError, AttributeError):
                     continue
-                now = time.monotonic()
-                for pid in pids:
-                    if pid not in gone and not _alive(pid):
-                        gone[pid] = now
+                fds[fd] = pid
+                poll.register(fd, select.POLLIN)
+            try:
+                while fds and not done.is_set():
+                    for fd, _ in poll.poll(100):
+                        pid = fds.pop(fd)
+                        gone.setdefault(pid, time.monotonic())
+                        poll.unregister(fd)
+                        os.close(fd)
+            finally:
+                for fd in fds:
+                    os.close(fd)
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()

@@ -69,7 +69,7 @@ def peak_memory(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def compression_hook(policy: str) -> tuple[Any, Callable]:
+def compression_hook(policy: str, min_bytes: int | None = None) -> tuple[Any, Callable]:
     """``(CompressionPolicy, dp hook)`` for ``compress.policy`` from ``loom.compress``.
 
     Adapter over engineer C's API: ``loom.compress.dp_hook(policy) -> hook(flat_bucket, comm, bucket_index)``
@@ -90,6 +90,8 @@ def compression_hook(policy: str) -> tuple[Any, Callable]:
         if hasattr(cls, ctor):
             try:
                 pol = getattr(cls, ctor)(policy)
+                if min_bytes is not None:
+                    pol = cls.preset(policy, min_bytes=min_bytes) if ctor == "preset" else pol
                 break
             except (KeyError, ValueError) as exc:
                 raise ConfigError(f"compress.policy = {policy!r}: {exc}") from None
@@ -139,8 +141,9 @@ class TimedComm:
     _TIMED = frozenset({"alltoall", "alltoallv", "allreduce", "allgather", "send", "recv", "sendrecv",
                         "reduce_scatter", "bcast", "ialltoallv", "iallreduce", "iallgather"})
 
-    def __init__(self, comm: Communicator, key: str, codec: Any = None):
+    def __init__(self, comm: Communicator, key: str, codec: Any = None, min_bytes: int | None = None):
         self._comm, self._key, self._codec = comm, key, codec
+        self._min = {} if min_bytes is None else {"min_bytes": min_bytes}
         COMM_TIME.setdefault(key, 0.0)
 
     def _compressed_alltoall(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,7 +151,7 @@ class TimedComm:
 
         p = self._comm.size
         counts = [tensor.shape[0] // p] * p
-        res, _ = alltoallv(tensor, counts, self._comm, self._codec, recv_counts=counts)
+        res, _ = alltoallv(tensor, counts, self._comm, self._codec, recv_counts=counts, **self._min)
         if out is not None:
             out.copy_(res)
             return out
@@ -210,7 +213,8 @@ class Trainer:
         self.policy = None
         self.hook = None
         if cfg.compress.policy != "none":
-            self.policy, self.hook = compression_hook(cfg.compress.policy)
+            self.policy, self.hook = compression_hook(
+                cfg.compress.policy, None if cfg.compress.min_kb < 0 else int(cfg.compress.min_kb * 1024))
         self.corpus = load_corpus(cfg.data)
         self.mesh = Mesh(cfg.mesh.axes(), comm=self.comm)
         c = self.mesh.coords
@@ -234,7 +238,8 @@ class Trainer:
         self.dtype = _DTYPES[cfg.train.dtype]
         torch.manual_seed(cfg.train.seed)
         sp_codec = self.policy.codec_for("sp") if self.policy is not None else None
-        sp_comm = TimedComm(self.sp, "sp", sp_codec) if self.sp is not None else None
+        sp_min = getattr(self.policy, "min_bytes", None)
+        sp_comm = TimedComm(self.sp, "sp", sp_codec, sp_min) if self.sp is not None else None
         self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.dtype, device=self.device)
         self.model = self.tm.module
         self.positions = sp_layout(cfg.data.seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks).to(self.device)

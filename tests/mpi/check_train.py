@@ -106,7 +106,7 @@ def check_meshes_match_one_rank(comm):
 
 
 def check_compressed_dp_trains(comm):
-    extra = {"mesh": {"dp": comm.size}, "compress": {"policy": "hybrid", "bucket_mb": 0.05}}
+    extra = {"mesh": {"dp": comm.size}, "compress": {"policy": "hybrid", "bucket_mb": 0.05, "min_kb": 0}}
     ref_recs, _ = _reference(comm, {})
     tr = Trainer(_cfg(BASE, extra), comm, out=_tmp(comm, "compressed"), quiet=True)
     recs = tr.run()
@@ -119,7 +119,7 @@ def check_compressed_dp_trains(comm):
 
 
 def check_compressed_sp_trains(comm):
-    extra = {"mesh": {"sp": comm.size}, "compress": {"policy": "hybrid"}}  # hybrid: bf16 on sp all-to-alls
+    extra = {"mesh": {"sp": comm.size}, "compress": {"policy": "hybrid", "min_kb": 0}}  # hybrid: bf16 on sp all-to-alls
     ref_recs, _ = _reference(comm, {})
     tr = Trainer(_cfg(BASE, extra), comm, out=_tmp(comm, "compressed-sp"), quiet=True)
     recs = tr.run()

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping
 
 from .comm import launch
 
-__all__ = ["run_ranks", "mpi_checks", "seeded"]
+__all__ = ["run_ranks", "mpi_checks", "seeded", "assert_all_checks_passed"]
 
 
 def run_ranks(
@@ -95,3 +95,13 @@ def mpi_checks(namespace: Mapping[str, Any], *, prefix: str = "check_") -> None:
         comm.barrier()
         if comm.rank == 0:
             print(f"PASS {name} ({time.perf_counter() - t0:.2f} s, {comm.size} ranks)", flush=True)
+
+
+def assert_all_checks_passed(proc: subprocess.CompletedProcess, script: str) -> None:
+    """Every ``def check_*`` in ``script`` reported ``PASS`` (a check silently skipped is a failure too)."""
+    import re
+
+    with open(script) as f:
+        names = re.findall(r"^def (check_\w+)\(", f.read(), flags=re.M)
+    missing = [n for n in names if f"PASS {n} " not in proc.stdout]
+    assert names and not missing, f"{script}: checks that did not report PASS: {missing}\n{proc.stdout}"

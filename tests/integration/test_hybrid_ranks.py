@@ -4,11 +4,12 @@ tests/mpi/check_hybrid.py): (partitions, replicas) in {(1,1) on a split, (2,1), 
 
 import pytest
 
-from loom.testing import run_ranks
+from loom.testing import assert_all_checks_passed, run_ranks
 
 pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_hybrid_exact_against_one_process(n):
-    run_ranks(n, "tests/mpi/check_hybrid.py", timeout=400)
+    proc = run_ranks(n, "tests/mpi/check_hybrid.py", timeout=400)
+    assert_all_checks_passed(proc, "tests/mpi/check_hybrid.py")

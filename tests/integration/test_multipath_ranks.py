@@ -2,11 +2,12 @@
 
 import pytest
 
-from loom.testing import run_ranks
+from loom.testing import assert_all_checks_passed, run_ranks
 
 pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_multipath_ranks(n):
-    run_ranks(n, "tests/mpi/check_multipath.py", timeout=150)
+    proc = run_ranks(n, "tests/mpi/check_multipath.py", timeout=150)
+    assert_all_checks_passed(proc, "tests/mpi/check_multipath.py")

@@ -7,12 +7,34 @@
 >>> mesh["sp"].alltoall(x)                         # per-axis sub-communicators
 """
 
-from .buffers import cuda_aware
-from .communicator import ANY_SOURCE, ANY_TAG, REDUCE_OPS, Communicator, reset_stats, stats, world
-from .errors import CollectiveMismatchError, CommError, CommTimeoutError
-from .mesh import AXES, Mesh
-from .progress import Backoff, Poller, Request, poller, wait_all
-from .safety import configure
+import importlib
+from typing import Any
+
+# Lazy exports: `loom.comm.launch` (stdlib only) must stay importable without loading torch and MPI, which
+# cost seconds per process (the testbed's host side builds mpiexec lines but never communicates).
+_EXPORTS = {
+    "cuda_aware": "buffers",
+    "ANY_SOURCE": "communicator", "ANY_TAG": "communicator", "REDUCE_OPS": "communicator",
+    "Communicator": "communicator", "reset_stats": "communicator", "stats": "communicator", "world": "communicator",
+    "CollectiveMismatchError": "errors", "CommError": "errors", "CommTimeoutError": "errors",
+    "AXES": "mesh", "Mesh": "mesh",
+    "Backoff": "progress", "Poller": "progress", "Request": "progress", "poller": "progress", "wait_all": "progress",
+    "configure": "safety",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'loom.comm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "ANY_SOURCE",

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ..comm import launch as _launch
 from .topology import INTRA_IFACE, RAIL_IFACE, TestbedSpec, ranks, topology_dict
 
 __all__ = [
@@ -157,26 +158,11 @@ def leftovers(prefix: str = NAME_PREFIX) -> list[str]:
 
 
 def _mpiexec() -> str:
-    """loom.comm.launch.mpiexec()'s choice, without importing loom.comm (torch + MPI cost seconds here and the
-    host side of the testbed never communicates)."""
-    env = os.environ.get("LOOM_MPIEXEC")
-    if env:
-        return env
-    local = Path(sys.executable).parent / "mpiexec"
-    if local.exists():
-        return str(local)
-    found = shutil.which("mpiexec")
-    if found is None:
-        raise TestbedUnavailable("no mpiexec found: `pip install mpich` or point LOOM_MPIEXEC at a launcher")
-    return found
-
-
-def _is_openmpi(launcher: str) -> bool:
+    """The launcher loom uses everywhere (:func:`loom.comm.launch.mpiexec`), as a testbed error when missing."""
     try:
-        out = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return "Open MPI" in out or "OpenRTE" in out
+        return _launch.mpiexec()
+    except FileNotFoundError as exc:
+        raise TestbedUnavailable(str(exc)) from exc
 
 
 def _kill_netns_pids(names: Sequence[str]) -> list[int]:
@@ -390,7 +376,7 @@ class Testbed:
             raise ValueError("empty command: give the program to run on the ranks, e.g. [sys.executable, 'x.py']")
         launcher = _mpiexec()
         cmd = [launcher]
-        if _is_openmpi(launcher) and os.geteuid() == 0:
+        if _launch.is_openmpi(launcher) and os.geteuid() == 0:
             cmd += ["--allow-run-as-root", "--oversubscribe"]
         for info in self.ranks:
             if info.rank:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.llama import RMSNorm, rope
 from .config import Config, ConfigError, ModelConfig, SequenceConfig
 
 __all__ = ["Llama", "Positions", "TrainModel", "UlyssesAllToAll", "build_model", "COMM_TIME", "model_source"]
@@ -74,16 +75,6 @@ class UlyssesAllToAll(torch.autograd.Function):
         return out, None, None
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
 class Positions:
     """Global token positions of this rank's slice, shared by every block (set once per sequence layout)."""
 
@@ -91,17 +82,6 @@ class Positions:
 
     def __init__(self, value: torch.Tensor | None = None):
         self.value = value
-
-
-def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of ``[B, S, H, D]`` at global positions ``pos`` (``[S]`` int64)."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d))
-    ang = pos.to(torch.float64)[:, None] * inv[None, :]
-    cos = ang.cos().to(x.dtype)[None, :, None, :]
-    sin = ang.sin().to(x.dtype)[None, :, None, :]
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
 def _sequence_ops():
@@ -134,7 +114,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, c.kv_heads, c.head_dim)
         v = self.wv(x).view(b, s, c.kv_heads, c.head_dim)
         pos = self.pos.value if self.pos.value is not None else torch.arange(s, device=x.device)
-        q, k = _rope(q, pos, c.rope_theta), _rope(k, pos, c.rope_theta)
+        q, k = rope(q, pos, c.rope_theta), rope(k, pos, c.rope_theta)
         ops = _sequence_ops() if self.sp is not None else None
         if ops is not None and self.seq.algorithm == "fpdt":
             o = ops.fpdt_attention(q, k, v, self.sp, chunks=self.seq.chunks, causal=True, offload=self.seq.offload)

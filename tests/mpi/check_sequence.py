@@ -218,7 +218,11 @@ def check_model_exact(comm):
         tgt = torch.randint(0, 40, (2, n), generator=g)
         tgt[0, :3] = -100
         packed = kw.pop("packed", False)
-        doc = torch.cumsum((torch.rand(2, n, generator=g) < 0.15).long(), dim=1) if packed else None
+        doc = None
+        if packed:  # random boundaries plus one forced mid-row, so every row holds at least two documents
+            starts = torch.rand(2, n, generator=g) < 0.15
+            starts[:, n // 2] = True
+            doc = torch.cumsum(starts.long(), dim=1)
         base = dict(layers=2, hidden=4 * heads, heads=heads, vocab=40, ffn=kw.get("ffn", "swiglu"),
                     tie_embeddings=kw.get("tie_embeddings", False), kv_heads=kw["kv_heads"],
                     causal=kw.get("causal", True))

@@ -214,6 +214,16 @@ class Poller:
             self._task = self._loop.create_task(self._run())
         return fut
 
+    def nudge(self) -> None:
+        """Reset the back-off and wake a sleeping poll loop: traffic is flowing (a reply is likely on its way),
+        so pending items should be tested at spin speed again. Cheaper than submitting a pollable."""
+        if not self._pending:
+            return
+        self.backoff.reset()
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
     def cancel(self, item: Pollable, exc: BaseException | None = None) -> None:
         """Stop polling ``item``; its future gets ``exc`` (or is cancelled)."""
         fut = self._pending.pop(item, None)

@@ -24,12 +24,17 @@ MPICH and Open MPI allow tags up to at least ``2**29 - 1``):
    fresh buffers. CUDA frames (``__cuda_array_interface__``) are flagged and travel as device tensors,
    zero-copy when the MPI is CUDA-aware and staged through the host by loom.comm otherwise.
    ``write`` returns once the sends are posted (like TCP's write buffer); the requests are kept until done.
+   Serialisation is Dask's (``protocol.dumps``/``loads``, offloaded to a thread above Dask's
+   ``distributed.comm.offload`` size exactly as its ``to_frames``/``from_frames`` do), called inline below it.
 3. **Reads wait on loom's poller.** A read is a :class:`_ReadOp` pollable: ``improbe`` on the data tag, then
    the header, then the pending frame receives. While nothing arrives the poller backs off to one test per
-   2 ms, so an idle process costs well under 5 % of a core, and spins while traffic flows.
+   2 ms, so an idle process costs well under 5 % of a core, and spins while traffic flows. A read that
+   follows a write on the same comm (a request and its reply) first polls inline for up to
+   :data:`INLINE_SPIN_S`, which saves the event-loop round trips that otherwise dominate small-message
+   latency; a comm whose replies keep missing that window stops trying (see :meth:`MPIComm._spin`).
 4. **Close reaches the peer.** ``close()``/``abort()`` send ``CLOSE(messages sent, abort)`` on the peer's
    ``u + 1``. A reader drains what was sent before the close, then raises ``CommClosedError``; pending and
-   later reads on the closing side raise at once. ``closed()`` also notices a peer's close.
+   later reads on the closing side raise at once; after that ``closed()`` is true on both ends.
 
 Dead peers are not detected by this layer: under MPICH's default launcher a killed rank takes the job down
 (see :mod:`loom.dask.launcher`).
@@ -55,12 +60,17 @@ from typing import Any
 import numpy as np
 from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
 from distributed.comm.registry import Backend
+from distributed import protocol
+from distributed.comm.utils import OFFLOAD_THRESHOLD as _OFFLOAD
 from distributed.comm.utils import from_frames, to_frames
+from distributed.sizeof import safe_sizeof
+from distributed.utils import nbytes
 from distributed.utils import ensure_memoryview
 
 from loom.comm import ANY_SOURCE, Request, poller, world
 
-__all__ = ["MPIBackend", "MPIComm", "MPIConnector", "MPIListener", "parse_mpi_address", "CTRL_TAG", "SCHEME"]
+__all__ = ["MPIBackend", "MPIComm", "MPIConnector", "MPIListener", "parse_mpi_address", "set_spin", "CTRL_TAG",
+           "SCHEME"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +96,15 @@ INLINE_MAX = 64 * 1024
 #: rank steals the CPU its peers need, and loom.comm's own 200 us spin is kept.
 _OVERSUBSCRIBED = int(os.environ.get("MPI_LOCALNRANKS", "1")) > (os.cpu_count() or 1)
 SPIN_S = float(os.environ.get("LOOM_DASK_SPIN_US", "200" if _OVERSUBSCRIBED else "1000")) * 1e-6
+#: how long a read right after a write on the same comm waits inline for the reply (see MPIComm._spin)
+INLINE_SPIN_S = float(os.environ.get("LOOM_DASK_INLINE_US", "0" if _OVERSUBSCRIBED else "50")) * 1e-6
 #: header messages up to this size are received at once; larger ones by a non-blocking receive
 EAGER_HEADER = 4096
 #: frames above this many bytes are sent as several MPI messages of at most this size
 CHUNK_BYTES = 512 * 1024 * 1024
 
-_U64 = struct.Struct("<Q")
+_HEAD = struct.Struct("<3Q")  # kind, number of frames, chunk bytes; then a u64 size and a u8 flag per frame
+_HEAD1 = struct.Struct("<4QB")  # the header of a message of one frame
 _CONNECT_FMT = struct.Struct("<6Q")  # op, request id, port, reply tag, client port, host length
 
 
@@ -363,37 +376,42 @@ class _ControlProbe:
         return True, (m.source, buf)
 
 
-class _Kick:
-    """Pollable that completes on its second test: submitting it resets the poller's back-off and wakes it.
+def set_spin(*, poll_us: float | None = None, inline_us: float | None = None) -> tuple[float, float]:
+    """Set this process's spin windows in microseconds (None keeps one); returns the previous ``(poll, inline)``.
 
-    Sent after every write: a reply is usually on its way, so the reads waiting on this loop should be tested
-    at spin speed again rather than at the slow rate they may have backed off to (up to 2 ms per test).
+    The defaults depend on whether this node has a core per rank (``MPI_LOCALNRANKS`` against the cores):
+    ``LOOM_DASK_SPIN_US`` / ``LOOM_DASK_INLINE_US`` override them for a whole job; this is for a process that
+    knows better, e.g. a benchmark whose other ranks sleep while two of them ping-pong.
     """
+    global SPIN_S, INLINE_SPIN_S
+    before = (SPIN_S * 1e6, INLINE_SPIN_S * 1e6)
+    for name, value in (("poll_us", poll_us), ("inline_us", inline_us)):
+        if value is not None and not 0 <= value <= 1e6:
+            raise ValueError(f"set_spin: {name}={value} must be between 0 and 1e6 microseconds")
+    if poll_us is not None:
+        SPIN_S = poll_us * 1e-6
+        if _LAST_POLLER[1] is not None:
+            _LAST_POLLER[1].backoff.spin_s = SPIN_S
+        _LAST_POLLER[:] = [None, None]
+    if inline_us is not None:
+        INLINE_SPIN_S = inline_us * 1e-6
+    return before
 
-    __slots__ = ("tested",)
 
-    def __init__(self):
-        self.tested = False
-
-    def poll(self) -> tuple[bool, Any]:
-        if self.tested:
-            return True, None
-        self.tested = True
-        return False, None
+_LAST_POLLER: list = [None, None]  # (loop, poller) of the last call: one event loop per process is the rule
 
 
 def _poller():
     """This loop's loom poller, its spin phase lengthened to :data:`SPIN_S` (see there)."""
+    loop = asyncio.get_running_loop()
+    if _LAST_POLLER[0] is loop:
+        return _LAST_POLLER[1]
     p = poller()
-    if p.backoff.spin_s < SPIN_S:
-        p.backoff.spin_s = SPIN_S
+    p.backoff.spin_s = SPIN_S
+    _LAST_POLLER[:] = [loop, p]
     return p
 
 
-def _kick() -> None:
-    p = _poller()
-    if p.pending:  # something is waiting (a read, the dispatcher): make it fast again
-        p.submit(_Kick())
 
 
 class _SendProgress:
@@ -413,11 +431,11 @@ class _SendProgress:
 
 def _drive(reqs: list[Request]) -> None:
     pending = [r for r in reqs if not r.test()]
+    p = _poller()
     if pending:
-        fut = _poller().submit(_SendProgress(pending))
-        fut.add_done_callback(_ignore_result)
-    else:
-        _kick()
+        p.submit(_SendProgress(pending)).add_done_callback(_ignore_result)
+    elif p.pending:
+        p.nudge()  # a reply is usually on its way: reads waiting on this loop test at spin speed again
 
 
 def _ignore_result(fut: asyncio.Future) -> None:
@@ -432,7 +450,7 @@ class _Channel:
     """
 
     __slots__ = ("eng", "peer", "send_tag", "recv_tag", "n_sent", "n_recv", "peer_total", "peer_aborted",
-                 "closed", "sends", "__weakref__")
+                 "closed", "sends", "prune_at", "__weakref__")
 
     def __init__(self, eng: _Engine, peer: int, *, send_tag: int, recv_tag: int):
         self.eng = eng
@@ -445,6 +463,7 @@ class _Channel:
         self.peer_aborted = False
         self.closed = False
         self.sends: list[Request] = []
+        self.prune_at = 16
         eng.channels.add(self)
         eng.known[recv_tag] = peer
 
@@ -452,8 +471,11 @@ class _Channel:
         self.sends.append(self.eng.comm.isend(arr, self.peer, self.send_tag if tag is None else tag))
 
     def prune(self) -> None:
-        if len(self.sends) > 16:
+        """Drop completed sends; amortised O(1) per send (the threshold doubles with what stays pending, so a
+        burst of writes the peer has not received yet is not re-tested in full on every write)."""
+        if len(self.sends) > self.prune_at:
             self.sends = [r for r in self.sends if not r.test()]
+            self.prune_at = max(16, 2 * len(self.sends))
 
     def send_close(self, abort: bool) -> None:
         """Tell the peer how many messages to expect before the end (idempotent via ``closed``)."""
@@ -534,10 +556,12 @@ class _ReadOp:
         return True, self.frames
 
     def _start(self, buf: np.ndarray) -> None:
-        kind, n, chunk = np.frombuffer(buf, np.uint64, 3)
+        kind, n, chunk = _HEAD.unpack_from(buf, 0)
         if kind != _DATA:
             raise CommClosedError(f"{self.comm!r}: unexpected message kind {int(kind)} on the data tag")
-        n, chunk = int(n), int(chunk)
+        if n == 1 and buf[32] == _INLINE:  # the common small message: one inline frame
+            self.frames = [memoryview(buf)[33:]]
+            return
         sizes = np.frombuffer(buf, np.uint64, n, 24).tolist()
         flags = np.frombuffer(buf, np.uint8, n, 24 + 8 * n).tolist()
         mv = memoryview(buf)
@@ -587,6 +611,10 @@ class MPIComm(Comm):
         super().__init__(deserialize=deserialize)
         self._reader: _ReadOp | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._last_write = -1.0  # perf_counter() at the end of the last write (see _spin)
+        self._spin_fail = 0
+        self._spin_skip = 0
+        self._remote = chan.peer != chan.eng.rank  # a peer in this process can never answer during a spin
         self._finalizer = weakref.finalize(self, _finalize_channel, chan)
         self._finalizer.atexit = False
 
@@ -613,7 +641,14 @@ class MPIComm(Comm):
         self._reader = op
         self._loop = asyncio.get_running_loop()
         try:
-            frames = await _poller().submit(op)
+            done, frames = op.poll()
+            if (not done and self._spin_skip == 0 and self._remote
+                    and time.perf_counter() - self._last_write < INLINE_SPIN_S):
+                done, frames = self._spin(op)
+            elif self._spin_skip:
+                self._spin_skip -= 1
+            if not done:
+                frames = await _poller().submit(op)
         except CommClosedError:
             self._mark_closed()
             raise
@@ -623,12 +658,39 @@ class MPIComm(Comm):
             raise
         finally:
             self._reader = None
+        if not (_OFFLOAD and self.allow_offload and self.deserialize) or sum(map(nbytes, frames)) <= _OFFLOAD:
+            # Dask's from_frames without its coroutine (it too deserialises inline below the offload threshold).
+            try:
+                return protocol.loads(frames, deserialize=self.deserialize, deserializers=deserializers)
+            except EOFError:
+                self.abort()
+                raise CommClosedError(f"{self!r}: aborted on truncated data") from None
         try:
             return await from_frames(frames, deserialize=self.deserialize, deserializers=deserializers,
                                      allow_offload=self.allow_offload)
         except EOFError:
             self.abort()
             raise CommClosedError(f"{self!r}: aborted on truncated data") from None
+
+    def _spin(self, op: "_ReadOp") -> tuple[bool, Any]:
+        """Wait for a reply inline, without a trip through the event loop, for at most :data:`INLINE_SPIN_S`.
+
+        Only right after a write on this comm (a request/reply exchange, where the answer usually comes within
+        tens of microseconds); the loop is blocked meanwhile, so a spin that times out makes this comm skip
+        the next 1, 2, 4, ... 64 chances (reset by a spin that succeeds): a comm whose replies are slow
+        (a stream, a long computation) soon stops spinning and costs the loop at most ~1/64 of a spin per read.
+        """
+        end = time.perf_counter() + INLINE_SPIN_S
+        poll = op.poll
+        clock = time.perf_counter
+        while clock() < end:
+            done, frames = poll()
+            if done:
+                self._spin_fail = 0
+                return True, frames
+        self._spin_fail = min(64, 2 * self._spin_fail or 1)
+        self._spin_skip = self._spin_fail
+        return False, None
 
     async def write(self, msg, serializers=None, on_error="message"):
         chan = self._chan
@@ -641,14 +703,18 @@ class MPIComm(Comm):
             import dask
 
             MPIComm.max_shard_size = dask.utils.parse_bytes(dask.config.get("distributed.comm.shard"))
-        frames = await to_frames(
-            msg,
-            allow_offload=self.allow_offload,
-            serializers=serializers,
-            on_error=on_error,
-            context={"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options},
-            frame_split_size=MPIComm.max_shard_size,
-        )
+        context = {"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options}
+        if not (_OFFLOAD and self.allow_offload) or 0 <= safe_sizeof(msg, default_size=-1) <= _OFFLOAD:
+            # Dask's to_frames without its coroutine: it too serialises inline below the offload threshold.
+            try:
+                frames = list(protocol.dumps(msg, serializers=serializers, on_error=on_error, context=context,
+                                             frame_split_size=MPIComm.max_shard_size))
+            except Exception:
+                logger.info("Unserializable Message: %s", msg)
+                raise
+        else:
+            frames = await to_frames(msg, allow_offload=self.allow_offload, serializers=serializers,
+                                     on_error=on_error, context=context, frame_split_size=MPIComm.max_shard_size)
         if self._closed:
             raise CommClosedError(f"{self!r} was closed while serialising")
         try:
@@ -657,11 +723,21 @@ class MPIComm(Comm):
             self.abort()
             raise
         _drive(reqs)
+        self._last_write = time.perf_counter()
         return n
 
     def _send_frames(self, frames: list) -> tuple[int, list[Request]]:
         chan = self._chan
         n = len(frames)
+        if n == 1 and type(frames[0]) is bytes and len(frames[0]) < INLINE_MAX:  # the common small message
+            head = _HEAD1.pack(_DATA, 1, CHUNK_BYTES, len(frames[0]), _INLINE) + frames[0]
+            req = chan.eng.comm.isend(np.frombuffer(head, np.uint8), chan.peer, chan.send_tag)
+            chan.n_sent += 1
+            if req.test():  # sent eagerly (the usual case): nothing to keep
+                return len(head), []
+            chan.sends.append(req)
+            chan.prune()
+            return len(head), [req]
         sizes = [0] * n
         flags = bytearray(n)
         arrays: list = [None] * n
@@ -744,12 +820,8 @@ class MPIComm(Comm):
         self._wake_reader()
 
     def closed(self) -> bool:
-        if not self._closed and self._reader is None:
-            try:
-                if self._chan.check_peer_close():
-                    self._mark_closed()
-            except Exception:  # noqa: BLE001 - a probe failing means the transport is gone
-                self._mark_closed()
+        """True once this end closed, or a read or write found the peer gone (as TCP's comm: a peer's close is
+        not looked for here, so BatchedSend does not fail a message that is simply dropped at shutdown)."""
         return self._closed
 
     @property

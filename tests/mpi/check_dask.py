@@ -118,5 +118,64 @@ def check_refused_on_other_rank(comm):
     _run(main())
 
 
+def check_inline_spin_backs_off(comm):
+    """Reads right after a write spin inline for the reply. Rank 0 is a client of rank 1 (a loop spinning in
+    its own read could not serve, so rank 1 only serves; the other ranks talk to themselves, where no spin is
+    ever tried, and then sleep, so the pair keeps the cores). Replies 5 ms late make the comm skip ever more
+    spins; prompt replies make a spin succeed again (its failure count back to 0). Every reply arrives."""
+    before = B.set_spin(inline_us=500)
+    partner = 1 if comm.rank == 0 and comm.size > 1 else comm.rank
+
+    async def main():
+        slow = asyncio.Event()
+        done = asyncio.Event()
+
+        async def echo(c):
+            try:
+                while True:
+                    msg = await c.read()
+                    if msg == "slow":
+                        slow.set()
+                    elif msg == "fast":
+                        slow.clear()
+                    elif slow.is_set():
+                        await asyncio.sleep(0.005)
+                    await c.write(msg)
+            except CommClosedError:
+                done.set()
+
+        listener = await listen("mpi://", echo)
+        addresses = comm.allgather_object(listener.contact_address)
+        if comm.rank != 1 or comm.size == 1:
+            c = await connect(addresses[partner], timeout=30)
+            await c.write("slow")
+            assert await c.read() == "slow"
+            for i in range(8):
+                await c.write(i)
+                assert await c.read() == i
+            if partner == comm.rank:
+                assert c._spin_fail == 0, c._spin_fail
+            else:
+                assert c._spin_fail >= 2, c._spin_fail
+                await c.write("fast")
+                assert await c.read() == "fast"
+                reset = False
+                for i in range(2000):
+                    await c.write(i)
+                    assert await c.read() == i
+                    reset = reset or c._spin_fail == 0
+                assert reset, "no inline spin succeeded in 2000 prompt exchanges"
+            await c.close()
+        if partner == comm.rank or comm.rank == 1:
+            await asyncio.wait_for(done.wait(), 60)
+        listener.stop()
+
+    try:
+        _run(main())
+    finally:
+        B.set_spin(poll_us=before[0], inline_us=before[1])
+    comm.iallreduce(np.zeros(1)).wait()  # sleeps while it waits (a blocking collective would spin)
+
+
 if __name__ == "__main__":
     mpi_checks(globals())

@@ -192,3 +192,61 @@ def test_idle_wait_costs_little_cpu():
 
     cpu = run(main())
     assert cpu < 0.15, f"idle read used {cpu:.1%} of a core"
+
+
+def test_offloaded_payload_exact():
+    """A message above Dask's offload threshold (10 MiB) takes to_frames/from_frames' thread path: still exact."""
+
+    async def main():
+        a, b = await C.comm_pair(ADDR)
+        x = np.random.default_rng(1).standard_normal(12 * 2**20 // 8 + 3)
+        await a.write({"x": x, "tag": "big"})
+        got = await b.read()
+        assert got["tag"] == "big" and np.array_equal(got["x"], x)
+        await a.close()
+        await b.close()
+
+    run(main())
+
+
+def test_many_unreceived_writes_then_reads_in_order():
+    """A burst of writes the peer has not read yet (their sends stay pending) arrives complete and in order."""
+
+    async def main():
+        a, b = await C.comm_pair(ADDR)
+        for i in range(3000):
+            await a.write({"i": i, "pad": b"x" * (i % 97)})
+        assert len(a._chan.sends) <= max(16, 2 * 3000)
+        for i in range(3000):
+            got = await b.read()
+            assert got["i"] == i and got["pad"] == b"x" * (i % 97)
+        await a.close()
+        await b.close()
+
+    run(main())
+
+
+def test_no_inline_spin_towards_this_process():
+    """A peer in this process (here: on this very loop) cannot answer while a read spins, so none is tried."""
+
+    async def main():
+        before = B.set_spin(inline_us=50)
+        try:
+            a, b = await C.comm_pair(ADDR)
+            for i in range(5):
+                await a.write(i)
+                assert await b.read() == i
+                await b.write(-i)
+                assert await a.read() == -i
+            assert a._spin_fail == 0 and b._spin_fail == 0
+            await a.close()
+            await b.close()
+        finally:
+            B.set_spin(poll_us=before[0], inline_us=before[1])
+
+    run(main())
+
+
+def test_set_spin_rejects_bad_values():
+    with pytest.raises(ValueError, match="inline_us=-1 must be between 0 and 1e6"):
+        B.set_spin(inline_us=-1)

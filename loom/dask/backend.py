@@ -390,28 +390,16 @@ def set_spin(*, poll_us: float | None = None, inline_us: float | None = None) ->
             raise ValueError(f"set_spin: {name}={value} must be between 0 and 1e6 microseconds")
     if poll_us is not None:
         SPIN_S = poll_us * 1e-6
-        if _LAST_POLLER[1] is not None:
-            _LAST_POLLER[1].backoff.spin_s = SPIN_S
-        _LAST_POLLER[:] = [None, None]
     if inline_us is not None:
         INLINE_SPIN_S = inline_us * 1e-6
     return before
 
 
-_LAST_POLLER: list = [None, None]  # (loop, poller) of the last call: one event loop per process is the rule
-
-
 def _poller():
-    """This loop's loom poller, its spin phase lengthened to :data:`SPIN_S` (see there)."""
-    loop = asyncio.get_running_loop()
-    if _LAST_POLLER[0] is loop:
-        return _LAST_POLLER[1]
+    """This loop's loom poller, its spin phase set to :data:`SPIN_S` (see there)."""
     p = poller()
     p.backoff.spin_s = SPIN_S
-    _LAST_POLLER[:] = [loop, p]
     return p
-
-
 
 
 class _SendProgress:

@@ -77,3 +77,39 @@ def test_cli_unknown_command_and_ranks_flag(capsys):
     assert pop_ranks(["--ranks=2"]) == (2, [])
     assert pop_ranks(["a"]) == (None, ["a"])
     assert loom_main(["bench", "nope"]) == 2
+
+
+def test_poller_sleeps_on_a_timerfd_and_still_delivers():
+    """Past its spin phase the poller sleeps on a timerfd (sub-millisecond sleeps; asyncio's own timers round
+    up to 1 ms) where Linux has one; a message arriving during those sleeps is still delivered, and the
+    timer's file descriptor is released with the loop."""
+    import asyncio
+    import os
+    import sys
+
+    from loom.comm import progress
+
+    comm = world()
+    out = np.zeros(4)
+
+    async def main():
+        p = progress.poller()
+        req = comm.irecv(out, 0, tag=91)
+        waiting = asyncio.ensure_future(req)
+        await asyncio.sleep(0.02)  # the poller is past its 200 us spin, sleeping
+        assert not waiting.done()
+        comm.isend(np.arange(4.0), 0, tag=91).wait()
+        await asyncio.wait_for(waiting, 5)
+        return p._timer
+
+    timer = asyncio.run(main())
+    assert np.array_equal(out, np.arange(4.0))
+    if sys.platform.startswith("linux"):
+        assert timer is not None, "no timerfd on Linux: the poller fell back to 1 ms asyncio timers"
+        fd = timer._fd
+        del timer
+        import gc
+
+        gc.collect()
+        with pytest.raises(OSError):
+            os.fstat(fd)

@@ -18,6 +18,7 @@ Rank 0 prints the comm tables, rank 1 the application table; ``--json PATH`` wri
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -34,6 +35,13 @@ __all__ = ["main"]
 SMALL = 8192
 
 
+def _order(text: str) -> list[str]:
+    order = [t.strip() for t in text.split(",")]
+    if sorted(order) != ["mpi", "tcp"]:
+        raise argparse.ArgumentTypeError(f"--order {text!r}: name both transports once, e.g. mpi,tcp or tcp,mpi")
+    return order
+
+
 def _parser():
     p = omb.parser("dask", "Dask comm ping-pong and applications: mpi:// vs tcp://", min_size=1,
                    max_size=64 << 20, vs=("tcp",), default_vs="tcp")
@@ -44,6 +52,9 @@ def _parser():
     p.add_argument("--rows", type=int, default=2_000_000, help="rows of each dataframe in the merge")
     p.add_argument("--partitions", type=int, default=8, help="partitions of each dataframe")
     p.add_argument("--app-rounds", type=int, default=2, help="timed runs per application and transport")
+    p.add_argument("--order", type=_order, default=["mpi", "tcp"],
+                   help="which transport's cluster runs the applications first (the second runs in processes "
+                        "the first already warmed up): mpi,tcp (default) or tcp,mpi")
     p.add_argument("--skip-comm", action="store_true", help="only the applications")
     p.add_argument("--skip-apps", action="store_true", help="only the comm ping-pong")
     return p
@@ -246,7 +257,7 @@ def _app_table(comm, args, doc: dict) -> None:
     from loom.dask.launcher import serve, shutdown
 
     results: dict[str, dict[str, float]] = {}
-    for protocol in ("mpi", "tcp"):
+    for protocol in args.order:
         address = serve(protocol=protocol, memory_limit=None)
         if address is not None:
             try:
@@ -258,7 +269,8 @@ def _app_table(comm, args, doc: dict) -> None:
         w = comm.size - 2
         table = omb.Table(f"Dask applications (1 scheduler + 1 client + {w} workers)",
                           ["Application", "mpi (s)", "tcp (s)", "tcp/mpi"], rank=0,
-                          meta={"array": f"{args.array}^2 fp64 in {args.chunk}^2 chunks",
+                          meta={"order": f"{args.order[0]} cluster first, then {args.order[1]} (same processes)",
+                                "array": f"{args.array}^2 fp64 in {args.chunk}^2 chunks",
                                 "merge": f"2 x {args.rows} rows, {args.partitions} partitions"})
         if results["mpi"]["_check"] != results["tcp"]["_check"]:
             raise RuntimeError(f"the applications' results differ between mpi:// and tcp://: "

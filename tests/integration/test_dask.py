@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -52,3 +53,19 @@ def test_killed_worker_ends_job_and_is_named():
     assert proc.returncode != 0, out
     assert "KILLING rank-3" in out, out
     assert "loom dask: worker rank-3 (MPI rank 3" in out and "died" in out, out
+
+
+def test_bench_dask_small_end_to_end(tmp_path):
+    """`loom bench dask` at toy sizes: both comm tables and the applications, whose results it checks to be
+    equal over mpi:// and tcp:// (it raises otherwise), in the JSON it writes."""
+    out = tmp_path / "d.json"
+    argv = [sys.executable, "-m", "loom.cli", "bench", "dask", "-M", "128K", "-i", "20", "-x", "5",
+            "--iterations-large", "5", "--warmup-large", "2", "--rounds", "1", "--array", "400", "--chunk", "100",
+            "--rows", "4000", "--partitions", "2", "--app-rounds", "1", "--order", "tcp,mpi", "--json", str(out)]
+    proc = launch.run(4, argv, timeout=240, env={**ENV, "LOOM_LAUNCHED": "1"}, capture=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert [r["Size"] for r in doc["latency"]][:2] == [1, 2] and doc["latency"][-1]["Size"] == 131072
+    assert all(r["mpi (us)"] > 0 and r["tcp (us)"] > 0 for r in doc["latency"])
+    assert {r["Application"] for r in doc["apps"]} == {"(x + x.T).sum()", "dataframe merge"}
+    assert "tcp cluster first" in proc.stdout

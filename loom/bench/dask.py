@@ -9,9 +9,10 @@ Plan (one invocation; relaunches itself on ``--np`` ranks, default 4, when start
    object (inside Dask's msgpack frame); larger ones a numpy buffer behind ``to_serialize`` (its own frame,
    zero-copy), as Dask sends task data. Latency is half the round trip; bandwidth is size / latency.
 3. **Applications** on 1 scheduler (rank 0) + 1 client (rank 1) + workers (ranks 2..), one cluster per
-   transport: ``(x + x.T).sum()`` of a persisted random numpy-backed dask array (``--array`` square in
-   ``--chunk`` blocks) and a dataframe merge of two persisted pandas-backed frames (``--rows`` rows each,
-   ``--partitions`` partitions, ~``rows/4`` distinct keys); best of ``--app-rounds`` wall times.
+   transport (``--order``): ``(x + x.T).sum()`` of a persisted random numpy-backed dask array (``--array``
+   square in ``--chunk`` blocks), a dataframe merge of two persisted pandas-backed frames (``--rows`` rows
+   each, ``--partitions`` partitions, ~``rows/4`` distinct keys) and ``--tasks`` tiny tasks (the scheduler's
+   per-task cost); best of ``--app-rounds`` wall times, each round from a scheduler that forgot the last.
 
 Rank 0 prints the comm tables, rank 1 the application table; ``--json PATH`` writes all three.
 """
@@ -33,6 +34,7 @@ from . import omb
 __all__ = ["main"]
 
 SMALL = 8192
+_TINY = "tiny tasks"
 
 
 def _order(text: str) -> list[str]:
@@ -51,6 +53,8 @@ def _parser():
     p.add_argument("--chunk", type=int, default=1000, help="chunk side of that array")
     p.add_argument("--rows", type=int, default=2_000_000, help="rows of each dataframe in the merge")
     p.add_argument("--partitions", type=int, default=8, help="partitions of each dataframe")
+    p.add_argument("--tasks", type=int, default=1000,
+                   help="tiny tasks (client.map of i + 1) in the third application: the scheduler's per-task cost")
     p.add_argument("--app-rounds", type=int, default=2, help="timed runs per application and transport")
     p.add_argument("--order", type=_order, default=["mpi", "tcp"],
                    help="which transport's cluster runs the applications first (the second runs in processes "
@@ -200,6 +204,10 @@ def _comm_tables(comm, args, doc: dict) -> None:
         doc["bandwidth"] = bw.rows
 
 
+def _inc(i: int) -> int:
+    return i + 1
+
+
 def _scheduler_tasks(dask_scheduler) -> int:
     return len(dask_scheduler.tasks)
 
@@ -249,7 +257,19 @@ def _apps_client(address: str, args) -> dict[str, float]:
             n = int(left.merge(right, on="k").map_partitions(len).sum().compute())
             best = min(best, time.perf_counter() - t0)
         times["dataframe merge"] = best
-        times["_check"] = (round(total, 3), n)  # the same on both transports (compared by the caller)
+        del left, right
+        baseline = client.run_on_scheduler(_scheduler_tasks)
+        best = float("inf")
+        tiny = 0
+        for r in range(max(1, args.app_rounds)):
+            settle(client, baseline)
+            t0 = time.perf_counter()
+            futures = client.map(_inc, range(r * args.tasks, (r + 1) * args.tasks))
+            tiny = sum(client.gather(futures)) - r * args.tasks * args.tasks
+            best = min(best, time.perf_counter() - t0)
+            del futures
+        times[_TINY] = best
+        times["_check"] = (round(total, 3), n, tiny)  # the same on both transports (compared by the caller)
     return times
 
 
@@ -271,12 +291,13 @@ def _app_table(comm, args, doc: dict) -> None:
                           ["Application", "mpi (s)", "tcp (s)", "tcp/mpi"], rank=0,
                           meta={"order": f"{args.order[0]} cluster first, then {args.order[1]} (same processes)",
                                 "array": f"{args.array}^2 fp64 in {args.chunk}^2 chunks",
-                                "merge": f"2 x {args.rows} rows, {args.partitions} partitions"})
+                                "merge": f"2 x {args.rows} rows, {args.partitions} partitions",
+                                "tiny tasks": f"{args.tasks} x client.map(i + 1), gathered"})
         if results["mpi"]["_check"] != results["tcp"]["_check"]:
             raise RuntimeError(f"the applications' results differ between mpi:// and tcp://: "
                                f"{results['mpi']['_check']!r} vs {results['tcp']['_check']!r}")
         table.header()
-        for app in ("(x + x.T).sum()", "dataframe merge"):
+        for app in ("(x + x.T).sum()", "dataframe merge", _TINY):
             m, t = results["mpi"][app], results["tcp"][app]
             table.add(app, m, t, t / m)
         doc["apps"] = table.rows

@@ -69,3 +69,4 @@ def test_bench_dask_small_end_to_end(tmp_path):
     assert all(r["mpi (us)"] > 0 and r["tcp (us)"] > 0 for r in doc["latency"])
     assert {r["Application"] for r in doc["apps"]} == {"(x + x.T).sum()", "dataframe merge", "tiny tasks"}
     assert "tcp cluster first" in proc.stdout
+    assert all(r["mpi cpu (s)"] > 0 and r["tcp cpu (s)"] > 0 for r in doc["apps"])

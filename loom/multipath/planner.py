@@ -257,6 +257,15 @@ def plan(
     eta = math.log(n_links) / epsilon
     best_x, best_lam = x, _congestion(inc, x, inv_c)
     if flexible.any() and best_lam > 0:
+        # Warm start: each flexible pair's demand split evenly over its candidate paths, when that is less
+        # congested than the static routes. On large clusters the rounds alone, each moving flow between
+        # two paths per pair, did not get from the static routes to even striping (32 nodes x 8 ranks,
+        # zipf-pairs: 3.8 s against striping's 2.5 s).
+        k = np.diff(c.ptr).astype(np.float64)
+        even = np.where(flexible[c.pair_of], c.volume[c.pair_of] / k[c.pair_of], static)
+        even_lam = _congestion(inc, even, inv_c)
+        if even_lam < best_lam:
+            x, best_x, best_lam = even, even, even_lam
         grid = c.grid[flexible]
         vol = c.volume[flexible]
         fixed = np.zeros(len(x))

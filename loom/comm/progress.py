@@ -304,6 +304,7 @@ class _FineTimer:
 
     _libc: Any = None
     _spec_t: Any = None
+    _byref: Any = None
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fd: int):
         self._loop = loop
@@ -330,7 +331,7 @@ class _FineTimer:
                 libc = ctypes.CDLL(None, use_errno=True)
                 libc.timerfd_create.argtypes = [ctypes.c_int, ctypes.c_int]
                 libc.timerfd_settime.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-                cls._spec_t, cls._libc = _Itimerspec, libc
+                cls._spec_t, cls._libc, cls._byref = _Itimerspec, libc, ctypes.byref
             fd = cls._libc.timerfd_create(1, os.O_NONBLOCK | os.O_CLOEXEC)  # CLOCK_MONOTONIC
             if fd < 0:
                 return None
@@ -343,9 +344,7 @@ class _FineTimer:
         ns = max(1000, int(delay * 1e9))
         spec = self._spec
         spec.it_value.tv_sec, spec.it_value.tv_nsec = divmod(ns, 1_000_000_000)
-        import ctypes
-
-        if self._libc.timerfd_settime(self._fd, 0, ctypes.byref(spec), None) != 0:
+        if self._libc.timerfd_settime(self._fd, 0, self._byref(spec), None) != 0:
             self._loop.call_later(delay, _wake, waiter)  # cannot arm: fall back to the coarse timer
 
     def _fired(self) -> None:

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sim", action="store_true", help="skip the flow-level simulation")
     p.add_argument("--sim-batch", type=float, default=0.01,
                    help="re-share link capacity once this fraction of the running flows finished (0 = at every "
-                        "completion, exact; below 100 flows 0.01 is exact too)")
+                        "completion, exact; below 200 flows 0.01 is exact too)")
     p.add_argument("--png", default="loom-plan.png", help="link-utilisation plot ('' to skip)")
     p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
     return p

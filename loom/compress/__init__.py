@@ -7,7 +7,8 @@
 """
 
 from .codecs import CODECS, Codec, Packet, codec_names, get_codec
-from .collectives import DEFAULT_MIN_BYTES, allgather, allreduce, alltoallv, recv, reset_stats, send, stats
+from .collectives import (DEFAULT_MIN_BYTES, allgather, allreduce, alltoallv, isend, recv, reset_stats, send,
+                          stats)
 from .feedback import ErrorFeedback
 from .policy import PRESETS, CompressionPolicy, DPHook, dp_hook
 
@@ -26,6 +27,7 @@ __all__ = [
     "codec_names",
     "dp_hook",
     "get_codec",
+    "isend",
     "recv",
     "reset_stats",
     "send",

@@ -18,7 +18,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from ..comm import Communicator
+from ..comm import Communicator, Request
 from .codecs import Codec, NoneCodec, PowerSGDCodec, get_codec, orthonormalize
 from .feedback import ErrorFeedback
 
@@ -389,6 +389,30 @@ def send(tensor: torch.Tensor, dest: int, comm: Communicator, codec: "str | Code
             comm.send(torch.tensor([pkt.nbytes], dtype=torch.int64), dest, tag)
         comm.send(pkt.data, dest, tag)
     _account(comm, _nbytes(x), before)
+
+
+def isend(tensor: torch.Tensor, dest: int, comm: Communicator, codec: "str | Codec", *, tag: int = 0,
+          min_bytes: int = DEFAULT_MIN_BYTES) -> list[Request]:
+    """Non-blocking :func:`send`: encodes now, returns the requests of its messages (wait on all of them).
+
+    Same wire format as :func:`send`, so the receiver calls :func:`recv`. A pipeline whose neighbours send to
+    each other at the same time (1F1B's steady state) needs this: two blocking sends of large messages wait
+    for each other's receive forever.
+    """
+    _check(tensor, comm)
+    codec = _resolve(codec)
+    x = tensor.detach()
+    before = _sent(comm)
+    if _nbytes(x) < min_bytes:
+        reqs = [comm.isend(x.contiguous(), dest, tag)]
+    else:
+        pkt = codec.encode(x)
+        reqs = []
+        if codec.wire_bytes(x.numel(), x.dtype) is None:
+            reqs.append(comm.isend(torch.tensor([pkt.nbytes], dtype=torch.int64), dest, tag))
+        reqs.append(comm.isend(pkt.data, dest, tag))
+    _account(comm, _nbytes(x), before)
+    return reqs
 
 
 def recv(out: torch.Tensor, source: int, comm: Communicator, codec: "str | Codec", *, tag: int = 0,

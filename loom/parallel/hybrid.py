@@ -142,9 +142,6 @@ class HybridParallel:
                 raise ValueError("compression= needs loom.compress, which is not available in this build; "
                                  "drop compression= or install loom with the compress extra") from exc
             codec = _pp_codec(compression) if self.partitions > 1 else None
-            if codec is not None and schedule != "gpipe":
-                raise ValueError(f"pipeline compression sends with blocking loom.compress.send, which can deadlock "
-                                 f"the {schedule!r} steady state; use schedule='gpipe' with a pp codec")
         sample = _as_tuple(sample_inputs) if sample_inputs is not None else None
         self.graph: Graph = capture(model, leaf_modules=leaf_modules, sample=sample)
         costs = None

@@ -138,7 +138,7 @@ class Stage:
         graph: the captured model.
         counts: units per stage (from :func:`~loom.parallel.partition.split_units`).
         comm: the pipeline communicator (rank = stage index); ``None`` when there is one stage.
-        codec: optional ``loom.compress`` codec for activations and gradients (blocking sends; gpipe only).
+        codec: optional ``loom.compress`` codec for activations and gradients (non-blocking, any schedule).
         index: the (virtual) stage index; default ``comm.rank``. Stage ``j`` runs on rank ``j % comm.size``.
     """
 
@@ -187,9 +187,9 @@ class Stage:
     def _send(self, t: torch.Tensor, dest: int, tag: int) -> None:
         t = t.detach().contiguous()
         if self.codec is not None:
-            from ..compress import send as csend  # lazy: compression is optional
+            from ..compress import isend as cisend  # lazy: compression is optional
 
-            csend(t, dest, self.comm, self.codec, tag=tag)
+            self._pending.extend(cisend(t, dest, self.comm, self.codec, tag=tag))
         else:
             self._pending.append(self.comm.isend(t, dest, tag))
 

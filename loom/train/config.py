@@ -113,7 +113,7 @@ class MeshConfig:
     ep: int = 1
     """Expert parallel (MoE only)."""
     schedule: str = "1f1b"
-    """Pipeline schedule when pp > 1: ``1f1b`` or ``gpipe`` (forced to gpipe when the policy compresses pp)."""
+    """Pipeline schedule when pp > 1: ``1f1b`` or ``gpipe``."""
 
     def __post_init__(self) -> None:
         for k in ("dp", "pp", "sp", "ep"):

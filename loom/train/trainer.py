@@ -276,8 +276,6 @@ class Trainer:
                               f"importable in this build ({exc}); use mesh.pp = 1") from None
         cfg = self.cfg
         schedule = cfg.mesh.schedule
-        if self.policy is not None and self.policy.codec_for("pp") is not None:
-            schedule = "gpipe"  # HybridParallel compresses pipeline sends only under GPipe (blocking sends)
         try:
             return HybridParallel(self.tm.pipeline, partitions=cfg.mesh.pp, replicas=cfg.mesh.dp,
                                   micro_batches=cfg.data.micro_batches, schedule=schedule, balance="params",

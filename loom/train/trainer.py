@@ -202,9 +202,6 @@ class Trainer:
         self.cfg = cfg
         self.comm = comm or world()
         cfg.validate_world(self.comm.size)
-        if cfg.model.ffn == "moe" and cfg.mesh.pp > 1:
-            raise ConfigError("model.ffn = 'moe' with mesh.pp > 1 is not wired (expert-sharded parameters inside "
-                              "pipeline stages); use mesh.pp = 1 with mesh.ep/dp/sp")
         self.out = Path(out or cfg.train.out)
         self.ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else self.out / "checkpoints"
         self.quiet = quiet
@@ -425,7 +422,8 @@ class Trainer:
         replicated buckets averaged over ``dp x ep`` and expert buckets over ``dp`` (the compression hook,
         one call per bucket), expert ones divided by ``ep`` (their local gradient already sums the ``ep``
         peers' tokens, routed to this rank's experts). Under a pipeline the dp average already happened inside
-        ``HybridParallel.train_step``.
+        ``HybridParallel.train_step``; with ``ep`` the replicated buckets are then averaged over ``ep`` and the
+        expert ones divided by it, which comes to the same.
         """
         t0 = time.perf_counter()
         if self.sp is not None:
@@ -434,6 +432,11 @@ class Trainer:
             self._flat_sync(self.rep, use_hook=True, expert=False)
             if self.ep is not None:
                 self._flat_sync(self.dp, use_hook=True, expert=True, scale=1.0 / self.ep.size)
+        elif self.ep is not None:
+            # HybridParallel averaged every gradient over dp; replicated ones still need the ep average (dp x ep
+            # in all), expert ones the 1/ep of the unpipelined path.
+            self._flat_sync(self.ep, use_hook=False, expert=False)
+            self._flat_sync(None, use_hook=False, expert=True, scale=1.0 / self.ep.size)
         return time.perf_counter() - t0
 
     def clip(self) -> float:

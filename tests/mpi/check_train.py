@@ -33,14 +33,16 @@ MESHES = {
     2: [{"mesh": {"dp": 2}},
         {**MOE, "mesh": {"ep": 2}},
         {"mesh": {"sp": 2}},
-        {"mesh": {"pp": 2}, "data": {"micro_batches": 2}}],
+        {"mesh": {"pp": 2}, "data": {"micro_batches": 2}},
+        {**MOE, "mesh": {"pp": 2}, "data": {"micro_batches": 2}}],
     4: [{"mesh": {"dp": 2, "sp": 2}},
         {"mesh": {"pp": 2, "sp": 2}, "data": {"micro_batches": 2},
          "sequence": {"algorithm": "fpdt", "chunks": 2}},
         {"mesh": {"dp": 2, "pp": 2}, "mesh_schedule": "gpipe"},
         {"mesh": {"sp": 4}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True, "recompute": True}},
         {**MOE, "mesh": {"dp": 2, "ep": 2}},
-        {**MOE, "mesh": {"ep": 2, "sp": 2}}],
+        {**MOE, "mesh": {"ep": 2, "sp": 2}},
+        {**MOE, "mesh": {"pp": 2, "ep": 2}, "data": {"micro_batches": 2}}],
 }
 
 _DIR: list[str] = []
@@ -167,6 +169,7 @@ def check_resume_equals_uninterrupted(comm):
     _resume_case(comm, {**MOE, "mesh": {"ep": 2, "dp": comm.size // 2}}, "ep-dp")
     if comm.size == 4:
         _resume_case(comm, {"mesh": {"pp": 2, "dp": 2}, "data": {"micro_batches": 2}}, "pp-dp")
+        _resume_case(comm, {**MOE, "mesh": {"pp": 2, "ep": 2}, "data": {"micro_batches": 2}}, "pp-ep")
 
 
 def check_cleanup(comm):

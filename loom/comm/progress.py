@@ -129,8 +129,10 @@ class Request:
         """True once complete (the result is then available from :meth:`wait` at no cost)."""
         if self._done:
             return True
+        reqs = self._reqs
         try:
-            if MPI.Request.Testall(self._reqs):
+            # One request (most of them): Test is 3x cheaper than Testall, which builds an array per call.
+            if reqs[0].Test() if len(reqs) == 1 else MPI.Request.Testall(reqs):
                 self._complete()
                 return True
         except MPI.Exception as exc:

@@ -369,42 +369,23 @@ def alltoallv(
     return out, rc
 
 
-def send(tensor: torch.Tensor, dest: int, comm: Communicator, codec: "str | Codec", *, tag: int = 0,
-         min_bytes: int = DEFAULT_MIN_BYTES) -> None:
-    """Send ``tensor`` to ``dest`` compressed; the receiver calls :func:`recv` with a same-shaped ``out``.
-
-    Plan: below ``min_bytes`` one plain ``comm.send``. Otherwise encode; when the codec's encoded size is fixed
-    by the element count (none, bf16, fp16, int8, int4, topk) one message of bytes, else (zstd, zfp, powersgd)
-    an int64 byte count first, then the bytes (same tag: MPI keeps their order).
-    """
-    _check(tensor, comm)
-    codec = _resolve(codec)
-    x = tensor.detach()
-    before = _sent(comm)
-    if _nbytes(x) < min_bytes:
-        comm.send(x, dest, tag)
-    else:
-        pkt = codec.encode(x)
-        if codec.wire_bytes(x.numel(), x.dtype) is None:
-            comm.send(torch.tensor([pkt.nbytes], dtype=torch.int64), dest, tag)
-        comm.send(pkt.data, dest, tag)
-    _account(comm, _nbytes(x), before)
-
-
 def isend(tensor: torch.Tensor, dest: int, comm: Communicator, codec: "str | Codec", *, tag: int = 0,
           min_bytes: int = DEFAULT_MIN_BYTES) -> list[Request]:
-    """Non-blocking :func:`send`: encodes now, returns the requests of its messages (wait on all of them).
+    """Send ``tensor`` to ``dest`` compressed without blocking: encodes now and returns the requests of its
+    messages (wait on all of them before the next send on this tag); the receiver calls :func:`recv`.
 
-    Same wire format as :func:`send`, so the receiver calls :func:`recv`. A pipeline whose neighbours send to
-    each other at the same time (1F1B's steady state) needs this: two blocking sends of large messages wait
-    for each other's receive forever.
+    Plan: below ``min_bytes`` one plain ``comm.isend``. Otherwise encode; when the codec's encoded size is fixed
+    by the element count (none, bf16, fp16, int8, int4, topk) one message of bytes, else (zstd, zfp, powersgd)
+    an int64 byte count first, then the bytes (same tag: MPI keeps their order). A pipeline whose neighbours
+    send to each other at once (1F1B's steady state) needs the non-blocking form: two blocking sends of large
+    messages would wait for each other's receive forever.
     """
     _check(tensor, comm)
     codec = _resolve(codec)
     x = tensor.detach()
     before = _sent(comm)
     if _nbytes(x) < min_bytes:
-        reqs = [comm.isend(x.contiguous(), dest, tag)]
+        reqs = [comm.isend(x, dest, tag)]
     else:
         pkt = codec.encode(x)
         reqs = []
@@ -413,6 +394,13 @@ def isend(tensor: torch.Tensor, dest: int, comm: Communicator, codec: "str | Cod
         reqs.append(comm.isend(pkt.data, dest, tag))
     _account(comm, _nbytes(x), before)
     return reqs
+
+
+def send(tensor: torch.Tensor, dest: int, comm: Communicator, codec: "str | Codec", *, tag: int = 0,
+         min_bytes: int = DEFAULT_MIN_BYTES) -> None:
+    """Blocking :func:`isend` (returns once ``tensor`` may be reused); the receiver calls :func:`recv`."""
+    for req in isend(tensor, dest, comm, codec, tag=tag, min_bytes=min_bytes):
+        req.wait()
 
 
 def recv(out: torch.Tensor, source: int, comm: Communicator, codec: "str | Codec", *, tag: int = 0,

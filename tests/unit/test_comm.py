@@ -105,7 +105,7 @@ def test_poller_sleeps_on_a_timerfd_and_still_delivers():
     timer = asyncio.run(main())
     assert np.array_equal(out, np.arange(4.0))
     if sys.platform.startswith("linux"):
-        assert timer is not None, "no timerfd on Linux: the poller fell back to 1 ms asyncio timers"
+        assert timer, "no timerfd on Linux: the poller fell back to 1 ms asyncio timers"
         fd = timer._fd
         del timer
         import gc

@@ -63,9 +63,9 @@ def simulate(plan: Plan, *, batch: float = 0.0, max_events: int = 100_000) -> Si
     ``batch`` trades exactness for speed at scale: with ``batch = b > 0`` the rates are recomputed only once
     a fraction ``b`` of the running flows finished (at least one), rather than at every completion; in
     between, every flow keeps its rate, so capacity freed by finished flows is not re-shared until then.
-    Events fall from one per flow to about ``ln(flows) / b``. Measured on ``h100`` at 8 nodes
-    (zipf-pairs:1.5, 4000-6400 flows): ``b = 0.01`` is within 0.01 % of the exact time, 25x faster;
-    ``b = 0.05`` within 0.2 %.
+    Events fall from one per flow to about ``ln(flows) / b``. Measured with ``loom plan --topology h100
+    --nodes 8 --skew zipf-pairs:1.5 --no-lp --sim-batch B`` (four methods, 4000-6400 flows each): ``B = 0.01``
+    within 0.01 % of the exact times, the command 62.9 s -> 5.1 s; ``B = 0.05`` within 0.13 % in 2.3 s.
     """
     if not 0.0 <= batch < 1.0:
         raise ValueError(f"simulate: batch={batch} must be in [0, 1) (0 = exact, 0.01 = 1 % of flows per event)")

@@ -20,14 +20,16 @@ _EXPORTS = {
     "AXES": "mesh", "Mesh": "mesh",
     "Backoff": "progress", "Poller": "progress", "Request": "progress", "poller": "progress", "wait_all": "progress",
     "configure": "safety",
+    "doorbell": None,
 }
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
+    if name not in _EXPORTS:
         raise AttributeError(f"module 'loom.comm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    module = _EXPORTS[name]
+    value = importlib.import_module(f".{name}", __name__) if module is None else \
+        getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value
 

@@ -19,6 +19,11 @@ with a ``poll() -> (done, result)`` method can be registered (the Dask backend r
 The poller's sleeps go through a Linux ``timerfd`` watched by the loop (:class:`_FineTimer`), because
 asyncio's own timers wait in ``epoll_wait`` with whole-millisecond timeouts: with them a 25 us back-off sleep
 lasted 1 ms, so a rank past its spin noticed a message up to a millisecond late.
+
+Where this process has a doorbell (:mod:`loom.comm.doorbell`) and every pending item says its sender rings it
+(``item.bell`` true, e.g. the Dask backend's reads from a peer on this host), the poller skips the fine back-off:
+it raises the doorbell's sleep flag, tests everything once more, and sleeps until rung, its timer at the
+back-off cap (2 ms) as the fallback. Items without ``bell`` keep the back-off above.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any, Callable, Protocol
 
 from mpi4py import MPI
 
+from . import doorbell as _doorbell
 from .errors import CommError, CommTimeoutError
 
 __all__ = ["Request", "Pollable", "Poller", "poller", "wait_all", "Backoff"]
@@ -203,6 +209,7 @@ class Poller:
         self._waiter: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
         self._timer: _FineTimer | bool | None = None  # None: not tried yet; False: unavailable
+        self._bell = None  # this process's Doorbell once watched; False: this loop cannot watch it
         self.backoff = Backoff(spin_s=200e-6)
 
     def submit(self, item: Pollable) -> asyncio.Future:
@@ -243,50 +250,92 @@ class Poller:
     def pending(self) -> int:
         return len(self._pending)
 
+    def _poll_pass(self) -> bool:
+        """Test every pending item once, resolving the futures of those done; True if any completed."""
+        progressed = False
+        for item, fut in list(self._pending.items()):
+            if fut.done():  # cancelled by its awaiter
+                self._pending.pop(item, None)
+                continue
+            try:
+                done, result = item.poll()
+            except BaseException as exc:  # noqa: BLE001 - delivered to the awaiter
+                self._pending.pop(item, None)
+                fut.set_exception(exc)
+                progressed = True
+                continue
+            if done:
+                self._pending.pop(item, None)
+                fut.set_result(result)
+                progressed = True
+        return progressed
+
+    def _doorbell(self):
+        """This process's doorbell once one exists (see :mod:`loom.comm.doorbell`), watched by this loop."""
+        bell = self._bell
+        if bell is None:
+            bell = _doorbell.current()
+            if bell is None:
+                return None
+            try:
+                self._loop.add_reader(bell.fd, self._rung, bell)
+            except (NotImplementedError, RuntimeError, OSError):  # a loop without add_reader
+                bell = False
+            self._bell = bell
+        return bell or None
+
+    def _rung(self, bell) -> None:
+        bell.drain()
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
     async def _run(self) -> None:
         while self._pending:
-            progressed = False
-            for item, fut in list(self._pending.items()):
-                if fut.done():  # cancelled by its awaiter
-                    self._pending.pop(item, None)
-                    continue
-                try:
-                    done, result = item.poll()
-                except BaseException as exc:  # noqa: BLE001 - delivered to the awaiter
-                    self._pending.pop(item, None)
-                    fut.set_exception(exc)
-                    progressed = True
-                    continue
-                if done:
-                    self._pending.pop(item, None)
-                    fut.set_result(result)
-                    progressed = True
-            if not self._pending:
-                break
-            if progressed:
+            if self._poll_pass():
                 self.backoff.reset()
                 await asyncio.sleep(0)
                 continue
+            if not self._pending:
+                break
             delay = self.backoff.next_delay()
             if delay == 0.0:
                 await asyncio.sleep(0)
                 continue
-            # Sleep interruptibly: submit() resolves the waiter early when new work arrives.
-            self._waiter = w = self._loop.create_future()
-            timer = self._timer
-            if timer is None:  # first sleep: a timerfd, or False where there is none (asked once per loop)
-                timer = self._timer = _FineTimer.create(self._loop) or False
-            if timer and delay < 2e-3:
-                timer.arm(delay, w)
-                handle = None
-            else:
-                handle = self._loop.call_later(delay, _wake, w)
-            try:
-                await w
-            finally:
-                if handle is not None:
-                    handle.cancel()
-                self._waiter = None
+            # Every pending item's sender rings this process's doorbell: sleep until rung (the timer, at the
+            # back-off cap, only covers a ring lost to a message MPI held back in its sender's queue).
+            bell = self._doorbell()
+            if bell is not None and all(getattr(item, "bell", False) for item in self._pending):
+                bell.sleeping()
+                try:
+                    if self._poll_pass():  # the last test after raising the flag: no lost wake-up
+                        self.backoff.reset()
+                        continue
+                    if not self._pending:
+                        break
+                    await self._sleep(self.backoff.max_sleep_s)
+                finally:
+                    bell.awake()
+                continue
+            await self._sleep(delay)
+
+    async def _sleep(self, delay: float) -> None:
+        """Sleep interruptibly: submit(), nudge() and a doorbell ring resolve the waiter early."""
+        self._waiter = w = self._loop.create_future()
+        timer = self._timer
+        if timer is None:  # first sleep: a timerfd, or False where there is none (asked once per loop)
+            timer = self._timer = _FineTimer.create(self._loop) or False
+        if timer and delay <= 2e-3:
+            timer.arm(delay, w)
+            handle = None
+        else:
+            handle = self._loop.call_later(delay, _wake, w)
+        try:
+            await w
+        finally:
+            if handle is not None:
+                handle.cancel()
+            self._waiter = None
 
 
 def _wake(fut: asyncio.Future) -> None:

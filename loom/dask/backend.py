@@ -32,6 +32,11 @@ MPICH and Open MPI allow tags up to at least ``2**29 - 1``):
    follows a write on the same comm (a request and its reply) first polls inline for up to
    :data:`INLINE_SPIN_S`, which saves the event-loop round trips that otherwise dominate small-message
    latency; a comm whose replies keep missing that window stops trying (see :meth:`MPIComm._spin`).
+   **Doorbells** (:mod:`loom.comm.doorbell`): the handshake carries each side's pid and host key, and a writer
+   to a peer on this host rings the peer's doorbell after posting a message (a memory load, plus one datagram
+   only when the peer's poller sleeps). Reads from such peers therefore sleep until rung instead of backing
+   off, and an oversubscribed rank does not spin at all: idle ranks cost no CPU and wake within microseconds.
+   A reader that pulled a large message rings its sender, whose pending sends then complete.
 4. **Close reaches the peer.** ``close()``/``abort()`` send ``CLOSE(messages sent, abort)`` on the peer's
    ``u + 1``. A reader drains what was sent before the close, then raises ``CommClosedError``; pending and
    later reads on the closing side raise at once; after that ``closed()`` is true on both ends.
@@ -68,6 +73,7 @@ from distributed.utils import nbytes
 from distributed.utils import ensure_memoryview
 
 from loom.comm import ANY_SOURCE, Request, poller, world
+from loom.comm import doorbell
 
 __all__ = ["MPIBackend", "MPIComm", "MPIConnector", "MPIListener", "parse_mpi_address", "set_spin", "CTRL_TAG",
            "SCHEME"]
@@ -94,8 +100,11 @@ INLINE_MAX = 64 * 1024
 #: message costs little CPU on an idle rank: Dask's own timers fire a few times a second.
 #: Only where this node has a core per rank (``MPI_LOCALNRANKS`` <= cores): on an oversubscribed node a spinning
 #: rank steals the CPU its peers need, and loom.comm's own 200 us spin is kept.
+#: With doorbells (loom.comm.doorbell) an oversubscribed rank does not spin at all: a sender on this host rings
+#: it awake within a few microseconds, and every spinning microsecond is taken from a peer's computation.
 _OVERSUBSCRIBED = int(os.environ.get("MPI_LOCALNRANKS", "1")) > (os.cpu_count() or 1)
-SPIN_S = float(os.environ.get("LOOM_DASK_SPIN_US", "200" if _OVERSUBSCRIBED else "1000")) * 1e-6
+_SPIN_DEFAULT = "1000" if not _OVERSUBSCRIBED else ("0" if os.environ.get("LOOM_DOORBELL", "1") != "0" else "200")
+SPIN_S = float(os.environ.get("LOOM_DASK_SPIN_US", _SPIN_DEFAULT)) * 1e-6
 #: how long a read right after a write on the same comm waits inline for the reply (see MPIComm._spin)
 INLINE_SPIN_S = float(os.environ.get("LOOM_DASK_INLINE_US", "0" if _OVERSUBSCRIBED else "50")) * 1e-6
 #: header messages up to this size are received at once; larger ones by a non-blocking receive
@@ -105,7 +114,8 @@ CHUNK_BYTES = 512 * 1024 * 1024
 
 _HEAD = struct.Struct("<3Q")  # kind, number of frames, chunk bytes; then a u64 size and a u8 flag per frame
 _HEAD1 = struct.Struct("<4QB")  # the header of a message of one frame
-_CONNECT_FMT = struct.Struct("<6Q")  # op, request id, port, reply tag, client port, host length
+_CONNECT_FMT = struct.Struct("<8Q")  # op, request id, port, reply tag, client port, pid, host key, host length
+_REPLY_WORDS = 5  # ACCEPT/REFUSE: op, tag, port, pid, host key (u64 each)
 
 
 def parse_mpi_address(loc: str) -> tuple[str | None, int | None, int | None]:
@@ -166,6 +176,9 @@ class _Engine:
         self.channels: weakref.WeakSet[_Channel] = weakref.WeakSet()
         self.flushed = False
         self.known: dict[int, int] = {}  # every receive tag ever used -> its peer rank (drained at exit)
+        self.doorbell = doorbell.get()  # this process's, before any handshake advertises it
+        self.pid, self.bell_key = doorbell.address()
+        self.bells: dict[int, doorbell.Bell] = {}  # peer rank -> its doorbell, learned in handshakes
         atexit.register(self._flush)
 
     def _flush(self, deadline_s: float = 5.0, quiet_s: float = 0.2) -> None:
@@ -236,6 +249,18 @@ class _Engine:
                 keep.append(chan)
         self.lingering = keep
         return got
+
+    def learn_bell(self, rank: int, pid: int, key: int) -> None:
+        """Remember rank's doorbell from a handshake (only a peer on this host, with doorbells on, has one)."""
+        if rank not in self.bells:
+            bell = doorbell.Bell.open(pid, key)
+            if bell is not None:
+                self.bells[rank] = bell
+
+    def ring(self, rank: int) -> None:
+        bell = self.bells.get(rank)
+        if bell is not None:
+            bell.ring()
 
     def new_tag(self) -> int:
         with self.lock:
@@ -317,7 +342,7 @@ class _Engine:
                 del self.dispatchers[loop]
 
     def _handle_control(self, source: int, data: np.ndarray) -> None:
-        op, req_id, port, reply_tag, client_port, hlen = _CONNECT_FMT.unpack_from(data, 0)
+        op, req_id, port, reply_tag, client_port, pid, key, hlen = _CONNECT_FMT.unpack_from(data, 0)
         if op == _CANCEL:
             comm = self.accepted.pop((source, req_id), None)
             if comm is not None:
@@ -327,13 +352,18 @@ class _Engine:
         if op != _CONNECT:
             raise ValueError(f"unknown control op {op}")
         host = bytes(data[_CONNECT_FMT.size:_CONNECT_FMT.size + hlen]).decode() or None
+        self.learn_bell(source, pid, key)
         with self.lock:
             listener = self.listeners.get(port)
         if listener is None:
-            self.keep([self.comm.isend(np.array([_REFUSE, 0, 0, 0], np.uint64), source, reply_tag)])
+            self.keep([self.comm.isend(np.array([_REFUSE, 0, 0, self.pid, self.bell_key], np.uint64), source,
+                                       reply_tag)])
+            self.ring(source)
             return
         tag = self.new_tag()
-        self.keep([self.comm.isend(np.array([_ACCEPT, tag, port, 0], np.uint64), source, reply_tag)])
+        self.keep([self.comm.isend(np.array([_ACCEPT, tag, port, self.pid, self.bell_key], np.uint64), source,
+                                   reply_tag)])
+        self.ring(source)
         comm = MPIComm(
             _Channel(self, source, send_tag=reply_tag, recv_tag=tag),
             local_addr=listener.contact_address,
@@ -360,9 +390,14 @@ def engine() -> _Engine:
 
 
 class _ControlProbe:
-    """Pollable: the next message on this rank's control tag, as ``(source, bytes array)``."""
+    """Pollable: the next message on this rank's control tag, as ``(source, bytes array)``.
+
+    Counts as rung (``bell``): connectors on this host that know this rank's doorbell ring it, and the first
+    connection from a rank (or one from another host) waits at most the poller's timer, 2 ms, once.
+    """
 
     __slots__ = ("eng",)
+    bell = True
 
     def __init__(self, eng: _Engine):
         self.eng = eng
@@ -407,21 +442,22 @@ class _SendProgress:
     sender to make progress while the receiver pulls them). Submitting it keeps the poller testing them at
     spin speed until they complete, instead of at its backed-off rate; nobody awaits its future."""
 
-    __slots__ = ("reqs",)
+    __slots__ = ("reqs", "bell")
 
-    def __init__(self, reqs: list[Request]):
+    def __init__(self, reqs: list[Request], bell: bool):
         self.reqs = reqs
+        self.bell = bell  # the receiver rings when it has received them (see _ReadOp.poll)
 
     def poll(self) -> tuple[bool, Any]:
         self.reqs = [r for r in self.reqs if not r.test()]
         return not self.reqs, None
 
 
-def _drive(reqs: list[Request]) -> None:
+def _drive(reqs: list[Request], bell: bool) -> None:
     pending = [r for r in reqs if not r.test()]
     p = _poller()
     if pending:
-        p.submit(_SendProgress(pending)).add_done_callback(_ignore_result)
+        p.submit(_SendProgress(pending, bell)).add_done_callback(_ignore_result)
     elif p.pending:
         p.nudge()  # a reply is usually on its way: reads waiting on this loop test at spin speed again
 
@@ -438,7 +474,7 @@ class _Channel:
     """
 
     __slots__ = ("eng", "peer", "send_tag", "recv_tag", "n_sent", "n_recv", "peer_total", "peer_aborted",
-                 "closed", "sends", "prune_at", "__weakref__")
+                 "closed", "sends", "prune_at", "bell", "__weakref__")
 
     def __init__(self, eng: _Engine, peer: int, *, send_tag: int, recv_tag: int):
         self.eng = eng
@@ -452,6 +488,7 @@ class _Channel:
         self.closed = False
         self.sends: list[Request] = []
         self.prune_at = 16
+        self.bell = eng.bells.get(peer)  # the peer's doorbell: rung after every message posted to it
         eng.channels.add(self)
         eng.known[recv_tag] = peer
 
@@ -472,6 +509,8 @@ class _Channel:
         self.closed = True
         try:
             self.isend(np.array([_CLOSE, self.n_sent, int(abort)], np.uint64), self.send_tag + 1)
+            if self.bell is not None:
+                self.bell.ring()
         except Exception:  # noqa: BLE001 - closing must not raise (MPI may be finalised at exit)
             logger.debug("could not send CLOSE to rank %d", self.peer, exc_info=True)
         if self.peer_total is None or self.n_recv < self.peer_total:
@@ -500,7 +539,7 @@ def _finalize_channel(chan: _Channel) -> None:
 class _ReadOp:
     """Pollable for one ``read``: header, then the separate frames; result is the frame list."""
 
-    __slots__ = ("comm", "chan", "frames", "reqs", "head", "head_req", "misses")
+    __slots__ = ("comm", "chan", "frames", "reqs", "head", "head_req", "misses", "pulled")
 
     def __init__(self, comm: "MPIComm"):
         self.comm = comm
@@ -510,6 +549,20 @@ class _ReadOp:
         self.reqs: list[Request] = []
         self.head: np.ndarray | None = None
         self.head_req: Request | None = None
+        self.pulled = False  # a part came by non-blocking receive: its sender waits for it to complete
+
+    @property
+    def bell(self) -> bool:
+        """Rung: waiting for the next message from a peer that rings this process (not while a large one is
+        being received, which the poller drives at spin speed).
+
+        The poller asks this right before it sleeps and then tests once more: that test also probes the close
+        tag (misses restart at 0), so a CLOSE that rang this process is seen before it sleeps again.
+        """
+        if self.chan.bell is None or self.reqs or self.head_req is not None:
+            return False
+        self.misses = 0
+        return True
 
     def poll(self) -> tuple[bool, Any]:
         chan = self.chan
@@ -534,6 +587,7 @@ class _ReadOp:
                 else:
                     # A large header may need the sender's progress to arrive: never block the loop on it.
                     self.head_req = m.irecv(self.head)
+                    self.pulled = True
             if self.head_req is not None:
                 if not self.head_req.test():
                     return False, None
@@ -545,6 +599,8 @@ class _ReadOp:
             reqs.pop()
         if reqs:
             return False, None
+        if self.pulled and chan.bell is not None:
+            chan.bell.ring()  # the sender's _SendProgress waits for these receives to complete
         return True, self.frames
 
     def _start(self, buf: np.ndarray) -> None:
@@ -578,6 +634,7 @@ class _ReadOp:
                 self.reqs.append(comm.irecv(target[lo:lo + chunk], chan.peer, chan.recv_tag))
                 chan.n_recv += 1
         self.reqs.reverse()
+        self.pulled = self.pulled or bool(self.reqs)
         self.frames = frames
 
 
@@ -714,7 +771,10 @@ class MPIComm(Comm):
         except BaseException:
             self.abort()
             raise
-        _drive(reqs)
+        bell = chan.bell
+        if bell is not None:
+            bell.ring()
+        _drive(reqs, bell is not None)
         self._last_write = time.perf_counter()
         return n
 
@@ -821,6 +881,19 @@ class MPIComm(Comm):
         return {"rank": self._chan.eng.rank, "peer_rank": self._chan.peer}
 
 
+class _Reply:
+    """Pollable: the target's answer to a CONNECT (it rings this process once it has sent it)."""
+
+    __slots__ = ("req",)
+    bell = True
+
+    def __init__(self, req: Request):
+        self.req = req
+
+    def poll(self) -> tuple[bool, Any]:
+        return self.req.test(), None
+
+
 class MPIConnector(Connector):
     """Opens ``mpi://`` connections: the whole set-up is a CONNECT on the target rank's control tag."""
 
@@ -837,18 +910,23 @@ class MPIConnector(Connector):
         eng.known[tag] = rank
         my_port = eng.new_port()
         req_id = eng.new_request_id()
-        reply = np.zeros(4, np.uint64)
+        reply = np.zeros(_REPLY_WORDS, np.uint64)
         wait = eng.comm.irecv(reply, rank, tag)
         hb = eng.host.encode()
-        msg = np.frombuffer(_CONNECT_FMT.pack(_CONNECT, req_id, port, tag, my_port, len(hb)) + hb, np.uint8)
+        msg = np.frombuffer(_CONNECT_FMT.pack(_CONNECT, req_id, port, tag, my_port, eng.pid, eng.bell_key, len(hb))
+                            + hb, np.uint8)
         eng.keep([eng.comm.isend(msg, rank, CTRL_TAG)])
+        eng.ring(rank)
         try:
-            await wait
+            await _poller().submit(_Reply(wait))
         except BaseException:
-            cancel = np.frombuffer(_CONNECT_FMT.pack(_CANCEL, req_id, port, tag, my_port, 0), np.uint8)
+            cancel = np.frombuffer(_CONNECT_FMT.pack(_CANCEL, req_id, port, tag, my_port, eng.pid, eng.bell_key, 0),
+                                   np.uint8)
             eng.keep([eng.comm.isend(cancel, rank, CTRL_TAG), wait])
+            eng.ring(rank)
             raise
         op, peer_tag = int(reply[0]), int(reply[1])
+        eng.learn_bell(rank, int(reply[3]), int(reply[4]))
         if op != _ACCEPT:
             raise ConnectionRefusedError(f"mpi://{address}: no listener on port {port} of rank {rank}")
         chan = _Channel(eng, rank, send_tag=peer_tag, recv_tag=tag)

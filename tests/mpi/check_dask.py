@@ -177,5 +177,52 @@ def check_inline_spin_backs_off(comm):
     comm.iallreduce(np.zeros(1)).wait()  # sleeps while it waits (a blocking collective would spin)
 
 
+def check_doorbell_wakes_sleeping_reader(comm):
+    """Rank r pings rank r+1 while every poller's timer is set to 60 s: each reply can only arrive because
+    the writer rang the reader's doorbell (a lost ring would hang the check into its timeout). Channels
+    between ranks of this host know each other's bell; rings were drained where pollers slept."""
+    from loom.comm import doorbell, poller
+
+    assert doorbell.current() is not None, "the mpi:// engine creates this process's doorbell"
+    before = B.set_spin(poll_us=0, inline_us=0)
+
+    async def main():
+        p = poller()
+        cap = p.backoff.max_sleep_s
+        p.backoff.max_sleep_s = 60.0
+        done = asyncio.Event()
+
+        async def echo(c):
+            try:
+                while True:
+                    msg = await c.read()
+                    await asyncio.sleep(0.002)  # the client's poller is asleep by now
+                    await c.write(msg)
+            except CommClosedError:
+                done.set()
+
+        listener = await listen("mpi://", echo)
+        addresses = comm.allgather_object(listener.contact_address)
+        try:
+            c = await connect(addresses[(comm.rank + 1) % comm.size], timeout=30)
+            assert c._chan.bell is not None, "a peer on this host has a doorbell"
+            for i in range(20):
+                await c.write({"i": i, "x": to_serialize(np.full(100_000, i, np.float64))})
+                reply = await c.read()
+                assert reply["i"] == i and np.array_equal(reply["x"], np.full(100_000, i, np.float64))
+            await c.close()
+            await asyncio.wait_for(done.wait(), 30)
+        finally:
+            p.backoff.max_sleep_s = cap
+        listener.stop()
+
+    try:
+        _run(main())
+    finally:
+        B.set_spin(poll_us=before[0], inline_us=before[1])
+    assert doorbell.current().rings > 0, "no ring reached this process"
+    comm.iallreduce(np.zeros(1)).wait()
+
+
 if __name__ == "__main__":
     mpi_checks(globals())

@@ -162,6 +162,36 @@ class Communicator:
         self._count("send", x.nbytes)
         return Request([req], keep=x, what=("isend to", dest, self.name))
 
+    def isend_eager(self, buf: "bytes | np.ndarray", dest: int, tag: int = 0) -> "Request | None":
+        """Post a send of ``bytes`` or a contiguous uint8 numpy array and test it once: ``None`` when it already
+        completed (MPI copied a small message out eagerly; the usual case), else the pending :class:`Request`.
+
+        The cheapest send loom has (no request object when none is needed): for the Dask backend's small
+        messages, whose latency is mostly Python.
+        """
+        req = self.mpi.Isend([buf, _BYTE], dest, tag)
+        d = self.bytes_sent
+        d["send"] = d.get("send", 0) + len(buf)
+        if req.Test():
+            return None
+        return Request([req], keep=buf, what=("isend to", dest, self.name))
+
+    def try_recv(self, source: int, tag: int, limit: int) -> "np.ndarray | Message | None":
+        """Match the next message from ``source`` on ``tag`` (``MPI_Improbe``) without blocking: ``None`` when
+        none is waiting; a new uint8 array holding it when it is at most ``limit`` bytes (received at once,
+        ``MPI_Mrecv``: such a message travelled eagerly); else the :class:`Message`, to receive with ``irecv``.
+        """
+        status = MPI.Status()
+        msg = self.mpi.Improbe(source, tag, status)
+        if msg is None:
+            return None
+        n = status.Get_count(MPI.BYTE)
+        if n <= limit:
+            out = np.empty(n, np.uint8)
+            msg.Recv([out, _BYTE])
+            return out
+        return Message(msg, status.Get_source(), status.Get_tag(), n, self.name)
+
     def irecv(self, out: _b.Buffer, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Request:
         """Non-blocking receive into ``out``; ``request.wait()`` returns ``out``."""
         tmp = _b.recv_target(out)

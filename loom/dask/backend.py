@@ -65,7 +65,10 @@ from typing import Any
 import numpy as np
 from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
 from distributed.comm.registry import Backend
+import msgpack as _msgpack
 from distributed import protocol
+from distributed.protocol.serialize import msgpack_decode_default
+from distributed.protocol.utils import msgpack_opts
 from distributed.comm.utils import OFFLOAD_THRESHOLD as _OFFLOAD
 from distributed.comm.utils import from_frames, to_frames
 from distributed.sizeof import safe_sizeof
@@ -570,7 +573,7 @@ class _ReadOp:
             raise CommClosedError(f"{self.comm!r} was closed while reading")
         if self.frames is None:
             if self.head_req is None:
-                m = chan.eng.comm.improbe(chan.peer, chan.recv_tag)
+                m = chan.eng.comm.try_recv(chan.peer, chan.recv_tag, EAGER_HEADER)
                 if m is None:
                     # The close tag is probed on the first miss and every 8th after it: a waiting read then
                     # costs one probe per test, not two, and a close is still seen within 8 tests.
@@ -580,11 +583,11 @@ class _ReadOp:
                         why = "aborted" if chan.peer_aborted else "closed"
                         raise CommClosedError(f"{self.comm!r}: the peer {why} the connection")
                     return False, None
-                self.head = np.empty(m.nbytes, np.uint8)
                 chan.n_recv += 1
-                if m.nbytes <= EAGER_HEADER:
-                    m.recv(self.head)  # already here: small messages travel eagerly
+                if type(m) is np.ndarray:
+                    self.head = m  # already received: small messages travel eagerly
                 else:
+                    self.head = np.empty(m.nbytes, np.uint8)
                     # A large header may need the sender's progress to arrive: never block the loop on it.
                     self.head_req = m.irecv(self.head)
                     self.pulled = True
@@ -638,6 +641,29 @@ class _ReadOp:
         self.frames = frames
 
 
+_NOT_PLAIN = object()
+
+
+def _plain_frames(msg) -> list | None:
+    """Dask's ``protocol.dumps`` for a message of msgpack's own types only, without its set-up (four closures
+    per call): the same single frame, since Dask's ``default`` hook is only called for other types. ``None``
+    for anything else (Serialize, arrays, sets, ...), which takes Dask's full path."""
+    try:
+        return [_msgpack.dumps(msg, use_bin_type=True)]
+    except Exception:  # noqa: BLE001 - a type msgpack does not know: Dask's dumps decides
+        return None
+
+
+def _plain_loads(frame):
+    """Dask's ``protocol.loads`` of a one-frame message: with no sub-frames its object hook reduces to
+    ``msgpack_decode_default`` (an ``__Serialized__``/``__Pickled__`` marker needs a second frame).
+    ``_NOT_PLAIN`` on any error, so that Dask's own loads raises (and logs) it."""
+    try:
+        return _msgpack.loads(frame, object_hook=msgpack_decode_default, use_list=False, **msgpack_opts)
+    except Exception:  # noqa: BLE001
+        return _NOT_PLAIN
+
+
 def _frame_array(frame):
     """A frame as something loom.comm can send: a uint8 numpy view, or a CUDA uint8 tensor."""
     if hasattr(frame, "__cuda_array_interface__"):
@@ -659,8 +685,11 @@ class MPIComm(Comm):
         self._peer_addr = peer_addr
         super().__init__(deserialize=deserialize)
         self._reader: _ReadOp | None = None
+        self._op: _ReadOp | None = None  # the read op, reused by every read that finds it idle
         self._loop: asyncio.AbstractEventLoop | None = None
         self._last_write = -1.0  # perf_counter() at the end of the last write (see _spin)
+        self._writes = 0
+        self._poller = None  # (loop, its poller): looked up once, not on every write
         self._spin_fail = 0
         self._spin_skip = 0
         self._remote = chan.peer != chan.eng.rank  # a peer in this process can never answer during a spin
@@ -686,7 +715,12 @@ class MPIComm(Comm):
     async def read(self, deserializers=None):
         if self._closed:
             raise CommClosedError(f"{self!r} is closed")
-        op = _ReadOp(self)
+        op = self._op
+        if op is None or op.frames is not None or op.head_req is not None or op.reqs:
+            op = self._op = _ReadOp(self)  # the last one was abandoned mid-message: a fresh one
+        else:
+            op.misses = 0
+            op.pulled = False
         self._reader = op
         self._loop = asyncio.get_running_loop()
         try:
@@ -707,6 +741,11 @@ class MPIComm(Comm):
             raise
         finally:
             self._reader = None
+        op.frames = None  # done: the next read reuses it
+        if len(frames) == 1:
+            msg = _plain_loads(frames[0])
+            if msg is not _NOT_PLAIN:
+                return msg
         if not (_OFFLOAD and self.allow_offload and self.deserialize) or sum(map(nbytes, frames)) <= _OFFLOAD:
             # Dask's from_frames without its coroutine (it too deserialises inline below the offload threshold).
             try:
@@ -745,23 +784,31 @@ class MPIComm(Comm):
         chan = self._chan
         if self._closed or chan.closed:
             raise CommClosedError(f"{self!r} is closed")
-        if chan.check_peer_close():
+        # The peer's CLOSE is probed on the first write and every 8th after it (one MPI probe saved per write):
+        # like TCP, a write may succeed after the peer closed; the next read, or a later write, raises.
+        self._writes += 1
+        if self._writes & 7 == 1 and chan.check_peer_close():
             self._mark_closed()
             raise CommClosedError(f"{self!r}: the peer closed the connection")
         if MPIComm.max_shard_size is None:
             import dask
 
             MPIComm.max_shard_size = dask.utils.parse_bytes(dask.config.get("distributed.comm.shard"))
-        context = {"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options}
-        if not (_OFFLOAD and self.allow_offload) or 0 <= safe_sizeof(msg, default_size=-1) <= _OFFLOAD:
+        size = len(msg) if type(msg) is bytes else None  # sizeof(bytes) is its len
+        if not (_OFFLOAD and self.allow_offload) or 0 <= (size if size is not None else
+                                                           safe_sizeof(msg, default_size=-1)) <= _OFFLOAD:
             # Dask's to_frames without its coroutine: it too serialises inline below the offload threshold.
-            try:
-                frames = list(protocol.dumps(msg, serializers=serializers, on_error=on_error, context=context,
-                                             frame_split_size=MPIComm.max_shard_size))
-            except Exception:
-                logger.info("Unserializable Message: %s", msg)
-                raise
+            frames = _plain_frames(msg)
+            if frames is None:
+                context = {"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options}
+                try:
+                    frames = list(protocol.dumps(msg, serializers=serializers, on_error=on_error, context=context,
+                                                 frame_split_size=MPIComm.max_shard_size))
+                except Exception:
+                    logger.info("Unserializable Message: %s", msg)
+                    raise
         else:
+            context = {"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options}
             frames = await to_frames(msg, allow_offload=self.allow_offload, serializers=serializers,
                                      on_error=on_error, context=context, frame_split_size=MPIComm.max_shard_size)
         if self._closed:
@@ -774,7 +821,15 @@ class MPIComm(Comm):
         bell = chan.bell
         if bell is not None:
             bell.ring()
-        _drive(reqs, bell is not None)
+        if reqs:
+            _drive(reqs, bell is not None)
+        else:
+            loop = asyncio.get_running_loop()
+            cached = self._poller
+            if cached is None or cached[0] is not loop:
+                cached = self._poller = (loop, _poller())
+            if cached[1].pending:
+                cached[1].nudge()  # a reply is usually on its way: reads waiting on this loop test at once
         self._last_write = time.perf_counter()
         return n
 
@@ -783,9 +838,9 @@ class MPIComm(Comm):
         n = len(frames)
         if n == 1 and type(frames[0]) is bytes and len(frames[0]) < INLINE_MAX:  # the common small message
             head = _HEAD1.pack(_DATA, 1, CHUNK_BYTES, len(frames[0]), _INLINE) + frames[0]
-            req = chan.eng.comm.isend(np.frombuffer(head, np.uint8), chan.peer, chan.send_tag)
+            req = chan.eng.comm.isend_eager(head, chan.peer, chan.send_tag)
             chan.n_sent += 1
-            if req.test():  # sent eagerly (the usual case): nothing to keep
+            if req is None:  # sent eagerly (the usual case): nothing to keep
                 return len(head), []
             chan.sends.append(req)
             chan.prune()

@@ -113,3 +113,27 @@ def test_poller_sleeps_on_a_timerfd_and_still_delivers():
         gc.collect()
         with pytest.raises(OSError):
             os.fstat(fd)
+
+
+def test_isend_eager_and_try_recv_to_self():
+    """The Dask backend's cheapest pair: an eager send (None once complete, else a Request) and a
+    non-blocking matched receive (None, a received array up to ``limit``, or a Message above it)."""
+    comm = world()
+    me = comm.rank
+    assert comm.try_recv(me, 4242, 64) is None
+    pending = [comm.isend_eager(b"hello", me, 4242), comm.isend_eager(np.arange(100, dtype=np.uint8), me, 4242)]
+    got = None
+    while got is None:
+        got = comm.try_recv(me, 4242, 64)
+    assert isinstance(got, np.ndarray) and got.tobytes() == b"hello"
+    m = None
+    while m is None:
+        m = comm.try_recv(me, 4242, 64)
+    assert not isinstance(m, np.ndarray) and m.nbytes == 100
+    out = np.empty(100, np.uint8)
+    m.irecv(out).wait()
+    assert np.array_equal(out, np.arange(100, dtype=np.uint8))
+    for r in pending:
+        if r is not None:  # a send to self completes once received
+            r.wait(timeout=10)
+            assert r.done

@@ -236,3 +236,21 @@ def test_no_inline_spin_towards_this_process():
 def test_set_spin_rejects_bad_values():
     with pytest.raises(ValueError, match="inline_us=-1 must be between 0 and 1e6"):
         B.set_spin(inline_us=-1)
+
+
+def test_plain_message_fast_paths_match_dask_protocol():
+    """write/read skip Dask's protocol set-up for messages of msgpack's own types; the frames and the decoded
+    messages must be exactly Dask's, and anything else (Serialize, sets, arrays) must take Dask's path."""
+    from distributed import protocol
+    from distributed.protocol import to_serialize
+
+    plain = [b"x", b"", "text", 7, -2**63, 2.5, None, True, [1, (2, 3)], {"op": "compute", "keys": ["a", ("b", 1)],
+             "nested": {"x": [b"\0" * 100, {"y": None}]}}, {1: "int key"}, ("tuple", b"bytes")]
+    for msg in plain:
+        frames = B._plain_frames(msg)
+        assert frames == protocol.dumps(msg), msg
+        assert B._plain_loads(frames[0]) == protocol.loads(frames), msg
+    for msg in [{1, 2}, {"x": to_serialize(np.arange(3))}, np.arange(3), {"s": frozenset([1])}]:
+        assert B._plain_frames(msg) is None, msg
+    assert B._plain_loads(protocol.dumps({"s": {1, 2}})[0]) == {"s": {1, 2}}  # Dask's own decode hook
+    assert B._plain_loads(b"\xc1") is B._NOT_PLAIN  # malformed: Dask's loads raises it

@@ -176,9 +176,9 @@ class Communicator:
             return None
         return Request([req], keep=buf, what=("isend to", dest, self.name))
 
-    def try_recv(self, source: int, tag: int, limit: int) -> "np.ndarray | Message | None":
+    def try_recv(self, source: int, tag: int, limit: int) -> "bytearray | Message | None":
         """Match the next message from ``source`` on ``tag`` (``MPI_Improbe``) without blocking: ``None`` when
-        none is waiting; a new uint8 array holding it when it is at most ``limit`` bytes (received at once,
+        none is waiting; a new ``bytearray`` holding it when it is at most ``limit`` bytes (received at once,
         ``MPI_Mrecv``: such a message travelled eagerly); else the :class:`Message`, to receive with ``irecv``.
         """
         status = MPI.Status()
@@ -187,7 +187,7 @@ class Communicator:
             return None
         n = status.Get_count(MPI.BYTE)
         if n <= limit:
-            out = np.empty(n, np.uint8)
+            out = bytearray(n)  # cheaper to make and to index than a small numpy array
             msg.Recv([out, _BYTE])
             return out
         return Message(msg, status.Get_source(), status.Get_tag(), n, self.name)

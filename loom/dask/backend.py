@@ -584,7 +584,7 @@ class _ReadOp:
                         raise CommClosedError(f"{self.comm!r}: the peer {why} the connection")
                     return False, None
                 chan.n_recv += 1
-                if type(m) is np.ndarray:
+                if type(m) is bytearray:
                     self.head = m  # already received: small messages travel eagerly
                 else:
                     self.head = np.empty(m.nbytes, np.uint8)

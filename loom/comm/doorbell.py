@@ -37,6 +37,8 @@ import socket
 import sys
 import threading
 
+from .launch import pid_alive
+
 __all__ = ["Doorbell", "Bell", "get", "current", "address", "host_key", "fence"]
 
 _DIR = "/dev/shm"
@@ -86,16 +88,6 @@ def _flag_path(key: int, pid: int) -> str:
     return os.path.join(_DIR, f"loom-bell.{key:016x}.{pid}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class Doorbell:
     """This process's doorbell: the socket its pollers watch and the flag that says they sleep."""
 
@@ -130,7 +122,7 @@ class Doorbell:
                 pid = int(path.rsplit(".", 1)[1])
             except ValueError:
                 continue
-            if pid != self.pid and not _pid_alive(pid):
+            if pid != self.pid and not pid_alive(pid):
                 try:
                     os.unlink(path)
                 except OSError:

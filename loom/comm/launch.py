@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
-__all__ = ["mpiexec", "mpiexec_argv", "run", "is_openmpi"]
+__all__ = ["mpiexec", "mpiexec_argv", "run", "is_openmpi", "pid_alive"]
 
 
 def mpiexec() -> str:
@@ -82,3 +82,14 @@ def run(
         out, err = proc.communicate()
         raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists (``kill(pid, 0)``; a process of another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

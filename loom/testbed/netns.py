@@ -135,16 +135,6 @@ def _netns_list() -> list[str]:
     return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _owner(name: str) -> int | None:
     try:
         return int(name[len(NAME_PREFIX):].split("-", 1)[0])
@@ -192,7 +182,7 @@ def _delete_netns(names: Sequence[str]) -> list[str]:
 def clean(*, all_owners: bool = False) -> list[str]:
     """Remove namespaces left behind by testbeds whose owner process is gone (or every testbed's with
     ``all_owners``); kills the processes still inside them. Returns the names removed."""
-    names = [n for n in leftovers() if all_owners or not _pid_alive(_owner(n) or -1)]
+    names = [n for n in leftovers() if all_owners or not _launch.pid_alive(_owner(n) or -1)]
     _kill_netns_pids(names)
     errors = _delete_netns(names)
     if errors:

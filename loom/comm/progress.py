@@ -302,8 +302,9 @@ class Poller:
             if delay == 0.0:
                 await asyncio.sleep(0)
                 continue
-            # Every pending item's sender rings this process's doorbell: sleep until rung (the timer, at the
-            # back-off cap, only covers a ring lost to a message MPI held back in its sender's queue).
+            # Every pending item's sender rings this process's doorbell: sleep until rung. The timer, at the
+            # back-off cap, is the fallback for a ring that never comes (a peer that cannot ring us, another
+            # loop of this process draining the ring first).
             bell = self._doorbell()
             if bell is not None and all(getattr(item, "bell", False) for item in self._pending):
                 bell.sleeping()

@@ -22,7 +22,7 @@ lasted 1 ms, so a rank past its spin noticed a message up to a millisecond late.
 
 Where this process has a doorbell (:mod:`loom.comm.doorbell`) and every pending item says its sender rings it
 (``item.bell`` true, e.g. the Dask backend's reads from a peer on this host), the poller skips the fine back-off:
-it raises the doorbell's sleep flag, tests everything once more, and sleeps until rung, its timer at the
+it raises the doorbell's sleep flag, tests everything twice more, and sleeps until rung, its timer at the
 back-off cap (2 ms) as the fallback. Items without ``bell`` keep the back-off above.
 """
 
@@ -309,7 +309,10 @@ class Poller:
             if bell is not None and all(getattr(item, "bell", False) for item in self._pending):
                 bell.sleeping()
                 try:
-                    if self._poll_pass():  # the last test after raising the flag: no lost wake-up
+                    # The last tests after raising the flag: no lost wake-up. Two passes, because MPI's
+                    # non-blocking probe matches before it progresses: a message that reached this process's
+                    # shared memory is seen by the second probe, not the first (measured: always the second).
+                    if self._poll_pass() or self._poll_pass():
                         self.backoff.reset()
                         continue
                     if not self._pending:

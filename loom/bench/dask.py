@@ -9,7 +9,8 @@ Plan (one invocation; relaunches itself on ``--np`` ranks, default 4, when start
    object (inside Dask's msgpack frame); larger ones a numpy buffer behind ``to_serialize`` (its own frame,
    zero-copy), as Dask sends task data. Latency is half the round trip; bandwidth is size / latency.
 3. **Applications** on 1 scheduler (rank 0) + 1 client (rank 1) + workers (ranks 2..), ``--cycles`` clusters
-   per transport, started in ``--order`` cycle after cycle, each application's best cluster kept: ``(x + x.T).sum()`` of a persisted random numpy-backed dask array (``--array``
+   per transport, started in ``--order`` cycle after cycle, each application's best cluster kept:
+   ``(x + x.T).sum()`` of a persisted random numpy-backed dask array (``--array``
    square in ``--chunk`` blocks), a dataframe merge of two persisted pandas-backed frames (``--rows`` rows
    each, ``--partitions`` partitions, ~``rows/4`` distinct keys) and ``--tasks`` tiny tasks (the scheduler's
    per-task cost); best of ``--app-rounds`` wall times, each round from a scheduler that forgot the last.
@@ -61,8 +62,7 @@ def _parser():
                         "the first already warmed up): mpi,tcp (default) or tcp,mpi")
     p.add_argument("--cycles", type=int, default=2,
                    help="clusters per transport, run in --order cycle after cycle; each application's best over "
-                        "them is kept (the first cluster in a process runs cold: a merge took 0.72 s on whichever "
-                        "transport came first and 0.54 s on the second, in either order)")
+                        "them is kept (the first cluster in a process runs cold, whichever transport it uses)")
     p.add_argument("--skip-comm", action="store_true", help="only the applications")
     p.add_argument("--skip-apps", action="store_true", help="only the comm ping-pong")
     return p

@@ -13,11 +13,13 @@ Plan (one doorbell per process, created by the first user that can be rung, e.g.
 - **Sleep flag.** A 64-byte file ``/dev/shm/loom-bell.<host key>.<pid>``, mapped by the owner and by every peer
   that may ring it. Its first byte counts the owner's pollers asleep. A sender reads it (a memory load) and rings
   only when it is non-zero, so a message to a busy or spinning process costs no system call.
-- **No lost wake-up.** A poller raises the flag, passes a full memory barrier, tests every pending item once
-  more, and only then sleeps; a sender posts its MPI message, passes a barrier, then reads the flag. Either the
-  sender sees the flag or the poller's last test sees the message (Dekker's argument). A message MPI holds back
-  in the sender's own queue is missed by both, so the poller keeps its timer armed (its back-off cap, 2 ms): a
-  missed ring costs latency, never a hang.
+- **No lost wake-up.** A poller raises the flag, passes a full memory barrier, tests every pending item twice
+  more (MPI's non-blocking probe matches before it progresses, so a message already in shared memory is seen
+  by the second probe), and only then sleeps; a sender posts its MPI message, passes a barrier, then reads the
+  flag. Either the sender sees the flag or the poller's last tests see the message (Dekker's argument). The
+  poller still keeps its timer armed (its back-off cap, 2 ms) for rings that never come: a busy merge showed
+  1-2 % of such sleeps ended by the timer with a message waiting, cause not yet known. A missed ring costs
+  latency, never a hang.
 - **Who may ring whom.** A peer learns this process's :func:`address` ``(pid, host key)`` in-band (the Dask
   backend's connection handshake) and opens a :class:`Bell` only when the host key equals its own: the same
   boot and the same network, mount and pid namespaces, so the socket name, /dev/shm and the pid mean the same
@@ -147,9 +149,7 @@ class Doorbell:
         while True:
             try:
                 recv(64)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
+            except OSError:  # BlockingIOError: drained
                 break
             n += 1
         self.rings += n

@@ -34,9 +34,9 @@ MPICH and Open MPI allow tags up to at least ``2**29 - 1``):
    latency; a comm whose replies keep missing that window stops trying (see :meth:`MPIComm._spin`).
    **Doorbells** (:mod:`loom.comm.doorbell`): the handshake carries each side's pid and host key, and a writer
    to a peer on this host rings the peer's doorbell after posting a message (a memory load, plus one datagram
-   only when the peer's poller sleeps). Reads from such peers therefore sleep until rung instead of backing
-   off, and an oversubscribed rank does not spin at all: idle ranks cost no CPU and wake within microseconds.
-   A reader that pulled a large message rings its sender, whose pending sends then complete.
+   only when the peer's poller sleeps). Reads from such peers therefore sleep until rung (a 2 ms timer stays
+   as the fallback) instead of backing off, and an oversubscribed rank does not spin at all. A write whose
+   sends are still in flight keeps its sender on the timer back-off: only the sender's tests complete them.
 4. **Close reaches the peer.** ``close()``/``abort()`` send ``CLOSE(messages sent, abort)`` on the peer's
    ``u + 1``. A reader drains what was sent before the close, then raises ``CommClosedError``; pending and
    later reads on the closing side raise at once; after that ``closed()`` is true on both ends.
@@ -104,7 +104,7 @@ INLINE_MAX = 64 * 1024
 #: Only where this node has a core per rank (``MPI_LOCALNRANKS`` <= cores): on an oversubscribed node a spinning
 #: rank steals the CPU its peers need, and loom.comm's own 200 us spin is kept.
 #: With doorbells (loom.comm.doorbell) an oversubscribed rank does not spin at all: a sender on this host rings
-#: it awake within a few microseconds, and every spinning microsecond is taken from a peer's computation.
+#: it awake, and every spinning microsecond is taken from a peer's computation.
 _OVERSUBSCRIBED = int(os.environ.get("MPI_LOCALNRANKS", "1")) > (os.cpu_count() or 1)
 _SPIN_DEFAULT = "1000" if not _OVERSUBSCRIBED else ("0" if os.environ.get("LOOM_DOORBELL", "1") != "0" else "200")
 SPIN_S = float(os.environ.get("LOOM_DASK_SPIN_US", _SPIN_DEFAULT)) * 1e-6
@@ -445,33 +445,17 @@ class _SendProgress:
     sender to make progress while the receiver pulls them). Submitting it keeps the poller testing them at
     spin speed until they complete, instead of at its backed-off rate; nobody awaits its future.
 
-    Never counts as rung (no ``bell`` attribute): only this process's own tests move a send that MPI held back
-    (MPICH queues a small message locally while the receiver's shared-memory cells are full). The peer was
-    rung when the message was posted, possibly before it was visible to it, so the peer is rung again whenever
-    some of these sends complete: otherwise it would sleep on its timer (seen: ~300 reads per 6 merges that
-    only the 2 ms timer completed, on the scheduler)."""
+    Never counts as rung (no ``bell`` attribute): nobody rings a sender when its sends complete, and only
+    its own tests may move them, so while it is pending the poller keeps its timer back-off."""
 
-    __slots__ = ("reqs", "ring")
+    __slots__ = ("reqs",)
 
-    def __init__(self, reqs: list[Request], ring: "doorbell.Bell | None"):
+    def __init__(self, reqs: list[Request]):
         self.reqs = reqs
-        self.ring = ring
 
     def poll(self) -> tuple[bool, Any]:
-        n = len(self.reqs)
         self.reqs = [r for r in self.reqs if not r.test()]
-        if len(self.reqs) < n and self.ring is not None:
-            self.ring.ring()
         return not self.reqs, None
-
-
-def _drive(reqs: list[Request], ring: "doorbell.Bell | None") -> None:
-    pending = [r for r in reqs if not r.test()]
-    p = _poller()
-    if pending:
-        p.submit(_SendProgress(pending, ring)).add_done_callback(_ignore_result)
-    elif p.pending:
-        p.nudge()  # a reply is usually on its way: reads waiting on this loop test at spin speed again
 
 
 def _ignore_result(fut: asyncio.Future) -> None:
@@ -551,7 +535,7 @@ def _finalize_channel(chan: _Channel) -> None:
 class _ReadOp:
     """Pollable for one ``read``: header, then the separate frames; result is the frame list."""
 
-    __slots__ = ("comm", "chan", "frames", "reqs", "head", "head_req", "misses", "pulled")
+    __slots__ = ("comm", "chan", "frames", "reqs", "head", "head_req", "misses")
 
     def __init__(self, comm: "MPIComm"):
         self.comm = comm
@@ -561,14 +545,13 @@ class _ReadOp:
         self.reqs: list[Request] = []
         self.head: np.ndarray | None = None
         self.head_req: Request | None = None
-        self.pulled = False  # a part came by non-blocking receive: its sender waits for it to complete
 
     @property
     def bell(self) -> bool:
         """Rung: waiting for the next message from a peer that rings this process (not while a large one is
         being received, which the poller drives at spin speed).
 
-        The poller asks this right before it sleeps and then tests once more: that test also probes the close
+        The poller asks this right before it sleeps and then tests twice more: the first also probes the close
         tag (misses restart at 0), so a CLOSE that rang this process is seen before it sleeps again.
         """
         if self.chan.bell is None or self.reqs or self.head_req is not None:
@@ -599,7 +582,6 @@ class _ReadOp:
                     self.head = np.empty(m.nbytes, np.uint8)
                     # A large header may need the sender's progress to arrive: never block the loop on it.
                     self.head_req = m.irecv(self.head)
-                    self.pulled = True
             if self.head_req is not None:
                 if not self.head_req.test():
                     return False, None
@@ -611,8 +593,6 @@ class _ReadOp:
             reqs.pop()
         if reqs:
             return False, None
-        if self.pulled and chan.bell is not None:
-            chan.bell.ring()  # the sender's _SendProgress waits for these receives to complete
         return True, self.frames
 
     def _start(self, buf: np.ndarray) -> None:
@@ -646,7 +626,6 @@ class _ReadOp:
                 self.reqs.append(comm.irecv(target[lo:lo + chunk], chan.peer, chan.recv_tag))
                 chan.n_recv += 1
         self.reqs.reverse()
-        self.pulled = self.pulled or bool(self.reqs)
         self.frames = frames
 
 
@@ -729,7 +708,6 @@ class MPIComm(Comm):
             op = self._op = _ReadOp(self)  # the last one was abandoned mid-message: a fresh one
         else:
             op.misses = 0
-            op.pulled = False
         self._reader = op
         self._loop = asyncio.get_running_loop()
         try:
@@ -830,15 +808,15 @@ class MPIComm(Comm):
         bell = chan.bell
         if bell is not None:
             bell.ring()
-        if reqs:
-            _drive(reqs, bell)
-        else:
-            loop = asyncio.get_running_loop()
-            cached = self._poller
-            if cached is None or cached[0] is not loop:
-                cached = self._poller = (loop, _poller())
-            if cached[1].pending:
-                cached[1].nudge()  # a reply is usually on its way: reads waiting on this loop test at once
+        loop = asyncio.get_running_loop()
+        cached = self._poller
+        if cached is None or cached[0] is not loop:
+            cached = self._poller = (loop, _poller())
+        pending = [r for r in reqs if not r.test()] if reqs else reqs
+        if pending:
+            cached[1].submit(_SendProgress(pending)).add_done_callback(_ignore_result)
+        elif cached[1].pending:
+            cached[1].nudge()  # a reply is usually on its way: reads waiting on this loop test at once
         self._last_write = time.perf_counter()
         return n
 

@@ -10,8 +10,9 @@ under the bundled ``mpiexec -n N``; inside a job (``mpiexec -n N loom ...``) the
 from __future__ import annotations
 
 import importlib
-import os
 import sys
+
+from . import settings
 
 __all__ = ["main", "COMMANDS"]
 
@@ -26,12 +27,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dask": ("loom.dask.cli", "run a Dask script over MPI (scheduler, client and workers as ranks)"),
 }
 
-# Environment variables that tell us we are already a rank of an MPI job.
-_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALRANKID", "LOOM_LAUNCHED")
-
-
 def _inside_mpi() -> bool:
-    return any(v in os.environ for v in _MPI_ENV)
+    """Whether this process is already a rank of an MPI job (a launcher's variables, or loom's own mark)."""
+    return settings.launch_info() is not None or settings.get("launched")
 
 
 def pop_ranks(argv: list[str]) -> tuple[int | None, list[str]]:

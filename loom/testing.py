@@ -26,6 +26,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping
 
+from . import settings
 from .comm import launch
 
 __all__ = ["run_ranks", "mpi_checks", "seeded", "assert_all_checks_passed"]
@@ -83,7 +84,7 @@ def mpi_checks(namespace: Mapping[str, Any], *, prefix: str = "check_") -> None:
 
     torch.set_num_threads(1)
     comm = world()
-    only = {s for s in os.environ.get("LOOM_ONLY", "").split(",") if s}
+    only = set(settings.get("only"))
     checks: list[tuple[str, Callable]] = [
         (k, v) for k, v in namespace.items() if k.startswith(prefix) and callable(v) and (not only or k in only)
     ]

@@ -19,12 +19,13 @@ Traps this module exists for (each measured with mpi4py 4.1 + MPICH 5.0 and test
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 import torch
 from mpi4py import MPI
+
+from .. import settings
 
 __all__ = [
     "Buffer",
@@ -77,9 +78,9 @@ _UPCAST = {torch.float16, torch.bfloat16, np.dtype(np.float16)}
 
 
 def _detect_cuda_aware() -> bool:
-    env = os.environ.get("LOOM_CUDA_AWARE")
+    env = settings.get("cuda_aware")
     if env is not None:
-        return env.strip().lower() in {"1", "true", "yes", "on"}
+        return env
     query = getattr(MPI, "Query_cuda_support", None)
     if query is None:
         return False

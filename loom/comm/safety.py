@@ -19,7 +19,6 @@ nothing.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ from typing import Any, Callable
 from mpi4py import MPI
 
 from .errors import CollectiveMismatchError
+from .. import settings
 
 __all__ = ["install", "configure", "check_enabled", "watchdog_timeout"]
 
@@ -36,23 +36,6 @@ _INSTALLED = False
 _CHECK = False
 _TIMEOUT: float | None = None
 _ORIGINALS: dict[str, Callable] = {}
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def _env_timeout() -> float | None:
-    raw = os.environ.get("LOOM_TIMEOUT", "").strip()
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"LOOM_TIMEOUT={raw!r} is not a number of seconds; set e.g. LOOM_TIMEOUT=60") from None
-    if value <= 0:
-        raise ValueError(f"LOOM_TIMEOUT={raw!r} must be > 0 seconds (unset it to disable the watchdog)")
-    return value
 
 
 def _abort_hook(exc_type, exc, tb) -> None:
@@ -73,7 +56,7 @@ def install() -> None:
     _INSTALLED = True
     if MPI.COMM_WORLD.Get_size() > 1:
         sys.excepthook = _abort_hook
-    configure(check=_env_flag("LOOM_CHECK"), timeout=_env_timeout())
+    configure(check=settings.get("check"), timeout=settings.get("timeout"))
 
 
 def check_enabled() -> bool:

@@ -62,6 +62,7 @@ import time
 import weakref
 from typing import Any
 
+import dask.config
 import numpy as np
 from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
 from distributed.comm.registry import Backend
@@ -75,6 +76,7 @@ from distributed.sizeof import safe_sizeof
 from distributed.utils import nbytes
 from distributed.utils import ensure_memoryview
 
+from loom import settings
 from loom.comm import ANY_SOURCE, Request, poller, world
 from loom.comm import doorbell
 
@@ -105,11 +107,12 @@ INLINE_MAX = 64 * 1024
 #: rank steals the CPU its peers need, and loom.comm's own 200 us spin is kept.
 #: With doorbells (loom.comm.doorbell) an oversubscribed rank does not spin at all: a sender on this host rings
 #: it awake, and every spinning microsecond is taken from a peer's computation.
-_OVERSUBSCRIBED = int(os.environ.get("MPI_LOCALNRANKS", "1")) > (os.cpu_count() or 1)
-_SPIN_DEFAULT = "1000" if not _OVERSUBSCRIBED else ("0" if os.environ.get("LOOM_DOORBELL", "1") != "0" else "200")
-SPIN_S = float(os.environ.get("LOOM_DASK_SPIN_US", _SPIN_DEFAULT)) * 1e-6
+dask.config.update_defaults(settings.dask_defaults())  # distributed.comm.mpi.* keys
+_OVERSUBSCRIBED = (getattr(settings.launch_info(), "local_size", None) or 1) > (os.cpu_count() or 1)
+_SPIN_DEFAULT = 1000 if not _OVERSUBSCRIBED else (0 if settings.get("doorbell") else 200)
+SPIN_S = settings.get("dask_spin_us", fallback=_SPIN_DEFAULT) * 1e-6
 #: how long a read right after a write on the same comm waits inline for the reply (see MPIComm._spin)
-INLINE_SPIN_S = float(os.environ.get("LOOM_DASK_INLINE_US", "0" if _OVERSUBSCRIBED else "50")) * 1e-6
+INLINE_SPIN_S = settings.get("dask_inline_us", fallback=0 if _OVERSUBSCRIBED else 50) * 1e-6
 #: header messages up to this size are received at once; larger ones by a non-blocking receive
 EAGER_HEADER = 4096
 #: frames above this many bytes are sent as several MPI messages of at most this size

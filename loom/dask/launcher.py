@@ -28,6 +28,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from .. import settings
+
 __all__ = ["initialize", "serve", "shutdown", "Roles", "WORKER_TTL"]
 
 logger = logging.getLogger(__name__)
@@ -92,7 +94,7 @@ async def _run_scheduler(comm, roles: Roles, dashboard: bool, protocol: str = "m
                          **_host_kwargs(protocol)) as scheduler:
         address = scheduler.address
         comm.bcast_object(address, SCHEDULER_RANK)
-        if os.environ.get("LOOM_DASK_VERBOSE"):
+        if settings.get("dask_verbose"):
             print(f"loom dask: scheduler at {address}; {roles.describe()}", file=sys.stderr, flush=True)
         await scheduler.finished()
 
@@ -185,7 +187,7 @@ def _announce(roles: Roles, pids: list[int]) -> None:
     entries = {str(pid): {"rank": r, "role": roles.role(r)} for r, pid in enumerate(pids)}
     line = ", ".join(f"rank {r} {roles.role(r)} (pid {pid})" for r, pid in enumerate(pids))
     print(f"loom dask: {line}", file=sys.stderr, flush=True)
-    path = os.environ.get("LOOM_DASK_ROLES")
+    path = settings.get("dask_roles")
     if path:
         import json
 

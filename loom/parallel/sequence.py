@@ -42,12 +42,12 @@ pure-torch block kernel in the accumulation dtype. No flash-attn dependency.
 from __future__ import annotations
 
 import math
-import os
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from .. import settings
 from .offload import chunk_store
 
 __all__ = [
@@ -79,9 +79,7 @@ def reset_alltoall_stats() -> None:
 
 def attention_kernel(device: torch.device) -> str:
     """``"flash"`` (the CPU SDPA flash kernel with log-sum-exp) or ``"torch"`` (pure-torch blocks)."""
-    choice = os.environ.get("LOOM_ATTN_KERNEL", "auto")
-    if choice not in ("auto", "flash", "torch"):
-        raise ValueError(f"LOOM_ATTN_KERNEL={choice!r}; valid: auto, flash, torch")
+    choice = settings.get("attn_kernel")
     if choice == "torch":
         return "torch"
     ok = device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")

@@ -52,8 +52,9 @@ pairs are the links it uses, in order.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
+
+from .. import settings
 
 __all__ = [
     "TestbedSpec",
@@ -279,7 +280,7 @@ def topology_dict(spec: TestbedSpec) -> dict:
 def current_topology() -> dict | None:
     """Inside a testbed rank: the running testbed's :func:`topology_dict` (from ``$LOOM_TESTBED_TOPOLOGY``);
     ``None`` outside a testbed. Lets a benchmark plan with the topology it actually runs on."""
-    path = os.environ.get("LOOM_TESTBED_TOPOLOGY")
+    path = settings.get("testbed_topology")
     if not path:
         return None
     with open(path) as f:

@@ -11,9 +11,9 @@ per step per mesh axis) without training; outside an MPI job it plans for the co
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from .. import settings
 from .config import Config, ConfigError, config_to_dict, load_config
 
 __all__ = ["main", "parser", "plan"]
@@ -132,7 +132,7 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
 
 
 def _error(msg: str) -> int:
-    rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
+    rank = settings.launch_rank()
     # One write per message: ranks share the launcher's stderr, and print() writes the newline separately.
     sys.stderr.write(f"loom train: error (rank {rank}): {msg}\n")
     sys.stderr.flush()
@@ -147,23 +147,21 @@ def main(argv: list[str] | None = None) -> int:
         return _error(str(exc))
     # The launcher tells each rank the job size: check the mesh before importing torch or initializing MPI,
     # so a wrong mesh fails fast and identically on every rank.
-    size = None
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
-        if os.environ.get(var, "").isdigit():
-            size = int(os.environ[var])
+    info = settings.launch_info()
+    size = None if info is None else info.size
     try:
         if size is not None:
             cfg.validate_world(size)
     except ConfigError as exc:
         return _error(str(exc))
     if args.dry_run:
-        if os.environ.get("PMI_RANK", "0") == "0" and os.environ.get("OMPI_COMM_WORLD_RANK", "0") == "0":
+        if settings.launch_rank() == 0:
             print(plan(cfg, size))
         return 0
 
     import torch
 
-    torch.set_num_threads(int(os.environ.get("LOOM_THREADS", "1")))
+    torch.set_num_threads(settings.get("threads"))
     from ..comm import world
     from .trainer import Trainer
 

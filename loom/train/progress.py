@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
+from .. import settings
+
 __all__ = ["Display", "MetricsLog", "write_plots", "fmt_bytes"]
 
 
@@ -58,8 +60,8 @@ class Display:
     def __init__(self, mode: str, total: int, start: int, title: str = "train"):
         width = None
         if mode == "auto":
-            env = os.environ.get("LOOM_PROGRESS", "")
-            if env in ("bar", "lines", "none"):
+            env = settings.get("progress")
+            if env != "auto":
                 mode = env
             elif sys.stdout.isatty():
                 mode = "bar"

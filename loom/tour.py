@@ -12,9 +12,10 @@ any other argument is passed to ``loom train`` (e.g. ``--train.steps=100``).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
+
+from .comm import launch
 
 __all__ = ["main", "demo_config", "mesh_for"]
 
@@ -39,10 +40,11 @@ def mesh_for(n: int) -> list[str]:
 
 
 def _size() -> int:
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 1
+    return launch.env_size() or 1
+
+
+def _rank0() -> bool:
+    return (launch.env_rank() or 0) == 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,11 +61,11 @@ def main(argv: list[str] | None = None) -> int:
 
     extra = mesh_for(_size())
     if _sequence_ops() is None:  # FPDT lives in loom.parallel.sequence; without it the demo runs plain Ulysses
-        if os.environ.get("PMI_RANK", "0") == "0":
+        if _rank0():
             print("loom demo: loom.parallel.sequence is not available; using this package's Ulysses (no FPDT)")
         extra += ["--sequence.algorithm=ulysses", "--sequence.chunks=1", "--sequence.offload=false"]
     rc = cli.main(["--config", str(demo_config()), *extra, *args])
-    if rc == 0 and os.environ.get("PMI_RANK", "0") == "0":
+    if rc == 0 and _rank0():
         _sample(args)
     return rc
 

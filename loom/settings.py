@@ -148,6 +148,8 @@ _DECLARED = (
     Setting("testbed_rail", "int", None, "this rank's rail (NIC)", internal=True),
     Setting("testbed_ranks_per_node", "int", None, "ranks per emulated node", internal=True),
     # loom.testing
+    Setting("tag_ub", "int", None, "a lower MPI tag ceiling than the MPI's own MPI_TAG_UB, to run the checks as "
+            "under a smaller MPI (e.g. 32767, the standard's minimum)", minimum=1),
     Setting("only", "list", (), "comma-separated check_* names that a tests/mpi script runs (debugging)"),
 )
 

@@ -16,6 +16,7 @@ _EXPORTS = {
     "cuda_aware": "buffers",
     "ANY_SOURCE": "communicator", "ANY_TAG": "communicator", "REDUCE_OPS": "communicator",
     "Communicator": "communicator", "reset_stats": "communicator", "stats": "communicator", "world": "communicator",
+    "tag_ub": "communicator", "MIN_TAG_UB": "communicator",
     "CollectiveMismatchError": "errors", "CommError": "errors", "CommTimeoutError": "errors",
     "AXES": "mesh", "Mesh": "mesh",
     "Backoff": "progress", "Poller": "progress", "Request": "progress", "poller": "progress", "wait_all": "progress",
@@ -42,6 +43,7 @@ __all__ = [
     "ANY_SOURCE",
     "ANY_TAG",
     "AXES",
+    "MIN_TAG_UB",
     "REDUCE_OPS",
     "Backoff",
     "CollectiveMismatchError",
@@ -56,6 +58,7 @@ __all__ = [
     "poller",
     "reset_stats",
     "stats",
+    "tag_ub",
     "wait_all",
     "world",
 ]

@@ -22,10 +22,18 @@ alltoall(v)         bytes addressed to other ranks
 
 ``loom.comm.stats()`` returns these counters for every communicator by name, so per-mesh-axis traffic is
 ``stats()["dp"]``.
+
+Tags: the MPI standard guarantees tags up to 32767 only; ``MPI_TAG_UB`` says what the running MPI allows
+(MPICH 2^31-1, Open MPI over ob1 2^31-1, over UCX 2^23-1). :attr:`Communicator.tag_ub` reads it (lowered by
+``LOOM_TAG_UB`` for tests), and every subsystem that numbers its own tags checks its largest one against it with
+:meth:`Communicator.require_tags` when it starts, so a too-small tag space is a clear error instead of
+``MPI_ERR_TAG`` at the first message. :meth:`Communicator.sub` gives each subsystem its own duplicate, so two
+subsystems numbering tags from 0 never match each other's messages.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any, Sequence
 
@@ -33,10 +41,12 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .. import settings
 from . import buffers as _b
 from .progress import Request
 
-__all__ = ["Communicator", "world", "stats", "reset_stats", "ANY_SOURCE", "ANY_TAG", "REDUCE_OPS"]
+__all__ = ["Communicator", "world", "stats", "reset_stats", "tag_ub", "ANY_SOURCE", "ANY_TAG", "REDUCE_OPS",
+           "MIN_TAG_UB"]
 
 ANY_SOURCE = MPI.ANY_SOURCE
 ANY_TAG = MPI.ANY_TAG
@@ -53,6 +63,26 @@ _ndarray = np.ndarray
 
 # All live communicators' counters by name, so stats() sees sub-communicators made anywhere.
 _COUNTERS: dict[str, dict[str, int]] = {}
+
+MIN_TAG_UB = 32767  # the MPI standard's guaranteed minimum for MPI_TAG_UB
+_TAG_UB: int | None = None
+
+
+def _forced_tag_ub() -> int | None:
+    """``LOOM_TAG_UB``: a lower tag ceiling than the MPI's, to run the checks as under a smaller MPI."""
+    return settings.get("tag_ub")
+
+
+def tag_ub() -> int:
+    """The largest tag this process may use: the MPI's ``MPI_TAG_UB`` (read from COMM_WORLD, where the standard
+    puts it; every communicator shares it), lowered to ``LOOM_TAG_UB`` when that is set and smaller."""
+    global _TAG_UB
+    if _TAG_UB is None:
+        value = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        value = MIN_TAG_UB if value is None else int(value)
+        forced = _forced_tag_ub()
+        _TAG_UB = value if forced is None else min(value, forced)
+    return _TAG_UB
 
 
 def _op(op: str):
@@ -102,7 +132,7 @@ class Communicator:
         name: label for byte accounting and error messages (a mesh axis name, ``"world"``, ...).
     """
 
-    __slots__ = ("mpi", "name", "rank", "size", "bytes_sent", "_vcache", "__weakref__")
+    __slots__ = ("mpi", "name", "rank", "size", "bytes_sent", "_vcache", "_subs", "__weakref__")
 
     def __init__(self, mpi_comm: MPI.Intracomm, *, name: str = "world"):
         if not isinstance(mpi_comm, MPI.Intracomm):
@@ -113,6 +143,7 @@ class Communicator:
         self.size: int = mpi_comm.Get_size()
         self.bytes_sent: dict[str, int] = _COUNTERS.setdefault(name, {})
         self._vcache: dict[tuple, tuple] = {}
+        self._subs: dict[str, Communicator] = {}
 
     def __repr__(self) -> str:
         return f"Communicator(name={self.name!r}, rank={self.rank}, size={self.size})"
@@ -484,6 +515,32 @@ class Communicator:
         """A communicator with the same ranks and an isolated message space."""
         return Communicator(self.mpi.Dup(), name=name or self.name)
 
+    def sub(self, subsystem: str) -> "Communicator":
+        """This communicator's private duplicate for ``subsystem`` (``"pipeline"``, ``"relay"``, ``"dask"``, ...),
+        made on first use and cached: tags a subsystem numbers itself never match another subsystem's messages
+        nor user traffic on ``self``. Collective on first use of a name (every rank calls it, in the same
+        order); free afterwards. Counters stay under this communicator's name."""
+        got = self._subs.get(subsystem)
+        if got is None:
+            if not isinstance(subsystem, str) or not subsystem:
+                raise ValueError(f"sub(): subsystem must be a non-empty name, got {subsystem!r}")
+            got = self._subs[subsystem] = self.dup(name=self.name)
+        return got
+
+    @property
+    def tag_ub(self) -> int:
+        """The largest tag usable here (:func:`tag_ub`: ``MPI_TAG_UB``, or ``LOOM_TAG_UB`` when lower)."""
+        return tag_ub()
+
+    def require_tags(self, top: int, what: str, fix: str = "") -> None:
+        """Raise ``ValueError`` (the same on every rank that asks) unless tags ``0..top`` fit this MPI."""
+        ub = tag_ub()
+        if top > ub:
+            forced = _forced_tag_ub()
+            why = f"LOOM_TAG_UB={forced}" if forced is not None and forced == ub else "this MPI's MPI_TAG_UB"
+            raise ValueError(f"{what} needs MPI tags up to {top}, but {why} is {ub} (the standard guarantees only "
+                             f"{MIN_TAG_UB}){'; ' + fix if fix else ''}")
+
     def free(self) -> None:
         if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.mpi != MPI.COMM_NULL:
             self.mpi.Free()
@@ -503,6 +560,7 @@ def world() -> Communicator:
         from . import safety
 
         safety.install()
+        tag_ub()  # a bad LOOM_TAG_UB fails here, at start, on every rank
         _WORLD = Communicator(MPI.COMM_WORLD, name="world")
     return _WORLD
 

@@ -20,6 +20,12 @@ Plan (one doorbell per process, created by the first user that can be rung, e.g.
   poller still keeps its timer armed (its back-off cap, 2 ms) for rings that never come: a busy merge showed
   1-2 % of such sleeps ended by the timer with a message waiting, cause not yet known. A missed ring costs
   latency, never a hang.
+- **Same user only.** The flag file is created exclusively (``O_EXCL``), never through a link (``O_NOFOLLOW``),
+  mode 0600, and checked to be this user's regular file; a peer maps it only when it is its own user's. The
+  socket takes credentials with every datagram (``SO_PASSCRED``: the kernel stamps the sender's uid, which for
+  a datagram socket replaces ``SO_PEERCRED``), and a ring from another uid is dropped (counted in
+  ``foreign``), so another user can neither wake this process's pollers nor make them spin. Stale-file
+  clean-up removes only this user's files, also as root.
 - **Who may ring whom.** A peer learns this process's :func:`address` ``(pid, host key)`` in-band (the Dask
   backend's connection handshake) and opens a :class:`Bell` only when the host key equals its own: the same
   boot and the same network, mount and pid namespaces, so the socket name, /dev/shm and the pid mean the same
@@ -36,6 +42,8 @@ import hashlib
 import mmap
 import os
 import socket
+import stat
+import struct
 import sys
 import threading
 
@@ -91,6 +99,53 @@ def _flag_path(key: int, pid: int) -> str:
     return os.path.join(_DIR, f"loom-bell.{key:016x}.{pid}")
 
 
+_CRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
+_CRED_SPACE = socket.CMSG_SPACE(_CRED.size)
+
+
+def _sender_uid(ancdata: list) -> int | None:
+    """The uid the kernel stamped on a datagram (``SCM_CREDENTIALS``), or ``None`` without one."""
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CRED.size:
+            return _CRED.unpack_from(data)[1]
+    return None
+
+
+def _check_own(fd: int, path: str) -> None:
+    """Refuse a flag file that is not a regular file of this user (another user's, a device, a fifo)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise PermissionError(f"{path} is not a regular file of uid {os.geteuid()} (uid {st.st_uid}, mode "
+                              f"{stat.filemode(st.st_mode)}); doorbells stay off")
+    if st.st_size < _FLAG_BYTES:
+        raise ValueError(f"{path} is {st.st_size} bytes, not a doorbell flag ({_FLAG_BYTES})")
+
+
+def _create_flag(path: str) -> mmap.mmap:
+    """Create this process's flag file: exclusively, not through a link, mode 0600, and verified to be ours.
+
+    A file already there under this pid is a leftover of a dead process of the same pid (it is removed when
+    it is this user's regular file, then created again); anything else (another user's file, a link) makes
+    the doorbell unavailable rather than write through it.
+    """
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise PermissionError(f"{path} exists and is not a regular file of this user; doorbells stay off") \
+                from None
+        os.unlink(path)
+        fd = os.open(path, flags, 0o600)
+    try:
+        os.ftruncate(fd, _FLAG_BYTES)
+        _check_own(fd, path)
+        return mmap.mmap(fd, _FLAG_BYTES)
+    finally:
+        os.close(fd)
+
+
 class Doorbell:
     """This process's doorbell: the socket its pollers watch and the flag that says they sleep."""
 
@@ -102,13 +157,9 @@ class Doorbell:
         path = _flag_path(self.key, self.pid)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
         try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             sock.bind(_socket_name(self.key, self.pid))
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            try:
-                os.ftruncate(fd, _FLAG_BYTES)
-                self.flag = mmap.mmap(fd, _FLAG_BYTES)
-            finally:
-                os.close(fd)
+            self.flag = _create_flag(path)
         except BaseException:
             sock.close()
             raise
@@ -116,14 +167,20 @@ class Doorbell:
         self.fd = sock.fileno()
         self.path = path
         self.rings = 0  # datagrams drained (rings that reached this process while a poller slept)
+        self.foreign = 0  # datagrams from another user, dropped
         atexit.register(self.close)
 
     def _clean_stale(self) -> None:
-        """Remove flag files of processes with this host key that died without cleaning up (SIGKILL)."""
+        """Remove this user's flag files of processes with this host key that died without cleaning up
+        (SIGKILL). Never another user's, even as root: only their owner knows whether they are in use."""
+        uid = os.geteuid()
         for path in glob.glob(os.path.join(_DIR, f"loom-bell.{self.key:016x}.*")):
             try:
                 pid = int(path.rsplit(".", 1)[1])
-            except ValueError:
+                st = os.lstat(path)
+            except (ValueError, OSError):
+                continue
+            if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
                 continue
             if pid != self.pid and not pid_alive(pid):
                 try:
@@ -144,15 +201,19 @@ class Doorbell:
                 self.flag[0] -= 1
 
     def drain(self) -> int:
-        """Read every pending ring; returns how many there were."""
+        """Read every pending ring; returns how many came from this user (others are dropped)."""
         n = 0
-        recv = self.sock.recv
+        recvmsg = self.sock.recvmsg
+        uid = os.geteuid()
         while True:
             try:
-                recv(64)
+                _, anc, _, _ = recvmsg(64, _CRED_SPACE)
             except OSError:  # BlockingIOError: drained
                 break
-            n += 1
+            if _sender_uid(anc) == uid:
+                n += 1
+            else:
+                self.foreign += 1
         self.rings += n
         return n
 
@@ -175,8 +236,9 @@ class Bell:
     def __init__(self, pid: int, key: int):
         self.pid = pid
         self._name = _socket_name(key, pid)
-        fd = os.open(_flag_path(key, pid), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(_flag_path(key, pid), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
+            _check_own(fd, _flag_path(key, pid))
             self._flag = mmap.mmap(fd, _FLAG_BYTES, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)

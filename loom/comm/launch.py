@@ -1,23 +1,49 @@
-"""Starting MPI jobs: the one place that knows how to build an ``mpiexec`` command line.
+"""Starting MPI jobs: the one place that knows which MPI runs and how its launcher behaves.
 
 Used by ``loom <cmd> --ranks N`` (which re-launches itself under mpiexec), the test harness and the benchmarks.
 The default MPI is the ``mpich`` wheel's, whose ``mpiexec`` sits next to the venv's Python; a site MPI is
-used when ``LOOM_MPIEXEC`` names its launcher. Open MPI needs ``--allow-run-as-root --oversubscribe`` as root
-on one node; they are added when the launcher is Open MPI's.
+used when ``LOOM_MPIEXEC`` names its launcher. Everything that differs between MPICH and Open MPI is here:
+
+* the command line: Open MPI needs ``--allow-run-as-root --oversubscribe`` as root on one node;
+* the environment a rank sees: its rank and size (``PMI_RANK``/``PMI_SIZE`` under MPICH's Hydra,
+  ``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE`` under Open MPI; read by :func:`loom.settings.launch_info`),
+  :func:`inside_job`, and :func:`rank_pids`, which finds a rank's process through ``/proc``;
+* the launcher's report when a rank dies (MPICH: ``BAD TERMINATION ... PID 1234 RUNNING AT`` then
+  ``EXIT CODE: 9``; Open MPI: ``... noticed that process rank 3 with PID 1234 on node h exited on signal 9``,
+  or ``Process name: [...,3]`` then ``Exit code: 7``): :class:`DeathParser`;
+* which MPI mpi4py is linked to (:func:`library_flavor`, from ``MPI_Get_library_version``) against which the
+  launcher is (:func:`flavor`): a launcher of one MPI starting ranks of the other starts ``n`` singletons
+  that never meet, so :func:`run` refuses that pairing up front.
+
+This module stays stdlib-only at import (the testbed's host side builds mpiexec lines but never communicates).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from .. import settings
 
-__all__ = ["mpiexec", "mpiexec_argv", "run", "is_openmpi", "pid_alive"]
+__all__ = [
+    "mpiexec", "mpiexec_argv", "run", "flavor", "library_flavor", "is_openmpi", "check_pairing",
+    "inside_job", "rank_pids", "Death", "DeathParser", "pid_alive",
+]
+
+MPICH, OPENMPI, UNKNOWN = "mpich", "openmpi", "unknown"
+
+# A rank's own index and the job's size, per MPI (first match wins; PMIX_RANK covers other PMIx launchers).
+RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+# Any of these says "this process is already a rank of a job" (LOOM_LAUNCHED: a loom launch set it).
+_JOB_ENV = (*RANK_ENV, *SIZE_ENV, "MPI_LOCALRANKID", "LOOM_LAUNCHED")
 
 
 def mpiexec() -> str:
@@ -37,12 +63,58 @@ def mpiexec() -> str:
     return found
 
 
-def is_openmpi(launcher: str) -> bool:
+def _flavor_of(text: str) -> str:
+    if "Open MPI" in text or "OpenRTE" in text or "PRRTE" in text:
+        return OPENMPI
+    if "MPICH" in text or "HYDRA" in text.upper():
+        return MPICH
+    return UNKNOWN
+
+
+@functools.cache
+def flavor(launcher: str | None = None) -> str:
+    """``"mpich"``, ``"openmpi"`` or ``"unknown"``: the MPI of ``launcher`` (default :func:`mpiexec`), from its
+    ``--version``."""
     try:
-        out = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=20).stdout
+        out = subprocess.run([launcher or mpiexec(), "--version"], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
-        return False
-    return "Open MPI" in out or "OpenRTE" in out
+        return UNKNOWN
+    return _flavor_of(out.stdout + out.stderr)
+
+
+def is_openmpi(launcher: str) -> bool:
+    return flavor(launcher) == OPENMPI
+
+
+_LIBRARY_PROBE = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; print(MPI.Get_library_version())"
+
+
+@functools.cache
+def library_flavor() -> str:
+    """The MPI that mpi4py is linked to in this Python (``MPI_Get_library_version``).
+
+    Read in-process when ``mpi4py.MPI`` is already loaded; else in a child Python (loading it here would
+    initialize MPI in a process that may only launch jobs).
+    """
+    mod = sys.modules.get("mpi4py.MPI")
+    if mod is not None:
+        return _flavor_of(mod.Get_library_version())
+    try:
+        out = subprocess.run([sys.executable, "-c", _LIBRARY_PROBE], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return UNKNOWN
+    return _flavor_of(out.stdout) if out.returncode == 0 else UNKNOWN
+
+
+def check_pairing(launcher: str | None = None) -> None:
+    """Refuse a launcher of one MPI with an mpi4py linked to the other (the ranks would be singletons)."""
+    lf, pf = flavor(launcher), library_flavor()
+    if UNKNOWN not in (lf, pf) and lf != pf:
+        raise RuntimeError(
+            f"the launcher {launcher or mpiexec()} is {lf}'s but mpi4py in {sys.executable} is linked to {pf}: "
+            f"its ranks would each start alone. Use the mpiexec of the MPI mpi4py loads (set LOOM_MPIEXEC), "
+            f"or make mpi4py load the launcher's MPI (MPI4PY_LIBMPI or LD_LIBRARY_PATH)"
+        )
 
 
 def mpiexec_argv(n: int, argv: Sequence[str], *, extra: Sequence[str] = ()) -> list[str]:
@@ -51,8 +123,13 @@ def mpiexec_argv(n: int, argv: Sequence[str], *, extra: Sequence[str] = ()) -> l
         raise ValueError(f"rank count {n} must be >= 1")
     launcher = mpiexec()
     cmd = [launcher, "-n", str(n)]
-    if is_openmpi(launcher) and hasattr(os, "geteuid") and os.geteuid() == 0:
-        cmd += ["--allow-run-as-root", "--oversubscribe"]
+    if is_openmpi(launcher):
+        # --oversubscribe: more ranks than cores is how every local test runs; root needs its own consent.
+        cmd += ["--oversubscribe"]
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            cmd += ["--allow-run-as-root"]
+        if n > (os.cpu_count() or 1):  # a rank blocked in MPI yields its core to the peer it waits for
+            cmd += ["--mca", "mpi_yield_when_idle", "1"]
     return cmd + list(extra) + list(argv)
 
 
@@ -68,6 +145,7 @@ def run(
     full_env = dict(os.environ)
     if env:
         full_env.update(env)
+    check_pairing()
     # More ranks than cores: one intra-op thread per rank, or torch threads fight the busy-waiting MPI.
     full_env.setdefault("OMP_NUM_THREADS", "1")
     cmd = mpiexec_argv(n, argv)
@@ -95,3 +173,87 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# ---------------------------------------------------------------------------------------------- rank side
+def inside_job(environ: Mapping[str, str] | None = None) -> bool:
+    """True when this process is already a rank of an MPI job (or of a loom launch)."""
+    environ = os.environ if environ is None else environ
+    return any(v in environ for v in _JOB_ENV)
+
+
+def rank_pids(rank: int, *, cmd_contains: Iterable[str] = ()) -> list[int]:
+    """Pids of this user's processes whose launcher environment says they are ``rank`` and whose command line
+    holds every string in ``cmd_contains`` (Linux ``/proc``; the environment is the one the process started
+    with). Under either MPI."""
+    want = {f"{var}={rank}".encode() for var in RANK_ENV}
+    needles = list(cmd_contains)
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if not all(n in cmd for n in needles):
+                continue
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # A rank's first rank variable decides (a child of a rank inherits it and is found too: filter by cmd).
+        if any(e in want for e in env):
+            found.append(int(d.name))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- launcher side
+@dataclass(slots=True)
+class Death:
+    """A rank the launcher reported dead: its pid and/or rank, and exit code or signal when given."""
+
+    pid: int | None = None
+    rank: int | None = None
+    code: int | None = None
+    signal: int | None = None
+
+    def how(self) -> str:
+        if self.signal is not None:
+            return f"killed by signal {self.signal}"
+        if self.code is not None:
+            return f"exit code {self.code}" + (" = killed by signal 9" if self.code == 9 else "")
+        return "it vanished first"
+
+
+# MPICH (Hydra): "=   PID 1234 RUNNING AT host" ... "=   EXIT CODE: 9"
+_MPICH_PID = re.compile(r"PID (\d+) RUNNING AT")
+_MPICH_CODE = re.compile(r"EXIT CODE: (\d+)")
+# Open MPI 5 (PRRTE), over wrapped lines. A signal: "prterun noticed that process rank 3 with PID 1234 on node h
+# exited on signal 9 (Killed)."; an exit: "Process name: [prterun-h-1234@1,3]" then "Exit code:    7" (rank 3).
+_OMPI_SIGNAL = re.compile(r"noticed\s+that\s+process\s+rank\s+(\d+)\s+with\s+PID\s+(\d+)\s+on\s+node\s+\S+\s+"
+                          r"exited\s+on\s+signal\s+(\d+)")
+_OMPI_EXIT = re.compile(r"Process\s+name:\s+\[[^\]]*?,(\d+)\]\s+Exit\s+code:\s+(\d+)")
+
+
+class DeathParser:
+    """Reads a launcher's output line by line and collects the ranks it reports dead, under either MPI."""
+
+    def __init__(self) -> None:
+        self.deaths: list[Death] = []
+        self._tail = ""  # Open MPI wraps its report over several lines
+
+    def feed(self, line: str) -> None:
+        if m := _MPICH_PID.search(line):
+            self.deaths.append(Death(pid=int(m.group(1))))
+        elif (m := _MPICH_CODE.search(line)) and self.deaths and self.deaths[-1].code is None:
+            self.deaths[-1].code = int(m.group(1))
+        self._tail = (self._tail + " " + line.strip())[-600:]
+        if m := _OMPI_SIGNAL.search(self._tail):
+            self.deaths.append(Death(pid=int(m.group(2)) or None, rank=int(m.group(1)), signal=int(m.group(3))))
+            self._tail = ""
+        elif m := _OMPI_EXIT.search(self._tail):
+            self.deaths.append(Death(rank=int(m.group(1)), code=int(m.group(2))))
+            self._tail = ""
+
+    def feed_all(self, text: str) -> list[Death]:
+        for line in text.splitlines():
+            self.feed(line)
+        return self.deaths

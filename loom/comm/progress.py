@@ -76,12 +76,16 @@ class Backoff:
 
 
 def _status_errors(reqs: list) -> str:
-    """The per-request MPI error strings behind an MPI_ERR_IN_STATUS (e.g. a truncated receive)."""
+    """The per-request MPI error strings behind an MPI_ERR_IN_STATUS (e.g. a truncated receive).
+
+    Each request is *tested*, never waited on: the others of a failed group may never complete (a peer that
+    errored out will not send), and a blocking wait here would turn an error into a hang.
+    """
     msgs = []
     for req in reqs:
         try:
             st = MPI.Status()
-            req.Wait(st)
+            req.Test(st)
         except MPI.Exception as exc:
             msgs.append(exc.Get_error_string())
     return "; ".join(msgs) + ("" if not msgs else " (a receive buffer smaller than the message it matched?)")

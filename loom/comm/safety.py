@@ -2,7 +2,10 @@
 
 * **Abort on exception.** :func:`install` (called by :func:`loom.comm.world`) replaces ``sys.excepthook`` so
   that an uncaught exception on any rank prints its traceback (prefixed with the rank) and calls
-  ``MPI_Abort`` on COMM_WORLD, like ``python -m mpi4py``: the other ranks never wait for a dead peer.
+  ``MPI_Abort`` on COMM_WORLD, like ``python -m mpi4py``: the other ranks never wait for a dead peer. The
+  same holds for an exception that escapes a thread (``threading.excepthook``) or an asyncio callback (the
+  default exception handler of every event loop that sets none of its own): Python would only print those
+  and go on, leaving the rank alive but its peers waiting for messages it will never send.
 * **Check mode** (``LOOM_CHECK=1`` or ``configure(check=True)``): before every collective, ranks exchange a
   small signature (operation, dtype, shape, counts, root) with one ``allgather`` and compare; any
   disagreement, or a locally invalid argument, raises :class:`CollectiveMismatchError` / ``ValueError``
@@ -25,6 +28,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+from asyncio import CancelledError as _CancelledError
+
 from mpi4py import MPI
 
 from .errors import CollectiveMismatchError
@@ -38,14 +43,45 @@ _TIMEOUT: float | None = None
 _ORIGINALS: dict[str, Callable] = {}
 
 
-def _abort_hook(exc_type, exc, tb) -> None:
+def _abort_hook(exc_type, exc, tb, where: str = "") -> None:
     rank = MPI.COMM_WORLD.Get_rank()
     lines = traceback.format_exception(exc_type, exc, tb)
     sys.stderr.write("".join(f"[rank {rank}] {ln}" for chunk in lines for ln in chunk.splitlines(True)))
-    sys.stderr.write(f"[rank {rank}] loom: uncaught {exc_type.__name__}; aborting the job (MPI_Abort)\n")
+    sys.stderr.write(f"[rank {rank}] loom: uncaught {exc_type.__name__}{where}; aborting the job (MPI_Abort)\n")
     sys.stderr.flush()
     sys.stdout.flush()
     MPI.COMM_WORLD.Abort(1)
+
+
+def _thread_abort_hook(args) -> None:
+    if issubclass(args.exc_type, SystemExit):  # threading's own hook ignores it too
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    _abort_hook(args.exc_type, args.exc_value, args.exc_traceback, f" in thread {name!r}")
+
+
+_LOOP_DEFAULT: Callable | None = None
+
+
+def _loop_abort_handler(loop, context: dict) -> None:
+    """asyncio's default exception handler, aborting the job when a callback raised. Other reports (an
+    unretrieved task exception found by the garbage collector, a transport error) are only logged, as before."""
+    exc = context.get("exception")
+    if exc is not None and "handle" in context and not isinstance(exc, (KeyboardInterrupt, _CancelledError)):
+        _abort_hook(type(exc), exc, exc.__traceback__, f" in asyncio callback {context['handle']!r}")
+    assert _LOOP_DEFAULT is not None
+    _LOOP_DEFAULT(loop, context)
+
+
+def _install_abort_hooks() -> None:
+    global _LOOP_DEFAULT
+    import asyncio.base_events
+
+    sys.excepthook = _abort_hook
+    threading.excepthook = _thread_abort_hook
+    if _LOOP_DEFAULT is None:
+        _LOOP_DEFAULT = asyncio.base_events.BaseEventLoop.default_exception_handler
+        asyncio.base_events.BaseEventLoop.default_exception_handler = _loop_abort_handler
 
 
 def install() -> None:
@@ -55,7 +91,7 @@ def install() -> None:
         return
     _INSTALLED = True
     if MPI.COMM_WORLD.Get_size() > 1:
-        sys.excepthook = _abort_hook
+        _install_abort_hooks()
     configure(check=settings.get("check"), timeout=settings.get("timeout"))
 
 
@@ -72,18 +108,30 @@ def _desc(x: Any) -> tuple:
     return (str(getattr(x, "dtype", type(x).__name__)), tuple(int(s) for s in getattr(x, "shape", ())))
 
 
+def _out_error(name: str, out: Any, want: tuple) -> str | None:
+    """A locally wrong ``out=`` (shape), found before the collective so every rank raises together."""
+    if out is None:
+        return None
+    got = tuple(int(s) for s in getattr(out, "shape", ()))
+    if got != want:
+        return f"{name}: out has shape {got} but the result has {want}; pass an out of that shape (or none)"
+    return None
+
+
 def _sig_reduce(name):
-    def sig(self, tensor, op="sum"):
-        return (name, op, *_desc(tensor)), None
+    def sig(self, tensor, op="sum", *, out=None):
+        desc = _desc(tensor)
+        return (name, op, *desc), _out_error(name, out, desc[1])
     return sig
 
 
-def _sig_gather(name, trailing_only: bool):
-    def sig(self, tensor):
+def _sig_gather(name, trailing_only: bool, result_rows=None):
+    def sig(self, tensor, *, out=None):
         dt, shape = _desc(tensor)
         if not shape:
             return (name, dt, shape), f"{name} needs at least one dim, got a scalar"
-        return (name, dt, shape[1:] if trailing_only else shape), None
+        rows = shape[0] if result_rows is None else result_rows(self, shape[0])
+        return (name, dt, shape[1:] if trailing_only else shape), _out_error(name, out, (rows, *shape[1:]))
     return sig
 
 
@@ -116,10 +164,10 @@ def _sig_plain(name):
 
 _SIGNATURES: dict[str, Callable] = {
     "barrier": _sig_plain("barrier"),
-    "allreduce": _sig_reduce("allreduce"),
+    "allreduce": _sig_reduce("allreduce"),  # out= on allreduce, allgather, alltoall (as the methods take it)
     "iallreduce": _sig_reduce("allreduce"),
     "reduce_scatter": _sig_reduce("reduce_scatter"),
-    "allgather": _sig_gather("allgather", trailing_only=False),
+    "allgather": _sig_gather("allgather", trailing_only=False, result_rows=lambda c, n: n * c.size),
     "iallgather": _sig_gather("allgather", trailing_only=False),
     "allgatherv": _sig_gather("allgatherv", trailing_only=True),
     "alltoall": _sig_gather("alltoall", trailing_only=False),
@@ -174,7 +222,7 @@ def _watchdog_loop() -> None:
     while _TIMEOUT is not None:
         limit = _TIMEOUT
         now = time.monotonic()
-        for tid, (what, t0) in list(_INFLIGHT.items()):
+        for what, t0 in list(_INFLIGHT.values()):
             if now - t0 > limit:
                 sys.stderr.write(
                     f"[rank {rank}] loom watchdog: stuck for {now - t0:.1f} s (LOOM_TIMEOUT={limit:g}) in {what}; "

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import runpy
 import sys
 import traceback
@@ -67,14 +66,12 @@ def _inside_mpi() -> bool:
     return inside()
 
 
-_PID = re.compile(r"PID (\d+) RUNNING AT")
-_CODE = re.compile(r"EXIT CODE: (\d+)")
 
 
 def _launch(n: int, argv: list[str], timeout: float | None) -> int:
     """Run this command on ``n`` ranks; forward the output; if a rank died, say which role it had.
 
-    MPICH's launcher reports a dead process by pid ("BAD TERMINATION ... PID 1234"); rank 0 saved the
+    The launcher reports a dead process (:class:`loom.comm.launch.DeathParser` reads either MPI); rank 0 saved the
     pid -> rank -> role map (``LOOM_DASK_ROLES``), so the last line can name the worker.
     """
     import json
@@ -92,7 +89,7 @@ def _launch(n: int, argv: list[str], timeout: float | None) -> int:
         cmd = launch.mpiexec_argv(n, [sys.executable, "-m", "loom.cli", "dask", *argv])
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
-        dead: list[tuple[str, str | None]] = []
+        deaths = launch.DeathParser()
         gone: dict[str, float] = {}  # pid -> when it was first seen gone (or a zombie)
         done = threading.Event()
 
@@ -142,10 +139,7 @@ def _launch(n: int, argv: list[str], timeout: float | None) -> int:
         try:
             for line in proc.stdout:
                 sys.stdout.write(line)
-                if m := _PID.search(line):
-                    dead.append((m.group(1), None))
-                elif (m := _CODE.search(line)) and dead:
-                    dead[-1] = (dead[-1][0], m.group(1))
+                deaths.feed(line)
             rc = proc.wait()
         finally:
             done.set()
@@ -156,16 +150,34 @@ def _launch(n: int, argv: list[str], timeout: float | None) -> int:
         if os.path.exists(roles_path):
             with open(roles_path) as f:
                 roles = json.load(f)
-    if dead and gone:
-        first = min(gone, key=gone.get)
-        dead = [(first, dead[0][1] if dead[0][0] == first else None)]
-    for pid, code in dead:
-        who = roles.get(pid)
-        what = f"{who['role']} (MPI rank {who['rank']}, pid {pid})" if who else f"pid {pid}"
-        how = (f"exit code {code}" + (" = killed by signal 9" if code == "9" else "")) if code else "it vanished first"
-        print(f"loom dask: {what} died ({how}); MPICH ended the whole job. Rerun the job: a Dask cluster over "
-              f"MPI cannot outlive one of its ranks under MPICH", file=sys.stderr, flush=True)
+    dead = _first_death(deaths.deaths, gone, roles)
+    for death in dead:
+        pid = str(death.pid) if death.pid is not None else None
+        who = roles.get(pid) if pid else None
+        if who:
+            what = f"{who['role']} (MPI rank {who['rank']}, pid {pid})"
+        else:
+            what = f"pid {pid}" if pid else f"MPI rank {death.rank}"
+        print(f"loom dask: {what} died ({death.how()}); the MPI ended the whole job. Rerun the job: a Dask "
+              f"cluster over MPI cannot outlive one of its ranks", file=sys.stderr, flush=True)
     return rc if rc else (1 if dead else 0)
+
+
+def _first_death(deaths: list, gone: dict[str, float], roles: dict) -> list:
+    """The one death to report. The launcher names *a* dead process of the torn-down job (MPICH by pid, Open
+    MPI by rank and pid), not necessarily the first; the pidfd watcher saw which vanished first."""
+    from loom.comm.launch import Death
+
+    if not deaths:
+        return []
+    for d in deaths:  # Open MPI may name a rank only: map it to its pid through the saved roles
+        if d.pid is None and d.rank is not None:
+            d.pid = next((int(p) for p, w in roles.items() if w.get("rank") == d.rank), None)
+    if not gone:
+        return deaths[:1]
+    first = min(gone, key=gone.get)
+    same = [d for d in deaths if str(d.pid) == first]
+    return same[:1] or [Death(pid=int(first))]
 
 
 def main(argv: list[str]) -> int:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -42,9 +41,9 @@ __all__ = ["alltoallv", "Message", "schedule"]
 
 Buffer = torch.Tensor | np.ndarray
 
-# Tags stay below 32767, the MPI standard's guaranteed MPI_TAG_UB; messages per call are capped to match.
+# Tags stay below 32767, the MPI standard's guaranteed MPI_TAG_UB, and below the running MPI's (or LOOM_TAG_UB's)
+# ceiling when that is lower; messages per call are capped to match.
 _MAX_MESSAGES = 32000
-_DUPS: "weakref.WeakKeyDictionary[Communicator, Communicator]" = weakref.WeakKeyDictionary()
 _CACHE: "OrderedDict[tuple, tuple[str, list[Message]]]" = OrderedDict()
 _CACHE_SIZE = 32
 
@@ -76,8 +75,10 @@ def _split_rows(n: int, shares: np.ndarray) -> list[int]:
     return rows.tolist()
 
 
-def schedule(counts: np.ndarray, plan: Plan, row_bytes: int, chunk_bytes: int) -> list[Message]:
-    """The messages of one call: every pair's rows split over its paths and chunked on relayed paths."""
+def schedule(counts: np.ndarray, plan: Plan, row_bytes: int, chunk_bytes: int,
+             max_messages: int = _MAX_MESSAGES) -> list[Message]:
+    """The messages of one call: every pair's rows split over its paths and chunked on relayed paths, at most
+    ``max_messages`` of them (message ``id`` travels with tag ``id + 1``: pass the tag ceiling)."""
     c = plan.cands
     index = {(int(s), int(d)): i for i, (s, d) in enumerate(c.pairs.tolist())}
     chunk_rows = max(1, chunk_bytes // max(row_bytes, 1))
@@ -98,7 +99,7 @@ def schedule(counts: np.ndarray, plan: Plan, row_bytes: int, chunk_bytes: int) -
             parts = [(c.paths[a + k].hops, r) for k, r in enumerate(rows) if r > 0]
             relayed += sum(r for h, r in parts if len(h) > 2)
             splits.append((s, d, parts))
-    chunk_rows = max(chunk_rows, math.ceil(relayed / (_MAX_MESSAGES // 2)))
+    chunk_rows = max(chunk_rows, math.ceil(relayed / max(1, max_messages // 2)))
     out: list[Message] = []
     for s, d, parts in splits:
         off = 0
@@ -107,17 +108,10 @@ def schedule(counts: np.ndarray, plan: Plan, row_bytes: int, chunk_bytes: int) -
             for o in range(0, r, step):
                 out.append(Message(len(out), hops, off + o, min(step, r - o)))
             off += r
-    if len(out) > _MAX_MESSAGES:
-        raise ValueError(f"multipath alltoallv: {len(out)} messages exceed {_MAX_MESSAGES} tags; raise "
-                         f"chunk_bytes or lower min_bytes so fewer pairs are split")
+    if len(out) > max_messages:
+        raise ValueError(f"multipath alltoallv: {len(out)} messages exceed {max_messages} tags (the MPI's tag "
+                         f"ceiling or {_MAX_MESSAGES}); raise chunk_bytes or lower min_bytes so fewer pairs are split")
     return out
-
-
-def _private(comm: Communicator) -> Communicator:
-    dup = _DUPS.get(comm)
-    if dup is None:
-        dup = _DUPS[comm] = comm.dup(name=comm.name)
-    return dup
 
 
 def _describe(x: Any) -> tuple[tuple[int, ...], str]:
@@ -266,7 +260,7 @@ def alltoallv(
     hit = _CACHE.get(key)
     if hit is None:
         pl = plan if plan is not None else make_plan(topology, demand, min_bytes=min_bytes, **(planner or {}))
-        msgs = schedule(counts, pl, row_bytes, chunk_bytes)
+        msgs = schedule(counts, pl, row_bytes, chunk_bytes, min(_MAX_MESSAGES, comm.tag_ub))
         hit = (pl.method, msgs)
         _CACHE[key] = hit
         if len(_CACHE) > _CACHE_SIZE:
@@ -277,7 +271,7 @@ def alltoallv(
     if all(len(m.hops) == 2 for m in msgs) and plan is None:
         # Every byte on its static route: exactly what MPI's alltoallv does, without the extra tags.
         return comm.alltoallv(tensor, sc, rc)
-    return _execute(tensor, counts, msgs, _private(comm), window, chunk_bytes, row_bytes)
+    return _execute(tensor, counts, msgs, comm.sub("relay"), window, chunk_bytes, row_bytes)
 
 
 def _execute(tensor: Buffer, counts: np.ndarray, msgs: list[Message], comm: Communicator, window: int,

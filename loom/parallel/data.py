@@ -12,7 +12,11 @@ Plan (:class:`GradReducer`), per training step on the ``dp`` communicator:
   ``iallreduce(flat, op="avg")`` is started (default: overlaps the remaining backward), or the user's
   ``grad_hook(flat, comm, bucket_index) -> mean`` is called (the compression hook point; blocking);
 * finish (:meth:`GradReducer.finish`): launch what has not been launched (tensors unused this step count as
-  zero but keep ``grad=None``), wait for every request, copy the means back into ``.grad``.
+  zero), wait for every request, copy the means back into ``.grad``. A tensor unused on *some* replicas gets
+  the mean on every replica (one small allreduce of a used-bitmap says which, as DDP does with
+  ``find_unused_parameters``): leaving its ``grad`` ``None`` where it was unused would let the optimizer skip it
+  there and step it elsewhere, and the replicas would drift apart. Only a tensor unused everywhere keeps
+  ``grad=None``.
 """
 
 from __future__ import annotations
@@ -108,6 +112,9 @@ class GradReducer:
             self._launch(self._next)
             self._next += 1
         self.armed = False
+        used = [p.grad is not None for ps in self.buckets for p in ps]
+        used = self.comm.allreduce(torch.tensor(used, dtype=torch.uint8), "max").tolist()
+        k = 0
         for i, ps in enumerate(self.buckets):
             res = self._results[i]
             mean = res.wait() if isinstance(res, Request) else res
@@ -116,7 +123,10 @@ class GradReducer:
                 n = p.numel()
                 if p.grad is not None:
                     p.grad.copy_(mean[off:off + n].view_as(p))
+                elif used[k]:  # unused here, used by another replica: take the same mean
+                    p.grad = mean[off:off + n].view_as(p).to(p.dtype).clone()
                 off += n
+                k += 1
         self._results = [None] * len(self.buckets)
 
     def remove(self) -> None:

@@ -152,6 +152,9 @@ class Stage:
         self.prev, self.next = (self.index - 1) % p, (self.index + 1) % p  # ranks (a ring with virtual stages)
         self.comm = comm
         self.codec = codec
+        if comm is not None:  # the largest tag: the last boundary's META
+            comm.require_tags(4 * (self.stages - 1) + META, f"a pipeline of {self.stages} (virtual) stages",
+                              "use fewer stages or virtual stages")
         self.nodes = graph.stage_nodes(counts, self.index)
         live = graph.live_sets(counts)
         self.live_in: list[str] = live[self.index - 1] if self.index > 0 else []

@@ -24,11 +24,18 @@ def test_rank_that_raises_takes_the_job_down():
     assert elapsed < 30, f"job took {elapsed:.1f} s to die"  # generous bound: the spec is 10 s on an idle box
 
 
+@pytest.mark.parametrize("where, words", [("thread", "boom from a thread"), ("async", "ZeroDivisionError")])
+def test_exception_in_a_thread_or_callback_takes_the_job_down(where, words):
+    proc = run_ranks(2, "tests/mpi/check_safety.py", f"raise_{where}", timeout=60, expect_fail=True)
+    assert words in proc.stderr and "[rank 1]" in proc.stderr and "aborting the job" in proc.stderr, proc.stderr
+
+
 def test_check_mode_raises_on_every_rank():
     out = run_ranks(3, "tests/mpi/check_safety.py", "mismatch", env={"LOOM_CHECK": "1"}, timeout=60).stdout
     for r in range(3):
         assert f"rank {r} caught: loom check mode: allreduce" in out, out
         assert f"rank {r} caught counts:" in out, out
+        assert f"rank {r} caught out: loom check mode: allreduce" in out, out
     assert "scenario done" in out
 
 

@@ -13,3 +13,9 @@ pytestmark = pytest.mark.mpi
 def test_hybrid_exact_against_one_process(n):
     proc = run_ranks(n, "tests/mpi/check_hybrid.py", timeout=400)
     assert_all_checks_passed(proc, "tests/mpi/check_hybrid.py")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_data_parallel_replicas_agree_when_some_grads_are_none(n):
+    proc = run_ranks(n, "tests/mpi/check_data.py", timeout=120)
+    assert_all_checks_passed(proc, "tests/mpi/check_data.py")

@@ -13,9 +13,12 @@ import time
 
 import pytest
 
+from loom.comm import launch
 from loom.testbed import Testbed, TestbedUnavailable, leftovers, preflight
 
 try:
+    if launch.flavor() != launch.MPICH:  # the testbed steers MPICH's netmod (FI_TCP_IFACE, MPIR_CVAR_*)
+        raise TestbedUnavailable(f"the testbed runs MPICH only; this launcher is {launch.flavor()}'s")
     preflight(probe=True)
     _SKIP = ""
 except TestbedUnavailable as exc:

@@ -52,17 +52,8 @@ def test_bad_config_exits_2_on_every_rank(tmp_path, override, words):
 
 
 def _rank_pid(marker: str, rank: int) -> int | None:
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            envb = (d / "environ").read_bytes()
-        except OSError:
-            continue
-        if marker in cmd and "loom.cli" in cmd and f"PMI_RANK={rank}".encode() in envb.split(b"\0"):
-            return int(d.name)
-    return None
+    pids = launch.rank_pids(rank, cmd_contains=(marker, "loom.cli"))
+    return pids[0] if pids else None
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds rank 1's pid through /proc (Linux)")

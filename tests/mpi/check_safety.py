@@ -18,6 +18,31 @@ def scenario_raise(comm):
     comm.recv(torch.empty(1), comm.size - 1, tag=1)   # would wait forever
 
 
+def scenario_raise_thread(comm):
+    """The last rank's worker thread raises; its main thread would go on: the job must die, not hang."""
+    if comm.rank == comm.size - 1:
+        import threading
+
+        def work():
+            raise ValueError("boom from a thread")
+
+        t = threading.Thread(target=work, name="worker")
+        t.start()
+        t.join()
+    comm.recv(torch.empty(1), comm.size - 1, tag=1)   # every rank would wait forever
+
+
+def scenario_raise_async(comm):
+    """An asyncio callback on the last rank raises (the loop would log it and go on): the job must die."""
+    if comm.rank == comm.size - 1:
+        async def main():
+            asyncio.get_running_loop().call_soon(lambda: 1 / 0)
+            await asyncio.sleep(0.5)
+
+        asyncio.run(main())
+    comm.recv(torch.empty(1), comm.size - 1, tag=1)
+
+
 def scenario_mismatch(comm):
     """Check mode: every rank gets the same clear error for mismatched collectives, then the job goes on."""
     shape = (3,) if comm.rank == 0 else (4,)
@@ -39,6 +64,29 @@ def scenario_mismatch(comm):
         raise AssertionError("bad alltoallv counts were not caught")
     total = comm.allreduce(torch.ones(2))                       # still usable afterwards
     assert torch.equal(total, torch.full((2,), float(comm.size)))
+    _out_in_check_mode(comm)
+
+
+def _out_in_check_mode(comm):
+    """Every collective that takes ``out=`` takes it in check mode too; a wrong ``out`` fails on every rank."""
+    p = comm.size
+    buf = torch.empty(3)
+    assert comm.allreduce(torch.ones(3), out=buf) is buf and torch.equal(buf, torch.full((3,), float(p)))
+    x = torch.ones(3)
+    assert comm.allreduce(x, "max", out=x) is x                  # in place
+    g = torch.empty(2 * p)
+    assert comm.allgather(torch.full((2,), float(comm.rank)), out=g) is g
+    assert torch.equal(g, torch.arange(p).repeat_interleave(2).float())
+    a = torch.empty(p)
+    assert comm.alltoall(torch.full((p,), float(comm.rank)), out=a) is a and torch.equal(a, torch.arange(p).float())
+    wrong = torch.empty(4 if comm.rank == 0 else 3)
+    try:
+        comm.allreduce(torch.ones(3), out=wrong)
+    except ValueError as exc:
+        assert "rank 0" in str(exc) and "out has shape (4,)" in str(exc), str(exc)
+        print(f"rank {comm.rank} caught out: {exc}", flush=True)
+    else:
+        raise AssertionError("a wrong out= on rank 0 was not caught")
 
 
 def scenario_watchdog(comm):

@@ -1,0 +1,307 @@
+"""loom's sequence parallelism (Ulysses, FPDT) for unmodified Hugging Face ``transformers`` decoders.
+
+Supported families: Llama, Mistral, Qwen2 (``config.model_type`` in :data:`FAMILIES`): a ``*ForCausalLM`` whose
+decoder (``model.get_decoder()``) has ``layers`` with ``self_attn`` and ``mlp`` and whose LM head is a
+bias-free ``nn.Linear``.
+
+How it plugs in, without changing the model's code:
+
+* attention: :func:`register` adds ``"loom_ulysses"`` and ``"loom_fpdt"`` to transformers' attention-function
+  registry (``AttentionInterface``) and a mask function that builds no mask (causality and packed documents
+  are handled inside loom's attention); :class:`SequenceParallel` selects one with
+  ``model.set_attn_implementation``. The registered function is a thin adapter: it transposes transformers'
+  ``[batch, heads, seq, head_dim]`` to loom's sequence layout and calls
+  :func:`loom.parallel.sequence.ulysses_attention` or :func:`~loom.parallel.sequence.fpdt_attention`, so GQA
+  with ``kv_heads < sp`` is handled as there (each kv head replicated ``sp / kv_heads`` times before the
+  all-to-all, gradients of the replicas summed by autograd).
+* data: :meth:`SequenceParallel.shard` cuts the global batch along the sequence in loom's layout
+  (:func:`~loom.parallel.sequence.shard_sequence`: contiguous for Ulysses, round-robin chunks for FPDT). Position
+  ids are sharded with the tokens, so RoPE sees *global* positions; where they restart (packed documents,
+  e.g. ``[0, 1, 2, 0, 1, ...]``) the attention keeps each token inside its document. Labels are shifted on
+  the *global* sequence before sharding, so the target of the last token of one shard is the first token of
+  the next.
+* loss: :meth:`SequenceParallel.loss` returns ``sum of this rank's token cross-entropies / number of
+  non-ignored targets in the global batch``; summing it (and, :meth:`SequenceParallel.reduce_gradients`, the
+  parameter gradients) over ``sp`` gives the global mean and its gradient.
+* FPDT memory: the attention runs as the FPDT chunk pipeline (``chunks`` per rank, saved chunks in host
+  memory with ``offload=True``); each decoder layer's ``mlp`` runs chunk by chunk under recompute
+  (``ffn_chunks``, :func:`loom.models.llama.chunked_ffn`), and the LM head with the cross-entropy chunk by
+  chunk without materialising the ``[seq, vocab]`` logits (``loss_chunks``,
+  :func:`loom.models.llama.chunked_lm_loss`). Not chunked (they live in the model's own code): the q/k/v/o
+  projections, rotary embedding and norms, which hold ``[seq_local, hidden]``-sized activations per layer
+  as in single-process transformers, and the final norm.
+
+Example (every rank of ``comm`` holds the same global batch)::
+
+    model = AutoModelForCausalLM.from_config(cfg)
+    sp = SequenceParallel(model, comm, mode="fpdt", chunks=4)
+    batch = sp.shard(input_ids, labels=input_ids)
+    loss = sp.loss(batch)
+    loss.backward()
+    sp.reduce_gradients()
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..models.llama import chunked_ffn, chunked_lm_loss
+from ..parallel.sequence import check_sizes, fpdt_attention, gather_sequence, shard_sequence, ulysses_attention
+
+__all__ = ["FAMILIES", "MODES", "SequenceParallel", "SPBatch", "register", "attention_name", "check_model"]
+
+FAMILIES = ("llama", "mistral", "qwen2")
+"""``config.model_type`` values this integration is tested on."""
+MODES = {"ulysses": "loom_ulysses", "fpdt": "loom_fpdt"}
+"""Sequence-parallel mode -> its ``attn_implementation`` name."""
+
+# Attention module -> the SequenceParallel that owns it. Weak keys keep no model alive and put nothing into
+# the module (so state_dict, deepcopy and save_pretrained see the model unchanged).
+_OWNER: "weakref.WeakKeyDictionary[nn.Module, SequenceParallel]" = weakref.WeakKeyDictionary()
+
+
+def attention_name(mode: str) -> str:
+    """The ``attn_implementation`` name of ``mode`` (``"ulysses"`` or ``"fpdt"``)."""
+    if mode not in MODES:
+        raise ValueError(f"sequence-parallel mode {mode!r} is not one of {', '.join(MODES)}")
+    return MODES[mode]
+
+
+def register() -> None:
+    """Add loom's attention functions and their (empty) mask functions to transformers' registries (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    for name in MODES.values():
+        AttentionInterface.register(name, _attention)
+        AttentionMaskInterface.register(name, _no_mask)
+
+
+def _no_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
+    """Causality and documents are applied inside loom's attention; a padding mask cannot be honoured."""
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise ValueError("loom sequence-parallel attention got a padding attention_mask with zeros; pack the "
+                         "documents without padding and pass position_ids restarting at 0 per document instead")
+    return None
+
+
+def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+               sliding_window: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature over loom's Ulysses/FPDT (``[B, H, s, D]`` in, ``[B, s, H, D]``
+    out, as transformers' own functions return)."""
+    sp = _OWNER.get(module)
+    if sp is None:
+        raise ValueError(f"{type(module).__name__} runs loom attention but no SequenceParallel owns it; build "
+                         f"SequenceParallel(model, comm) before calling the model")
+    if dropout:
+        raise ValueError(f"attention dropout {dropout} is not supported by loom attention; set the config's "
+                         f"attention_dropout to 0")
+    n = query.shape[2] * sp.comm.size
+    if sliding_window is not None and sliding_window < n:
+        raise ValueError(f"sliding_window={sliding_window} is shorter than the sequence ({n} tokens); loom attention "
+                         f"is full causal attention: set config.sliding_window=None or use sequences <= "
+                         f"{sliding_window}")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    doc = sp.doc_ids(kwargs.get("position_ids"))
+    if sp.mode == "ulysses":
+        out = ulysses_attention(q, k, v, sp.comm, causal=True, scale=scaling, doc_ids=doc)
+    else:
+        out = fpdt_attention(q, k, v, sp.comm, chunks=sp.chunks, causal=True, offload=sp.offload, scale=scaling,
+                             doc_ids=doc)
+    return out, None
+
+
+def check_model(model: nn.Module) -> nn.Module:
+    """Return the decoder (``model.get_decoder()``) after checking the model is a supported causal LM."""
+    mt = getattr(getattr(model, "config", None), "model_type", None)
+    if mt not in FAMILIES:
+        raise ValueError(f"model_type {mt!r} is not supported; loom's transformers integration covers "
+                         f"{', '.join(FAMILIES)} (*ForCausalLM)")
+    decoder = model.get_decoder()
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        raise ValueError(f"the LM head of {type(model).__name__} must be a bias-free nn.Linear; got {head!r}")
+    if not all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in decoder.layers):
+        raise ValueError(f"{type(decoder).__name__}.layers must have self_attn and mlp submodules")
+    return decoder
+
+
+@dataclass(kw_only=True, slots=True)
+class SPBatch:
+    """This rank's share of a global batch (:meth:`SequenceParallel.shard`)."""
+
+    input_ids: torch.Tensor
+    """``[batch, seq / sp]`` token ids in the layout of the mode."""
+    position_ids: torch.Tensor
+    """``[batch, seq / sp]`` global positions (restarting per packed document)."""
+    shift_labels: torch.Tensor | None
+    """``[batch, seq / sp]`` next-token targets (shifted on the global sequence), or ``None`` without labels."""
+    num_items: int
+    """Non-ignored targets in the *global* batch (the loss denominator)."""
+
+    @property
+    def inputs(self) -> dict[str, Any]:
+        """Keyword arguments for ``model(**batch.inputs)`` (logits of this rank's tokens)."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+
+
+class SequenceParallel:
+    """Turn a transformers causal LM into a sequence-parallel one over ``comm`` (the ``sp`` axis), in place.
+
+    Args:
+        model: a ``*ForCausalLM`` of a family in :data:`FAMILIES`.
+        comm: the sequence-parallel communicator (a :class:`loom.comm.Communicator` or proxy).
+        mode: ``"ulysses"`` or ``"fpdt"``.
+        chunks: FPDT chunks per rank (attention pipeline and token layout); ``1`` for Ulysses.
+        offload: FPDT: keep the saved attention chunks in host memory between uses.
+        ffn_chunks: chunks along the local sequence for each layer's MLP (1 = unchunked); default ``chunks``.
+        loss_chunks: chunks for the LM head + loss in :meth:`loss` (1 = full logits); default ``chunks``.
+        ignore_index: label value that contributes no loss.
+
+    Raises:
+        ValueError: unsupported model, unknown mode, or head counts that do not split over ``comm.size``.
+    """
+
+    def __init__(self, model: nn.Module, comm: Any, *, mode: str = "ulysses", chunks: int = 1,
+                 offload: bool = False, ffn_chunks: int | None = None, loss_chunks: int | None = None,
+                 ignore_index: int = -100):
+        self.decoder = check_model(model)
+        name = attention_name(mode)
+        if mode == "ulysses" and chunks != 1:
+            raise ValueError(f"chunks={chunks} applies to mode='fpdt'; Ulysses uses chunks=1")
+        for what, v in (("chunks", chunks), ("ffn_chunks", ffn_chunks), ("loss_chunks", loss_chunks)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{what}={v!r} must be an integer >= 1")
+        self.model, self.comm, self.mode, self.chunks, self.offload = model, comm, mode, chunks, bool(offload)
+        self.ffn_chunks = chunks if ffn_chunks is None else ffn_chunks
+        self.loss_chunks = chunks if loss_chunks is None else loss_chunks
+        self.ignore_index = ignore_index
+        cfg = model.config
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        probe = [torch.empty(1, chunks, h, hd) for h in (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                         cfg.num_key_value_heads)]
+        check_sizes(*probe, comm.size, chunks)
+        self._docs: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._previous_attn = cfg._attn_implementation
+        register()
+        model.set_attn_implementation(name)
+        for layer in self.decoder.layers:
+            _OWNER[layer.self_attn] = self
+            if self.ffn_chunks > 1:
+                _chunk_mlp(layer.mlp, self.ffn_chunks)
+
+    # ------------------------------------------------------------------------------------------ data
+    def shard(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None) -> SPBatch:
+        """This rank's share of a global batch (the same ``[batch, seq]`` tensors on every rank of ``comm``).
+
+        Args:
+            input_ids: ``[batch, seq]``; ``seq`` divisible by ``sp x chunks``.
+            labels: ``[batch, seq]`` in transformers' convention (``labels[t]`` is the token at ``t``; the
+                shift to next-token targets happens here, on the global sequence); ``ignore_index`` skips one.
+            position_ids: ``[batch, seq]`` or ``[1, seq]``; default ``0..seq-1``. Packed documents: restart at
+                0 per document (attention then stays within each document).
+        """
+        b, n = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(n, device=input_ids.device)[None]
+        position_ids = position_ids.expand(b, n)
+        u = self.chunks
+        docs = _documents(position_ids)
+        shift = num = None
+        if labels is not None:
+            if tuple(labels.shape) != (b, n):
+                raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {(b, n)}")
+            shift = torch.full_like(labels, self.ignore_index)
+            shift[:, :-1] = labels[:, 1:]
+            num = int((shift != self.ignore_index).sum())
+        local_pos = shard_sequence(position_ids, self.comm, chunks=u)
+        self._docs = (local_pos, None if docs is None else shard_sequence(docs, self.comm, chunks=u))
+        return SPBatch(input_ids=shard_sequence(input_ids, self.comm, chunks=u), position_ids=local_pos,
+                       shift_labels=None if shift is None else shard_sequence(shift, self.comm, chunks=u),
+                       num_items=num or 0)
+
+    def doc_ids(self, position_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """This rank's document ids for the local ``position_ids`` (``None``: one document per row).
+
+        The ids come from :meth:`shard` for the tensor it returned; other position tensors (a micro-batch
+        slice) are gathered over ``comm`` once and remembered until the next one.
+        """
+        if position_ids is None:
+            raise ValueError("loom sequence-parallel attention needs the global position_ids of the local tokens; "
+                             "pass batch.inputs from SequenceParallel.shard")
+        if self._docs is not None and self._docs[0] is position_ids:
+            return self._docs[1]
+        pos = gather_sequence(position_ids, self.comm, chunks=self.chunks)
+        docs = _documents(pos)
+        self._docs = (position_ids, None if docs is None else shard_sequence(docs, self.comm, chunks=self.chunks))
+        return self._docs[1]
+
+    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The global tensor from every rank's sequence shard (not differentiable; for checks and logging)."""
+        return gather_sequence(x, self.comm, chunks=self.chunks, dim=dim)
+
+    # ------------------------------------------------------------------------------------------ loss
+    def loss(self, batch: SPBatch) -> torch.Tensor:
+        """``sum of this rank's token losses / global target count`` (sum over ``sp`` = the global mean).
+
+        The LM head and cross-entropy run in ``loss_chunks`` slices (recomputed in backward), in the hidden
+        states' dtype's accumulation precision (fp64 for fp64 models, else fp32).
+        """
+        if batch.shift_labels is None:
+            raise ValueError("this batch has no labels; pass labels= to SequenceParallel.shard")
+        h = self.decoder(**batch.inputs).last_hidden_state
+        w = self.model.get_output_embeddings().weight
+        total = chunked_lm_loss(h, w, batch.shift_labels, self.loss_chunks, self.ignore_index)
+        return total / max(batch.num_items, 1)
+
+    def reduce_gradients(self) -> None:
+        """Sum every parameter gradient over ``comm`` (one allreduce per dtype): each rank saw its tokens only."""
+        if self.comm.size == 1:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.model.parameters():
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p)
+        for ps in by_dtype.values():
+            flat = self.comm.allreduce(torch.cat([p.grad.reshape(-1) for p in ps]))
+            for p, g in zip(ps, torch.split(flat, [p.numel() for p in ps])):
+                p.grad.copy_(g.view_as(p.grad))
+
+    def remove(self, attn_implementation: str | None = None) -> None:
+        """Undo: plain MLP forwards, and the attention the model had before (or ``attn_implementation``)."""
+        for layer in self.decoder.layers:
+            _OWNER.pop(layer.self_attn, None)
+            if "forward" in vars(layer.mlp):
+                del layer.mlp.forward
+        self.model.set_attn_implementation(attn_implementation or self._previous_attn or "sdpa")
+
+
+def _documents(pos: torch.Tensor) -> torch.Tensor | None:
+    """Document ids ``[B, n]`` from global positions (a new document wherever ``pos[t] != pos[t-1] + 1``);
+    ``None`` when every row is one document."""
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    return torch.cumsum(starts.long(), dim=1)
+
+
+def _chunk_mlp(mlp: nn.Module, chunks: int) -> None:
+    """Make ``mlp`` run chunk by chunk along the sequence under recompute (an instance ``forward``; parameter
+    names and the state dict stay the model's own)."""
+    if "forward" in vars(mlp):
+        del mlp.forward
+    plain = mlp.forward
+    params = [p for p in mlp.parameters()]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return chunked_ffn(plain, x, chunks, params)
+
+    mlp.forward = forward

@@ -40,6 +40,7 @@ from typing import Any, Callable
 import torch
 
 from ..comm import Communicator, Mesh, stats, world
+from ..stats import Axis, flat_axis
 from . import checkpoint as ckpt
 from .config import Config, ConfigError, config_to_dict
 from .data import batch_windows, load_corpus
@@ -541,7 +542,7 @@ class Trainer:
             if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
                 eval_loss = self.evaluate()
             by_axis: dict[str, dict[str, int]] = {}
-            for axis in ("dp", "dp+ep", "ep", "pp", "sp"):
+            for axis in (Axis.DP, flat_axis(Axis.DP, Axis.EP), Axis.EP, Axis.PP, Axis.SP):
                 wire = after.get(axis, 0) - before.get(axis, 0)
                 if wire:
                     raw = wire + saved1.get(axis, 0) - saved0.get(axis, 0)

@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from ..bench import omb
+from ..comm import measure as omb
 from ..comm import world
 from .codecs import get_codec
 from .collectives import DEFAULT_MIN_BYTES

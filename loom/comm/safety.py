@@ -174,7 +174,7 @@ def _watchdog_loop() -> None:
     while _TIMEOUT is not None:
         limit = _TIMEOUT
         now = time.monotonic()
-        for tid, (what, t0) in list(_INFLIGHT.items()):
+        for what, t0 in list(_INFLIGHT.values()):
             if now - t0 > limit:
                 sys.stderr.write(
                     f"[rank {rank}] loom watchdog: stuck for {now - t0:.1f} s (LOOM_TIMEOUT={limit:g}) in {what}; "

@@ -1,7 +1,8 @@
 """Compressed collectives over a :class:`loom.comm.Communicator`.
 
 All of them take ``codec`` as a name (``"int8"``, ``"int4:block=32"``), a :class:`~loom.compress.codecs.Codec`
-instance or ``None`` (uncompressed, what ``policy.codec_for(axis)`` gives for a plain axis) (stateful codecs such as PowerSGD must be passed as the same instance every step), and send a tensor
+instance or ``None`` (uncompressed, what ``policy.codec_for(axis)`` gives for a plain axis; stateful codecs
+such as PowerSGD must be passed as the same instance every step), and send a tensor
 uncompressed when it is smaller than ``min_bytes``: below a few KiB the encode cost and the extra metadata
 message outweigh the bytes saved (the receiver applies the same rule, so both sides agree without talking).
 
@@ -251,7 +252,7 @@ def _allreduce_powersgd(x, comm, codec: PowerSGDCodec, ef: ErrorFeedback | None,
     out = torch.empty_like(y)
     residual = torch.zeros_like(y) if ef is not None else None
     oq = oraw = 0
-    for idx, (a, b, s) in enumerate(segs):
+    for idx, (a, b, _s) in enumerate(segs):
         if idx in mats:
             m = mats[idx]
             r = min(codec.rank, *m.shape)

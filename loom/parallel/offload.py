@@ -90,7 +90,7 @@ class MemoryTracker(TorchDispatchMode):
         if key in self._live:
             return
 
-        def _gone(_ref, key=key, n=n, live=self._live, tracker=weakref.ref(self)):
+        def _gone(_ref, key=key, n=n, live=self._live, tracker=weakref.ref(self)):  # noqa: B008 - bound now
             if live.pop(key, None) is not None:
                 tr = tracker()
                 if tr is not None:

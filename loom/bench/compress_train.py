@@ -161,7 +161,7 @@ def _train(args, task: _Task, spec: str, comm) -> dict:
     losses, times, hooks = [], [], []
     reset_stats()
     comm.barrier()
-    for step in range(args.steps):
+    for _step in range(args.steps):
         batch = task.batch(g, args.batch)
         t0 = time.perf_counter()
         hook_time[0] = 0.0

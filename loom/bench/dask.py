@@ -265,7 +265,7 @@ def _apps_client(address: str, args) -> dict[str, float]:
         x = da.random.default_rng(0).random((args.array, args.array), chunks=(args.chunk, args.chunk))
         x = client.persist(x)
         wait(x)
-        t, cpu, total = rounds(client, lambda r: float((x + x.T).sum().compute()))
+        t, cpu, total = rounds(client, lambda r, x=x: float((x + x.T).sum().compute()))
         times["(x + x.T).sum()"], times["(x + x.T).sum() cpu"] = t, cpu
         del x
         rows = args.rows // args.partitions
@@ -274,7 +274,8 @@ def _apps_client(address: str, args) -> dict[str, float]:
         right = dd.from_map(frame, range(args.partitions), seed=2, rows=rows, keys=keys)
         left, right = client.persist([left, right])
         wait([left, right])
-        t, cpu, n = rounds(client, lambda r: int(left.merge(right, on="k").map_partitions(len).sum().compute()))
+        t, cpu, n = rounds(client,
+                           lambda r, a=left, b=right: int(a.merge(b, on="k").map_partitions(len).sum().compute()))
         times["dataframe merge"], times["dataframe merge cpu"] = t, cpu
         del left, right
 

@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-d", "--depth", type=int, default=16, help="residual blocks (each width x width)")
     p.add_argument("-b", "--batch", type=int, default=16, help="global batch size (rows)")
     p.add_argument("-m", "--micro-batches", type=int, default=4, help="micro-batches per replica batch")
-    p.add_argument("-s", "--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b", help="pipeline schedule")
+    p.add_argument("-s", "--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b",
+                   help="pipeline schedule")
     p.add_argument("-i", "--iterations", type=int, default=10, help="timed steps per round")
     p.add_argument("-x", "--warmup", type=int, default=2, help="untimed steps per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds (modes interleaved, best kept)")

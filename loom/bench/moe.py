@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
 import torch
 
 from ..comm import world

@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     comm = world()
     p = comm.size
     if args.heads % p:
-        raise SystemExit(f"loom bench seqlen: --heads {args.heads} is not divisible by {p} ranks; use a multiple of {p}")
+        raise SystemExit(f"loom bench seqlen: --heads {args.heads} is not divisible by {p} ranks; "
+                         f"use a multiple of {p}")
     if args.kv_heads % p and p % args.kv_heads:
         raise SystemExit(f"loom bench seqlen: --kv-heads {args.kv_heads} is neither a multiple nor a divisor of {p} "
                          f"ranks; choose one that is")
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                  f"vocab={args.vocab} ({args.vocab / args.hidden:.1f}x hidden) ffn={args.ffn} {args.dtype} "
                  f"batch={args.batch}; Ulysses rows checkpoint every block",
         "ranks": f"{p} (sp={p})",
-        "budget": f"{args.budget / 2**20:.2f} MiB per rank ({'CUDA allocator' if run.device.type == 'cuda' else 'CPU live-storage tracker'})",
+        "budget": f"{args.budget / 2**20:.2f} MiB per rank "
+                  f"({'CUDA allocator' if run.device.type == 'cuda' else 'CPU live-storage tracker'})",
         "chunks": f"FFN/loss chunk {args.chunk} tokens/rank, attention chunk {args.attn_chunk} tokens/rank",
     }
     table.widths = [24, 10, 11, 11, 11, 8]
@@ -223,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     if comm.rank == 0:
         tu, tf = times[steps[0]], times[steps[-1]]
         print(f"# longest sequence: Ulysses {seq_eq}, FPDT {fp['max_seq']}: {ratio:.1f}x (goal >= 16x)")
-        print(f"# equal length {seq_eq}: time/token Ulysses {tu / seq_eq * 1e6:.1f} us, FPDT {tf / seq_eq * 1e6:.1f} us; "
+        print(f"# equal length {seq_eq}: time/token Ulysses {tu / seq_eq * 1e6:.1f} us, "
+              f"FPDT {tf / seq_eq * 1e6:.1f} us; "
               f"FPDT throughput = {tu / tf:.2f}x Ulysses (goal >= 0.8x)")
         for st in (steps[0], steps[-1]):
             c = counts[st]

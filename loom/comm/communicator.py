@@ -41,6 +41,7 @@ import torch
 from mpi4py import MPI
 
 from .. import settings
+from .. import stats as _stats
 from . import buffers as _b
 from .progress import Request
 
@@ -60,8 +61,6 @@ _BYTE = MPI.BYTE
 _Tensor = torch.Tensor
 _ndarray = np.ndarray
 
-# All live communicators' counters by name, so stats() sees sub-communicators made anywhere.
-_COUNTERS: dict[str, dict[str, int]] = {}
 
 MIN_TAG_UB = 32767  # the MPI standard's guaranteed minimum for MPI_TAG_UB
 _TAG_UB: int | None = None
@@ -140,7 +139,8 @@ class Communicator:
         self.name = name
         self.rank: int = mpi_comm.Get_rank()
         self.size: int = mpi_comm.Get_size()
-        self.bytes_sent: dict[str, int] = _COUNTERS.setdefault(name, {})
+        # the registry's live dict: every communicator of this name counts into one place (loom.stats)
+        self.bytes_sent: dict[str, int] = _stats.counters("comm", name)
         self._vcache: dict[tuple, tuple] = {}
         self._subs: dict[str, Communicator] = {}
 
@@ -565,13 +565,12 @@ def world() -> Communicator:
 
 
 def stats() -> dict[str, dict[str, int]]:
-    """Bytes this rank sent, per communicator name and operation (a copy)."""
-    return {name: dict(ops) for name, ops in _COUNTERS.items() if ops}
+    """Bytes this rank sent, per communicator name and operation (a copy; the ``comm`` kind of loom.stats)."""
+    return _stats.snapshot("comm")
 
 
 def reset_stats() -> None:
-    for ops in _COUNTERS.values():
-        ops.clear()
+    _stats.reset("comm")
 
 
 class Message:

@@ -29,9 +29,9 @@ Plan (one doorbell per process, created by the first user that can be rung, e.g.
 - **Who may ring whom.** A peer learns this process's :func:`address` ``(pid, host key)`` in-band (the Dask
   backend's connection handshake) and opens a :class:`Bell` only when the host key equals its own: the same
   boot and the same network, mount and pid namespaces, so the socket name, /dev/shm and the pid mean the same
-  process. A ring that fails (the peer exited) disables that bell; the peer then waits on its timer as before.
+  process. A ring that fails (the peer exited) disables that bell; the peer then wakes on its timer alone.
 
-``LOOM_DOORBELL=0`` turns doorbells off (pollers back off on timers alone, as before).
+``LOOM_DOORBELL=0`` turns doorbells off (pollers back off on timers alone).
 """
 
 from __future__ import annotations

@@ -11,11 +11,10 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping
 
+from ..stats import AXES, flat_axis
 from .communicator import Communicator, world
 
 __all__ = ["Mesh", "AXES"]
-
-AXES = ("dp", "pp", "sp", "tp", "ep")
 
 
 class Mesh:
@@ -96,7 +95,7 @@ class Mesh:
             k = 0
             for a in key:
                 k = k * self.shape[a] + self.coords[a]
-            sub = self.comm.split(color, k, name="+".join(key))
+            sub = self.comm.split(color, k, name=flat_axis(*key) if set(key) <= set(AXES) else "+".join(key))
             self._subs[key] = sub
         return sub
 

@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from ..bench import omb
+from ..comm import measure as omb
 from ..comm import world
 from .codecs import get_codec
 from .collectives import DEFAULT_MIN_BYTES
@@ -33,7 +33,8 @@ def _codec_arg(text: str) -> str:
 def parser() -> argparse.ArgumentParser:
     p = omb.parser("allreduce", "compressed allreduce (float32 sum) vs uncompressed, same run",
                    min_size=1024, max_size=1 << 22, vs=("none",), default_vs="none")
-    p.add_argument("--codec", required=True, type=_codec_arg, help="codec name with options, e.g. int8, int4:block=32, zfp:rate=8")
+    p.add_argument("--codec", required=True, type=_codec_arg,
+                   help="codec name with options, e.g. int8, int4:block=32, zfp:rate=8")
     p.add_argument("--min-bytes", type=omb.parse_size, default=DEFAULT_MIN_BYTES,
                    help="messages below this go uncompressed")
     return p

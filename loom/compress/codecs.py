@@ -238,8 +238,7 @@ class _BlockCodec(Codec):
 
     Wire layout: ``[scales: nblocks x fp32][codes]``. Encode and decode stream over chunks of
     :attr:`chunk_elements` elements, writing straight into the output buffer: whole-tensor temporaries cost more
-    in fresh-page faults than the arithmetic itself (measured 2026-12-02: 88 ms vs ~4 ms of compute to encode
-    8 MiB in one piece on this VM).
+    in fresh-page faults than the arithmetic itself (figures in the README's compression section).
     """
 
     qmax: int = 127
@@ -278,7 +277,7 @@ class _BlockCodec(Codec):
 
     def _encode_blocks(self, xb: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor) -> None:
         """Quantize ``xb`` ``[m, block]`` fp32 into ``scales`` ``[m]`` and ``codes`` (uint8 bytes)."""
-        amax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_())  # abs() is ~40x slower here
+        amax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_())  # not abs(): that allocates a block-sized temporary
         torch.div(amax, self.qmax, out=scales)
         inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
         q = torch.mul(xb, inv[:, None]).round_().clamp_(-self.qmax, self.qmax)

@@ -1,7 +1,8 @@
 """Compressed collectives over a :class:`loom.comm.Communicator`.
 
 All of them take ``codec`` as a name (``"int8"``, ``"int4:block=32"``), a :class:`~loom.compress.codecs.Codec`
-instance or ``None`` (uncompressed, what ``policy.codec_for(axis)`` gives for a plain axis) (stateful codecs such as PowerSGD must be passed as the same instance every step), and send a tensor
+instance or ``None`` (uncompressed, what ``policy.codec_for(axis)`` gives for a plain axis; stateful codecs
+such as PowerSGD must be passed as the same instance every step), and send a tensor
 uncompressed when it is smaller than ``min_bytes``: below a few KiB the encode cost and the extra metadata
 message outweigh the bytes saved (the receiver applies the same rule, so both sides agree without talking).
 
@@ -18,6 +19,7 @@ from typing import Hashable, Sequence
 
 import torch
 
+from .. import stats as _stats
 from ..comm import Communicator, Request
 from .codecs import Codec, NoneCodec, PowerSGDCodec, get_codec, orthonormalize
 from .feedback import ErrorFeedback
@@ -25,21 +27,21 @@ from .feedback import ErrorFeedback
 __all__ = ["allreduce", "allgather", "alltoallv", "send", "recv", "stats", "reset_stats", "DEFAULT_MIN_BYTES"]
 
 DEFAULT_MIN_BYTES = 65536
-"""Tensors smaller than this travel uncompressed. A compressed allreduce is two latency-bound collectives
-plus codec calls: measured 3-4 ms at 4 KiB on 4 ranks here vs 0.2-0.3 ms for the plain allreduce, while
-64 KiB take only ~0.5 ms on a 1 Gbit/s link, so below this compression cannot win on any link it targets."""
+"""Tensors smaller than this travel uncompressed: a compressed allreduce is two latency-bound collectives plus
+codec calls, which cost more than a small tensor takes to cross even a 1 Gbit/s link, so below this compression
+cannot win on any link it targets (figures: README, compression section, `loom bench allreduce --codec int8`)."""
 
-_STATS: dict[str, dict[str, int]] = {}
 _RAW = NoneCodec()
 
 
 def stats() -> dict[str, dict[str, int]]:
-    """``{comm name: {"raw": bytes, "wire": bytes, "calls": n}}`` for this rank's compressed collectives."""
-    return {k: dict(v) for k, v in _STATS.items()}
+    """``{comm name: {"raw": bytes, "wire": bytes, "calls": n}}`` for this rank's compressed collectives
+    (a copy; the ``compress`` kind of loom.stats)."""
+    return _stats.snapshot("compress")
 
 
 def reset_stats() -> None:
-    _STATS.clear()
+    _stats.reset("compress")
 
 
 def _resolve(codec: "str | Codec | None") -> Codec:
@@ -52,10 +54,7 @@ def _sent(comm: Communicator) -> int:
 
 
 def _account(comm: Communicator, raw: int, before: int) -> None:
-    d = _STATS.setdefault(comm.name, {"raw": 0, "wire": 0, "calls": 0})
-    d["raw"] += int(raw)
-    d["wire"] += _sent(comm) - before
-    d["calls"] += 1
+    _stats.add("compress", comm.name, raw=int(raw), wire=_sent(comm) - before, calls=1)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -253,7 +252,7 @@ def _allreduce_powersgd(x, comm, codec: PowerSGDCodec, ef: ErrorFeedback | None,
     out = torch.empty_like(y)
     residual = torch.zeros_like(y) if ef is not None else None
     oq = oraw = 0
-    for idx, (a, b, s) in enumerate(segs):
+    for idx, (a, b, _s) in enumerate(segs):
         if idx in mats:
             m = mats[idx]
             r = min(codec.rank, *m.shape)

@@ -99,14 +99,12 @@ _INLINE, _HOST, _CUDA = 0, 1, 2
 
 #: frames below this many bytes travel inside the header message
 INLINE_MAX = 64 * 1024
-#: seconds the poller keeps testing at full speed after activity before it backs off. Its back-off sleeps go
-#: through the event loop's timer, which epoll rounds up to 1 ms, so a reply arriving just after a short spin
-#: (loom.comm's default is 200 us; a Dask round trip takes longer) costs about 1 ms. A 1 ms spin after each
-#: message costs little CPU on an idle rank: Dask's own timers fire a few times a second.
-#: Only where this node has a core per rank (``MPI_LOCALNRANKS`` <= cores): on an oversubscribed node a spinning
-#: rank steals the CPU its peers need, and loom.comm's own 200 us spin is kept.
-#: With doorbells (loom.comm.doorbell) an oversubscribed rank does not spin at all: a sender on this host rings
-#: it awake, and every spinning microsecond is taken from a peer's computation.
+#: seconds the poller keeps testing at full speed after activity before it backs off: a Dask reply usually comes
+#: within a Dask round trip, and a rank still spinning notices it without a sleep and a wake-up. With a core per
+#: rank (the launcher's local size <= cores) a 1 ms spin costs an idle rank little, as Dask's own timers fire
+#: only a few times a second. On an oversubscribed node every spinning microsecond is taken from a peer's
+#: computation: the rank spins 200 us, or not at all with doorbells (loom.comm.doorbell), since a sender on
+#: this host rings it awake. Override: ``LOOM_DASK_SPIN_US`` or ``distributed.comm.mpi.spin-us``.
 dask.config.update_defaults(settings.dask_defaults())  # distributed.comm.mpi.* keys
 _OVERSUBSCRIBED = (getattr(settings.launch_info(), "local_size", None) or 1) > (os.cpu_count() or 1)
 _SPIN_DEFAULT = 1000 if not _OVERSUBSCRIBED else (0 if settings.get("doorbell") else 200)

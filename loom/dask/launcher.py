@@ -14,7 +14,8 @@ Plan of :func:`initialize` (every rank calls it):
 Reliability: a worker rank that dies (killed, segfault) is reported by MPICH's launcher, which then ends the
 whole job with a non-zero exit code (MPICH 5's fault-tolerance mode does not start here, so the other ranks
 cannot outlive it); the rank -> role -> pid map printed at start-up and the worker names (``rank-K``) say
-which worker it was, and ``loom dask run -n N`` names it in its final error line. The scheduler's ``worker-ttl`` is shortened
+which worker it was, and ``loom dask run -n N`` names it in its final error line. The scheduler's
+``worker-ttl`` is shortened
 (:data:`WORKER_TTL`) so that, under a launcher that keeps the other ranks alive, a silent worker is dropped
 and its tasks are recomputed on the others.
 """

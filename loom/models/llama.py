@@ -518,7 +518,8 @@ class Llama(nn.Module):
             ``loom.comm.world()``. Ignored for ``none``.
 
     Parameters have the same names on every rank (``embed.weight``, ``blocks.<i>.attn.wq.weight``, ...,
-    ``norm.weight``, ``head.weight``; when tied, ``head.weight`` *is* ``embed.weight`` and is listed once) and are initialised from generators seeded by those names,
+    ``norm.weight``, ``head.weight``; when tied, ``head.weight`` *is* ``embed.weight`` and is listed once) and
+    are initialised from generators seeded by those names,
     so every rank builds identical weights without communicating.
     """
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..bench import omb
+from ..comm import measure as omb
 from ..comm import world
 from .demand import demand_matrix, parse_skew
 from .relay import alltoallv as mp_alltoallv

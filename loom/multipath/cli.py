@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from ..bench.omb import parse_size
+from ..comm.measure import parse_size
 from .baselines import ecmp, lp_optimum, single_path, stripe
 from .demand import demand_matrix, parse_skew
 from .planner import Plan, plan

@@ -267,7 +267,6 @@ def plan(
         if even_lam < best_lam:
             x, best_x, best_lam = even, even, even_lam
         grid = c.grid[flexible]
-        vol = c.volume[flexible]
         fixed = np.zeros(len(x))
         fixed_pairs = ~flexible
         sel = np.zeros(len(x), dtype=bool)

@@ -101,7 +101,7 @@ def schedule(counts: np.ndarray, plan: Plan, row_bytes: int, chunk_bytes: int,
             splits.append((s, d, parts))
     chunk_rows = max(chunk_rows, math.ceil(relayed / max(1, max_messages // 2)))
     out: list[Message] = []
-    for s, d, parts in splits:
+    for _s, _d, parts in splits:
         off = 0
         for hops, r in parts:
             step = chunk_rows if len(hops) > 2 else r
@@ -276,7 +276,7 @@ def alltoallv(
 
 def _execute(tensor: Buffer, counts: np.ndarray, msgs: list[Message], comm: Communicator, window: int,
              chunk_bytes: int, row_bytes: int) -> tuple[Buffer, list[int]]:
-    me, p = comm.rank, comm.size
+    me = comm.rank
     x = tensor
     if isinstance(x, torch.Tensor):
         x = x.detach()

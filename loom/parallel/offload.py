@@ -25,20 +25,22 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .. import stats as _stats
+
 __all__ = ["DeviceStore", "HostPool", "MemoryTracker", "untracked", "chunk_store", "transfer_stats",
            "reset_transfer_stats"]
 
 _ACTIVE: list["MemoryTracker"] = []
-_TOTALS = {"to_host": 0, "to_device": 0}
+_TOTALS = _stats.counters("offload", "host")  # the registry's live dict (loom.stats)
 
 
 def transfer_stats() -> dict[str, int]:
     """Bytes every :class:`HostPool` of this process moved device->host and host->device (a copy)."""
-    return dict(_TOTALS)
+    return {"to_host": _TOTALS.get("to_host", 0), "to_device": _TOTALS.get("to_device", 0)}
 
 
 def reset_transfer_stats() -> None:
-    _TOTALS["to_host"] = _TOTALS["to_device"] = 0
+    _stats.reset("offload")
 
 
 @contextlib.contextmanager
@@ -88,7 +90,7 @@ class MemoryTracker(TorchDispatchMode):
         if key in self._live:
             return
 
-        def _gone(_ref, key=key, n=n, live=self._live, tracker=weakref.ref(self)):
+        def _gone(_ref, key=key, n=n, live=self._live, tracker=weakref.ref(self)):  # noqa: B008 - bound now
             if live.pop(key, None) is not None:
                 tr = tracker()
                 if tr is not None:
@@ -202,7 +204,7 @@ class HostPool(DeviceStore):
         self._next += 1
         nbytes = t.numel() * t.element_size()
         self.bytes_to_host += nbytes
-        _TOTALS["to_host"] += nbytes
+        _stats.add("offload", "host", to_host=nbytes)
         if self._cuda:
             t = t.contiguous()
             buf = self._pinned(nbytes)
@@ -226,7 +228,7 @@ class HostPool(DeviceStore):
             return
         host = self._items[h]
         self.bytes_to_device += host.numel() * host.element_size()
-        _TOTALS["to_device"] += host.numel() * host.element_size()
+        _stats.add("offload", "host", to_device=host.numel() * host.element_size())
         if self._cuda:
             with torch.cuda.stream(self._stream):
                 self._stream.wait_event(self._events[h])
@@ -267,11 +269,11 @@ class HostPool(DeviceStore):
         self.free(h)
         nbytes = t.numel() * t.element_size()
         self.bytes_to_host += nbytes
-        _TOTALS["to_host"] += nbytes
+        _stats.add("offload", "host", to_host=nbytes)
         if self._cuda:
             h2 = self.put(t)
             self.bytes_to_host -= nbytes
-            _TOTALS["to_host"] -= nbytes
+            _stats.add("offload", "host", to_host=-nbytes)
             self._items[h] = self._items.pop(h2)
             self._events[h] = self._events.pop(h2)
             return

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import settings
+from .. import stats as _stats
 from .offload import chunk_store
 
 __all__ = [
@@ -65,16 +66,16 @@ __all__ = [
     "FPDTPipeline",
 ]
 
-_A2A = {"count": 0}
+_A2A = _stats.counters("sequence", "sp")  # the registry's live dict (loom.stats)
 
 
 def alltoall_stats() -> dict[str, int]:
     """How many all-to-alls this process's sequence-parallel code issued (P > 1 only)."""
-    return dict(_A2A)
+    return {"count": _A2A.get("alltoall", 0)}
 
 
 def reset_alltoall_stats() -> None:
-    _A2A["count"] = 0
+    _stats.reset("sequence")
 
 
 def attention_kernel(device: torch.device) -> str:
@@ -194,7 +195,7 @@ def _s2h(xs: Sequence[torch.Tensor], comm) -> list[torch.Tensor]:
     packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
     send = packed.permute(2, 0, 1, 3, 4).contiguous()  # [P(dest head group), B, s, hsum, D]
     recv = comm.alltoall(send)  # [P(src = sequence piece), B, s, hsum, D]
-    _A2A["count"] += 1
+    _stats.add("sequence", "sp", alltoall=1)
     y = recv.permute(1, 0, 2, 3, 4).reshape(b, p * s, sum(heads), d)
     return list(torch.split(y, heads, dim=2)) if len(xs) > 1 else [y]
 
@@ -210,7 +211,7 @@ def _h2s(xs: Sequence[torch.Tensor], comm) -> list[torch.Tensor]:
     packed = xs[0] if len(xs) == 1 else torch.cat(list(xs), dim=2)
     send = packed.reshape(b, p, s, sum(heads), d).permute(1, 0, 2, 3, 4).contiguous()
     recv = comm.alltoall(send)  # [P(src head group), B, s, hsum, D]
-    _A2A["count"] += 1
+    _stats.add("sequence", "sp", alltoall=1)
     y = recv.permute(1, 2, 0, 3, 4)  # [B, s, P, hsum, D]
     outs = torch.split(y, heads, dim=3) if len(xs) > 1 else [y]
     return [o.reshape(b, s, p * h, d) for o, h in zip(outs, heads)]

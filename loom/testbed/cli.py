@@ -158,7 +158,7 @@ def verdict(row: dict, ceiling_gbit: float | None) -> str:
 def print_table(rows: list[dict], spec: TestbedSpec, json_path: str | None = None) -> None:
     """Print the OMB-style check table on stdout (and ``json_path``); the ``no-limit`` row, when present, is
     the ceiling the verdicts compare against."""
-    from loom.bench import omb
+    from loom.comm import measure as omb
 
     cols = ["Link", "Route", "Configured (Gbit/s)", "Achieved (Gbit/s)", "Achieved/Configured", "Latency (us)",
             "Limit"]

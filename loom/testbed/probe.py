@@ -16,7 +16,7 @@ Plan per class: split COMM_WORLD into the class's ranks (key = world rank) and t
 communicator, (1) ping-pong 8-byte messages (``send``/``recv``) to get the one-way latency, (2) stream
 windows of ``--window`` non-blocking sends of ``--size`` bytes from the first rank of every pair to the second
 (``isend``/``irecv`` + ``wait_all``, then a 1-byte ack), as osu_bw does. All pairs of a class stream at the
-same time. Both loops are timed by :func:`loom.bench.omb.time_op` (warm-up excluded, bounded by
+same time. Both loops are timed by :func:`loom.comm.measure.time_op` (warm-up excluded, bounded by
 ``--seconds``); the window count is chosen from the warm-up window so that a slow link still ends in time.
 Buffers are allocated once per class. Rank 0 gathers the results and writes ``--json``.
 """
@@ -84,7 +84,7 @@ def measure(comm, topo: dict, name: str, *, size: int = 1 << 20, window: int = 8
         size: bytes per message of a bandwidth window; window: messages per window.
         seconds: time bound of each bandwidth loop; pingpongs: timed ping-pongs for the latency.
     """
-    from loom.bench import omb
+    from loom.comm import measure as omb
     from loom.comm import wait_all
 
     if size < 1 or window < 1 or pingpongs < 1 or not seconds > 0:
@@ -153,7 +153,7 @@ def measure(comm, topo: dict, name: str, *, size: int = 1 << 20, window: int = 8
 
 
 def parser() -> argparse.ArgumentParser:
-    from loom.bench import omb
+    from loom.comm import measure as omb
 
     p = argparse.ArgumentParser(prog="python -m loom.testbed.probe", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)

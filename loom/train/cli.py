@@ -95,7 +95,7 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
         f"{m.ffn_hidden}, vocab {m.vocab}: {total:,} parameters ({_fmt(total * elem)} in {cfg.train.dtype}); "
         f"implementation {model_source()}",
         f"  mesh       dp={mesh.dp} pp={mesh.pp} sp={mesh.sp} ep={mesh.ep} = {mesh.size} ranks",
-        f"  stages     " + ", ".join(f"stage {i}: layers {a}..{b - 1}" for i, (a, b) in enumerate(stages))
+        "  stages     " + ", ".join(f"stage {i}: layers {a}..{b - 1}" for i, (a, b) in enumerate(stages))
         + (" (even split; HybridParallel balances by parameters at start)" if mesh.pp > 1 else ""),
         f"  sequence   {cfg.sequence.algorithm}, seq_len {d.seq_len} -> {s_loc} tokens per sp rank, "
         f"chunks {cfg.sequence.chunks}, offload {cfg.sequence.offload}",

@@ -167,7 +167,8 @@ class CompressConfig:
     """Buckets below this many KiB are reduced uncompressed; -1 keeps the policy's default threshold."""
 
     def __post_init__(self) -> None:
-        _need(isinstance(self.policy, str) and self.policy, "compress.policy must be a non-empty name ('none' to disable)")
+        _need(isinstance(self.policy, str) and self.policy,
+              "compress.policy must be a non-empty name ('none' to disable)")
         _need(self.bucket_mb > 0, f"compress.bucket_mb = {self.bucket_mb} must be > 0")
         _need(self.min_kb == -1.0 or self.min_kb >= 0,
               f"compress.min_kb = {self.min_kb} must be >= 0 (or -1 for the policy default)")

@@ -29,13 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import stats as _stats
 from ..models.llama import RMSNorm, rope
 from .config import Config, ConfigError, ModelConfig, SequenceConfig
 
 __all__ = ["Llama", "Positions", "TrainModel", "UlyssesAllToAll", "build_model", "COMM_TIME", "model_source"]
 
 # Seconds spent inside sequence-parallel all-to-alls (forward and backward), read by the trainer's breakdown.
-COMM_TIME: dict[str, float] = {"sp": 0.0}
+COMM_TIME = _stats.AxisCounter("time", "comm")
 
 
 def _a2a_seq_to_heads(x: torch.Tensor, comm) -> torch.Tensor:

@@ -40,6 +40,7 @@ from typing import Any, Callable
 import torch
 
 from ..comm import Communicator, Mesh, stats, world
+from ..stats import Axis, flat_axis
 from . import checkpoint as ckpt
 from .config import Config, ConfigError, config_to_dict
 from .data import batch_windows, load_corpus
@@ -541,7 +542,7 @@ class Trainer:
             if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
                 eval_loss = self.evaluate()
             by_axis: dict[str, dict[str, int]] = {}
-            for axis in ("dp", "dp+ep", "ep", "pp", "sp"):
+            for axis in (Axis.DP, flat_axis(Axis.DP, Axis.EP), Axis.EP, Axis.PP, Axis.SP):
                 wire = after.get(axis, 0) - before.get(axis, 0)
                 if wire:
                     raw = wire + saved1.get(axis, 0) - saved0.get(axis, 0)
@@ -552,7 +553,8 @@ class Trainer:
                 "kind": "step", "step": done, "loss": loss_avg, "eval_loss": eval_loss, "lr": lr, "grad_norm": gnorm,
                 "tokens": done * tokens, "tokens_per_s": tokens / step_s, "step_time": step_s,
                 "time": {"compute": max(0.0, step_s - comm_s), "comm": comm_s, "offload": 0.0},
-                "bytes": by_axis, "offload_bytes": off1 - off0, "compress_ratio": (raw_all / wire_all) if wire_all else 1.0, "peak_mem": peak,
+                "bytes": by_axis, "offload_bytes": off1 - off0,
+                "compress_ratio": (raw_all / wire_all) if wire_all else 1.0, "peak_mem": peak,
             }
             records.append(rec)
             if lead:

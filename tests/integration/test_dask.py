@@ -61,7 +61,8 @@ def test_bench_dask_small_end_to_end(tmp_path):
     out = tmp_path / "d.json"
     argv = [sys.executable, "-m", "loom.cli", "bench", "dask", "-M", "128K", "-i", "20", "-x", "5",
             "--iterations-large", "5", "--warmup-large", "2", "--rounds", "1", "--array", "400", "--chunk", "100",
-            "--rows", "4000", "--partitions", "2", "--app-rounds", "1", "--tasks", "20", "--order", "tcp,mpi", "--cycles", "1", "--json", str(out)]
+            "--rows", "4000", "--partitions", "2", "--app-rounds", "1", "--tasks", "20", "--order", "tcp,mpi",
+            "--cycles", "1", "--json", str(out)]
     proc = launch.run(4, argv, timeout=240, env={**ENV, "LOOM_LAUNCHED": "1"}, capture=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())

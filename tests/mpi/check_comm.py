@@ -300,7 +300,7 @@ def check_mesh_and_split(comm):
 
 
 def check_byte_accounting(comm):
-    p, r = comm.size, comm.rank
+    p = comm.size
     reset_stats()
     x = torch.zeros(4 * p, dtype=torch.float32)   # 16p bytes
     comm.allreduce(x)

@@ -213,7 +213,7 @@ def check_dp_hook_mean_and_stats(comm):
     g = seeded(comm, 10)
     lc.reset_stats()
     hook = lc.dp_hook(CompressionPolicy.preset("hybrid", min_bytes=0))
-    for step in range(3):
+    for _step in range(3):
         for bucket, n in ((0, 5000), (1, 1234)):
             xs = [torch.randn(n, generator=g) for _ in range(comm.size)]
             out = hook(xs[comm.rank], comm, bucket)

@@ -52,7 +52,8 @@ def test_16bit_inputs_keep_dtype_and_shape(name, dtype, g):
 
 def test_wire_sizes_and_ratios(g):
     x = torch.randn(4096, generator=g)
-    for name, ratio in (("bf16", 2.0), ("int8", 4 * 64 / 68), ("int4", 4 * 32 / 20), ("topk:fraction=0.01", 16384 / (8 * 41))):
+    for name, ratio in (("bf16", 2.0), ("int8", 4 * 64 / 68), ("int4", 4 * 32 / 20),
+                        ("topk:fraction=0.01", 16384 / (8 * 41))):
         codec = get_codec(name)
         pkt = codec.encode(x)
         assert pkt.nbytes == codec.wire_bytes(x.numel())

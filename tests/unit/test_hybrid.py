@@ -76,7 +76,7 @@ def test_interleaved_schedule_is_complete_and_causal():
 
     for p, v, m in itertools.product(range(1, 6), range(1, 4), range(1, 10)):
         per_rank = interleaved_schedule(p, v, m)
-        for r, ops in enumerate(per_rank):
+        for ops in per_rank:
             assert sorted(ops) == sorted((o, k, i) for o in "FB" for k in range(v) for i in range(m))
             for k, i in itertools.product(range(v), range(m)):
                 assert ops.index(("F", k, i)) < ops.index(("B", k, i))

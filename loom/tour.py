@@ -54,13 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return tour([a for a in args if a != "--tour"])
     from .train import cli
-    from .train.model import _sequence_ops
 
     extra = mesh_for(_size())
-    if _sequence_ops() is None:  # FPDT lives in loom.parallel.sequence; without it the demo runs plain Ulysses
-        if settings.launch_rank() == 0:
-            print("loom demo: loom.parallel.sequence is not available; using this package's Ulysses (no FPDT)")
-        extra += ["--sequence.algorithm=ulysses", "--sequence.chunks=1", "--sequence.offload=false"]
     rc = cli.main(["--config", str(demo_config()), *extra, *args])
     if rc == 0 and settings.launch_rank() == 0:
         _sample(args)

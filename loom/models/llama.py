@@ -1,8 +1,9 @@
 """A Llama-style decoder whose attention runs without, with Ulysses, or with FPDT sequence parallelism.
 
 Architecture: token embedding; ``layers`` pre-norm blocks of RMSNorm -> grouped-query attention with rotary
-positions (RoPE at *global* token positions, interleaved pairs) -> residual, RMSNorm -> SwiGLU or GELU FFN ->
-residual; a final RMSNorm and an LM head (tied to the embedding or not). No biases.
+positions (RoPE at *global* token positions, interleaved pairs) -> residual, RMSNorm -> SwiGLU, GELU or
+mixture-of-experts FFN (:mod:`loom.parallel.moe`, experts sharded over ``ep``) -> residual; a final RMSNorm and
+an LM head (tied to the embedding or not). No biases.
 
 Sequence parallelism (``LlamaConfig.sequence_parallel``):
 
@@ -53,13 +54,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.moe import MoE, MoEConfig
 from ..parallel.offload import chunk_store
 from ..parallel.sequence import FPDTPipeline, _global_docs, check_sizes, local_positions, ulysses_attention
 
-__all__ = ["LlamaConfig", "Llama", "build_llama", "chunked_lm_loss", "chunked_ffn", "SEQUENCE_PARALLEL"]
+__all__ = [
+    "LlamaConfig", "Llama", "MoEFeedForward", "build_llama", "chunked_lm_loss", "chunked_ffn", "SEQUENCE_PARALLEL",
+]
 
 SEQUENCE_PARALLEL = ("none", "ulysses", "fpdt")
-_FFN = ("swiglu", "gelu")
+_FFN = ("swiglu", "gelu", "moe")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -77,9 +81,13 @@ class LlamaConfig:
     vocab: int = 256
     """Vocabulary size."""
     ffn: str = "swiglu"
-    """FFN kind: ``swiglu`` or ``gelu``."""
+    """FFN kind: ``swiglu``, ``gelu`` or ``moe`` (:class:`~loom.parallel.moe.MoE`, experts over ``ep``)."""
     ffn_mult: float = 2.6667
     """FFN inner width as a multiple of ``hidden``, rounded up to a multiple of 8."""
+    experts: int = 4
+    """MoE only: number of experts (a multiple of the ``ep`` size)."""
+    top_k: int = 2
+    """MoE only: experts per token."""
     rope_theta: float = 10000.0
     """Rotary embedding base."""
     norm_eps: float = 1e-5
@@ -102,7 +110,7 @@ class LlamaConfig:
     """Recompute each block in backward, keeping only its input."""
 
     def __post_init__(self) -> None:
-        for k in ("layers", "hidden", "heads", "vocab", "chunks"):
+        for k in ("layers", "hidden", "heads", "vocab", "chunks", "experts", "top_k"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"LlamaConfig.{k} = {v!r} must be an integer >= 1")
@@ -118,6 +126,8 @@ class LlamaConfig:
                              f"kv_heads to divide heads")
         if self.ffn not in _FFN:
             raise ValueError(f"ffn = {self.ffn!r}; valid: {', '.join(_FFN)}")
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k = {self.top_k} exceeds experts = {self.experts}; choose top_k <= experts")
         if self.sequence_parallel not in SEQUENCE_PARALLEL:
             raise ValueError(f"sequence_parallel = {self.sequence_parallel!r}; valid: {', '.join(SEQUENCE_PARALLEL)}")
         fp = self.sequence_parallel == "fpdt"
@@ -349,6 +359,24 @@ class Attention(nn.Module):
         return o.reshape(b, s, nq)
 
 
+class MoEFeedForward(nn.Module):
+    """:class:`~loom.parallel.moe.MoE` (top-k, dropless, experts sharded over ``ep``) on ``[B, s, hidden]``.
+
+    Token-wise like the dense FFN, so it chunks and recomputes the same way (every ``ep`` rank runs the same
+    chunk schedule, so the dispatch/combine all-to-alls pair up). Parameters: ``moe.gate`` (replicated) and
+    ``moe.w1``/``moe.w2`` (this ``ep`` rank's experts along dim 0), initialised by ``MoE`` from ``seed``.
+    """
+
+    def __init__(self, cfg: LlamaConfig, ep_comm, seed: int):
+        super().__init__()
+        self.moe = MoE(MoEConfig(dim=cfg.hidden, hidden=cfg.ffn_hidden, experts=cfg.experts, top_k=cfg.top_k,
+                                 seed=seed, dtype=torch.float64), ep_comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        return self.moe(x.reshape(b * s, h)).reshape(b, s, h)
+
+
 class FeedForward(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -453,13 +481,13 @@ class Block(nn.Module):
     runs in ``ffn_chunks`` recomputed chunks.
     """
 
-    def __init__(self, cfg: LlamaConfig, sp_comm=None):
+    def __init__(self, cfg: LlamaConfig, sp_comm=None, ep_comm=None, index: int = 0):
         super().__init__()
         self.cfg = cfg
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = Attention(cfg, sp_comm)
         self.ffn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.ffn = FeedForward(cfg)
+        self.ffn = MoEFeedForward(cfg, ep_comm, seed=1000 + index) if cfg.ffn == "moe" else FeedForward(cfg)
         self.pos: torch.Tensor | None = None
         self.doc: torch.Tensor | None = None  # global document ids (fpdt) for packed sequences
 
@@ -516,14 +544,16 @@ class Llama(nn.Module):
         cfg: a :class:`LlamaConfig`.
         sp_comm: the sequence-parallel communicator (``mesh["sp"]``) for ``ulysses``/``fpdt``; default
             ``loom.comm.world()``. Ignored for ``none``.
+        ep_comm: the expert-parallel communicator (``mesh["ep"]``) for ``ffn="moe"``; default
+            ``loom.comm.world()`` (every expert on one rank when the world has one rank).
 
     Parameters have the same names on every rank (``embed.weight``, ``blocks.<i>.attn.wq.weight``, ...,
     ``norm.weight``, ``head.weight``; when tied, ``head.weight`` *is* ``embed.weight`` and is listed once) and
-    are initialised from generators seeded by those names,
-    so every rank builds identical weights without communicating.
+    are initialised from generators seeded by those names, so every rank builds identical weights without
+    communicating.
     """
 
-    def __init__(self, cfg: LlamaConfig, sp_comm=None):
+    def __init__(self, cfg: LlamaConfig, sp_comm=None, ep_comm=None):
         super().__init__()
         self.cfg = cfg
         if cfg.sequence_parallel != "none" and sp_comm is None:
@@ -532,7 +562,7 @@ class Llama(nn.Module):
             sp_comm = world()
         self.sp = sp_comm if cfg.sequence_parallel != "none" else None
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.blocks = nn.ModuleList([Block(cfg, self.sp) for _ in range(cfg.layers)])
+        self.blocks = nn.ModuleList([Block(cfg, self.sp, ep_comm, i) for i in range(cfg.layers)])
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tie_embeddings:  # one Parameter in two places: named_parameters() lists it once, as embed.weight
@@ -541,7 +571,7 @@ class Llama(nn.Module):
 
     def _init_weights(self) -> None:
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or ".ffn.moe." in name:  # MoE initialises its own (seeded per layer)
                 continue
             g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
             std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
@@ -602,7 +632,7 @@ class Llama(nn.Module):
         return total / max(float(count[0]), 1.0)
 
 
-def build_llama(cfg: Any, *, sp_comm=None, dtype: torch.dtype = torch.float32, device: Any = "cpu",
+def build_llama(cfg: Any, *, sp_comm=None, ep_comm=None, dtype: torch.dtype = torch.float32, device: Any = "cpu",
                 **overrides: Any) -> Llama:
     """A :class:`Llama` from a :class:`LlamaConfig` or any object/dict with the same field names.
 
@@ -610,4 +640,4 @@ def build_llama(cfg: Any, *, sp_comm=None, dtype: torch.dtype = torch.float32, d
     ``dtype``/``device``.
     """
     c = cfg if isinstance(cfg, LlamaConfig) and not overrides else LlamaConfig.from_any(cfg, **overrides)
-    return Llama(c, sp_comm).to(device=device, dtype=dtype)
+    return Llama(c, sp_comm, ep_comm).to(device=device, dtype=dtype)

@@ -67,8 +67,6 @@ def param_count(cfg: Config) -> tuple[int, int, int]:
 
 def plan(cfg: Config, world_size: int | None = None) -> str:
     """Human-readable plan: mesh, stage split, per-rank memory and bytes per step per axis."""
-    from .model import model_source
-
     m, mesh, d = cfg.model, cfg.mesh, cfg.data
     elem = {"float32": 4, "float64": 8, "bfloat16": 2}[cfg.train.dtype]
     outer, block, total = param_count(cfg)
@@ -92,8 +90,7 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
     lines = [
         f"loom train plan ({'world ' + str(world_size) + ' ranks' if world_size else 'not launched'})",
         f"  model      {m.layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads} kv, ffn {m.ffn} "
-        f"{m.ffn_hidden}, vocab {m.vocab}: {total:,} parameters ({_fmt(total * elem)} in {cfg.train.dtype}); "
-        f"implementation {model_source()}",
+        f"{m.ffn_hidden}, vocab {m.vocab}: {total:,} parameters ({_fmt(total * elem)} in {cfg.train.dtype})",
         f"  mesh       dp={mesh.dp} pp={mesh.pp} sp={mesh.sp} ep={mesh.ep} = {mesh.size} ranks",
         "  stages     " + ", ".join(f"stage {i}: layers {a}..{b - 1}" for i, (a, b) in enumerate(stages))
         + (" (even split; HybridParallel balances by parameters at start)" if mesh.pp > 1 else ""),

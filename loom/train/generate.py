@@ -35,7 +35,7 @@ def load_model(path: str):
     for part in parts:
         state.update(part["model"])
     dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}[cfg.train.dtype]
-    model = build_model(cfg, dtype=dtype, impl=parts[0].get("impl", "loom.train.model")).module
+    model = build_model(cfg, dtype=dtype).module
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match its config: missing {missing[:3]}, "

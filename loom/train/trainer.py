@@ -6,9 +6,9 @@ Step plan (every rank, mesh ``dp x pp x ep x sp``, ``sp`` fastest):
    its rows (``dp`` and ``ep`` ranks take different rows: ``B / (dp ep)`` each) and its ``sp`` columns in the
    Ulysses/FPDT layout (contiguous for ``chunks = 1``; pieces ``r, r+P, ...`` of ``chunks x P`` for FPDT),
    whose global positions feed RoPE.
-2. **Forward/backward.** ``pp = 1``: the model (``loom.models.llama``, or the reference decoder with
-   ``loom.parallel.moe`` experts over ``ep``) runs whole on this rank; its attention runs Ulysses or FPDT
-   all-to-alls over ``sp`` inside autograd (compressed by the policy's ``sp`` codec). ``pp > 1``:
+2. **Forward/backward.** ``pp = 1``: the model (``loom.models.llama``; with ``model.ffn = "moe"`` its
+   ``loom.parallel.moe`` experts sharded over ``ep``) runs whole on this rank; its attention runs Ulysses or
+   FPDT all-to-alls over ``sp`` inside autograd (compressed by the policy's ``sp`` codec). ``pp > 1``:
    ``loom.parallel.HybridParallel`` cuts an ``nn.Sequential`` view of the model into stages and runs the
    1F1B/GPipe schedule over ``data.micro_batches`` micro-batches; its reducer averages stage gradients over
    ``dp`` through the same dp hook.
@@ -40,13 +40,20 @@ from typing import Any, Callable
 import torch
 
 from ..comm import Communicator, Mesh, stats, world
+from .. import stats as _stats
 from ..stats import Axis, flat_axis
+from ..compress import stats as compress_stats
+from ..parallel import HybridParallel
+from ..parallel.offload import transfer_stats
 from . import checkpoint as ckpt
 from .config import Config, ConfigError, config_to_dict
 from .data import batch_windows, load_corpus
-from .model import COMM_TIME, build_model
+from .model import build_model
 
-__all__ = ["Trainer", "TimedComm", "sp_layout", "lr_at", "compression_hook", "peak_memory"]
+__all__ = ["Trainer", "TimedComm", "sp_layout", "lr_at", "compression_hook", "peak_memory", "COMM_TIME"]
+
+# Seconds spent inside sequence-parallel calls (forward and backward), read by the step-time breakdown.
+COMM_TIME = _stats.AxisCounter("time", "comm")
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -71,39 +78,15 @@ def peak_memory(device: torch.device) -> int:
 
 
 def compression_hook(policy: str, min_bytes: int | None = None) -> tuple[Any, Callable]:
-    """``(CompressionPolicy, dp hook)`` for ``compress.policy`` from ``loom.compress``.
+    """``(CompressionPolicy, dp hook)`` for ``compress.policy``: a ``loom.compress`` preset and its
+    ``dp_hook(policy) -> hook(flat_bucket, comm, bucket_index)`` returning the mean over ``comm``."""
+    from ..compress import CompressionPolicy, dp_hook
 
-    Adapter over engineer C's API: ``loom.compress.dp_hook(policy) -> hook(flat_bucket, comm, bucket_index)``
-    returning the mean over ``comm``; the policy is looked up by name with ``CompressionPolicy.named`` /
-    ``from_name`` / ``preset``, whichever the package provides.
-    """
     try:
-        import loom.compress as lc
-    except ImportError as exc:
-        raise ConfigError(f"compress.policy = {policy!r} needs loom.compress, which is not importable ({exc}); "
-                          f"use compress.policy = 'none'") from None
-    if not hasattr(lc, "dp_hook") or not hasattr(lc, "CompressionPolicy"):
-        raise ConfigError(f"compress.policy = {policy!r}: this build's loom.compress has no dp_hook/"
-                          f"CompressionPolicy yet; use compress.policy = 'none'")
-    cls = lc.CompressionPolicy
-    pol = None
-    for ctor in ("named", "from_name", "preset", "get"):
-        if hasattr(cls, ctor):
-            try:
-                pol = getattr(cls, ctor)(policy)
-                if min_bytes is not None:
-                    pol = cls.preset(policy, min_bytes=min_bytes) if ctor == "preset" else pol
-                break
-            except (KeyError, ValueError) as exc:
-                raise ConfigError(f"compress.policy = {policy!r}: {exc}") from None
-    if pol is None:
-        presets = getattr(lc, "POLICIES", None)
-        if isinstance(presets, dict) and policy in presets:
-            pol = presets[policy]
-        else:
-            raise ConfigError(f"compress.policy = {policy!r} is not a known loom.compress policy"
-                              + (f"; valid: {', '.join(presets)}" if isinstance(presets, dict) else ""))
-    return pol, lc.dp_hook(pol)
+        pol = CompressionPolicy.preset(policy, **({} if min_bytes is None else {"min_bytes": min_bytes}))
+    except ValueError as exc:
+        raise ConfigError(f"compress.policy = {policy!r}: {exc}") from None
+    return pol, dp_hook(pol)
 
 
 def _wire_bytes() -> dict[str, int]:
@@ -112,21 +95,13 @@ def _wire_bytes() -> dict[str, int]:
 
 def _offload_bytes() -> int:
     """Bytes moved between device and host memory by FPDT's chunk stores so far (loom.parallel.offload)."""
-    try:
-        from loom.parallel.offload import transfer_stats
-    except ImportError:
-        return 0
     t = transfer_stats()
     return int(t.get("to_host", 0) + t.get("to_device", 0))
 
 
 def _saved_bytes() -> dict[str, int]:
     """Per communicator name: uncompressed minus on-the-wire bytes of loom.compress collectives so far."""
-    try:
-        from loom.compress import stats as cstats
-    except ImportError:
-        return {}
-    return {k: v.get("raw", 0) - v.get("wire", 0) for k, v in cstats().items()}
+    return {k: v.get("raw", 0) - v.get("wire", 0) for k, v in compress_stats().items()}
 
 
 class TimedComm:
@@ -148,7 +123,7 @@ class TimedComm:
         COMM_TIME.setdefault(key, 0.0)
 
     def _compressed_alltoall(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        from loom.compress import alltoallv
+        from ..compress import alltoallv
 
         p = self._comm.size
         counts = [tensor.shape[0] // p] * p
@@ -236,7 +211,7 @@ class Trainer:
         self.dtype = _DTYPES[cfg.train.dtype]
         torch.manual_seed(cfg.train.seed)
         sp_codec = self.policy.codec_for("sp") if self.policy is not None else None
-        sp_min = getattr(self.policy, "min_bytes", None)
+        sp_min = self.policy.min_bytes if self.policy is not None else None
         sp_comm = TimedComm(self.sp, "sp", sp_codec, sp_min) if self.sp is not None else None
         self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.dtype, device=self.device)
         self.model = self.tm.module
@@ -266,12 +241,7 @@ class Trainer:
             self.resumed_from_nothing = self.start_step == 0
         self._buckets = self._make_buckets()
 
-    def _make_hybrid(self):
-        try:
-            from loom.parallel import HybridParallel
-        except ImportError as exc:
-            raise ConfigError(f"mesh.pp = {self.cfg.mesh.pp} needs loom.parallel.HybridParallel, which is not "
-                              f"importable in this build ({exc}); use mesh.pp = 1") from None
+    def _make_hybrid(self) -> HybridParallel:
         cfg = self.cfg
         schedule = cfg.mesh.schedule
         try:
@@ -355,7 +325,7 @@ class Trainer:
                 payload = {
                     "format": ckpt.FORMAT, "step": step, "config": config_to_dict(self.cfg),
                     "stage": self.stage, "stages": self.stages, "params": list(self.param_names),
-                    "impl": self.tm.impl, "model": model, "optim": optim, "rng": ckpt.capture_rng(),
+                    "model": model, "optim": optim, "rng": ckpt.capture_rng(),
                 }
                 path = ckpt.save(ckpt.stage_path(self.ckpt_dir, step, self.stage), payload)
         self.comm.barrier()  # every stage file exists before anyone prunes or moves on

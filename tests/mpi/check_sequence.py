@@ -186,7 +186,8 @@ def check_errors(comm):
 
 
 def _model_run(cfg, comm, tok, tgt, doc=None):
-    m = Llama(cfg, comm).double()
+    ep = comm.split(comm.rank, 0, name="ep") if cfg.ffn == "moe" else None  # every expert on each rank
+    m = Llama(cfg, comm, ep).double()
     chunks = cfg.layout_chunks
     if cfg.sequence_parallel != "none":
         tok, tgt = shard_sequence(tok, comm, chunks=chunks), shard_sequence(tgt, comm, chunks=chunks)
@@ -211,6 +212,7 @@ def check_model_exact(comm):
         dict(sequence_parallel="ulysses", causal=False, ffn_chunks=2, loss_chunks=2, kv_heads=1),
         dict(sequence_parallel="fpdt", chunks=3, offload=True, kv_heads=1, packed=True),
         dict(sequence_parallel="ulysses", kv_heads=heads, packed=True, checkpoint=True),
+        dict(sequence_parallel="fpdt", chunks=2, offload=True, ffn="moe", kv_heads=1),
     ]
     for kw in variants:
         n = p * kw.get("chunks", 1) * 4

@@ -42,6 +42,7 @@ MESHES = {
         {"mesh": {"sp": 4}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True, "recompute": True}},
         {**MOE, "mesh": {"dp": 2, "ep": 2}},
         {**MOE, "mesh": {"ep": 2, "sp": 2}},
+        {**MOE, "mesh": {"ep": 2, "sp": 2}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}},
         {**MOE, "mesh": {"pp": 2, "ep": 2}, "data": {"micro_batches": 2}}],
 }
 

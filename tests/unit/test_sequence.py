@@ -96,7 +96,8 @@ def test_chunked_loss_and_map_are_exact():
         chunked_lm_loss(h, w, t, 5)
 
 
-def test_llama_config_validation_and_modes_agree():
+@pytest.mark.parametrize("ffn", ["swiglu", "moe"])
+def test_llama_config_validation_and_modes_agree(ffn):
     with pytest.raises(ValueError, match="valid: none, ulysses, fpdt"):
         LlamaConfig(sequence_parallel="ring")
     with pytest.raises(ValueError, match="kv_heads"):
@@ -105,7 +106,7 @@ def test_llama_config_validation_and_modes_agree():
     g = torch.Generator().manual_seed(1)
     tok = torch.randint(0, 31, (1, 16), generator=g)
     tgt = torch.randint(0, 31, (1, 16), generator=g)
-    base = dict(layers=2, hidden=16, heads=4, kv_heads=2, vocab=31)
+    base = dict(layers=2, hidden=16, heads=4, kv_heads=2, vocab=31, ffn=ffn)
     losses = []
     for kw in (dict(), dict(sequence_parallel="fpdt", chunks=4, offload=True), dict(ffn_chunks=2, checkpoint=True)):
         m = Llama(LlamaConfig(**base, **kw)).double()

@@ -1,0 +1,159 @@
+"""Give a model built on the meta device real storage for the tensors this rank keeps, one tensor at a time.
+
+A model too large for one rank is built with ``with torch.device("meta"): model = Net()``: every parameter
+and buffer has a shape and a dtype but no storage. :func:`materialize` then allocates and initialises only the
+tensors this rank keeps (a pipeline stage, a ZeRO-3 shard's owners), so peak memory during construction is
+what the rank keeps plus one tensor (or one module, below) in flight, not the whole model.
+
+The weights equal those of the same model built on CPU from the same seed, because the initialisation is
+replayed rather than invented. The initialiser is, in this order:
+
+1. ``init=`` given to :func:`materialize`: ``init(name, tensor)`` fills ``tensor`` in place;
+2. ``module.init_parameter(name, tensor)`` when the model defines it (:class:`loom.models.llama.Llama` does: each
+   tensor's values depend only on its name, so tensors that are not kept are never generated);
+3. otherwise every submodule's ``reset_parameters()``, in registration order, which is the order a plain
+   construction ran them in, so torch's global random stream is consumed exactly as then: a module whose
+   tensors are not kept is still initialised (one module in flight), then handed back to meta.
+
+A tensor that must be kept and that none of these can initialise is a :class:`ValueError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Collection
+
+import torch
+from torch import nn
+
+__all__ = ["materialize", "meta_names", "is_meta"]
+
+Init = Callable[[str, torch.Tensor], None]
+
+
+def is_meta(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device."""
+    return any(t.is_meta for t in _tensors(module))
+
+
+def _tensors(module: nn.Module):
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def meta_names(module: nn.Module) -> list[str]:
+    """Names (``named_parameters`` / ``named_buffers`` style, tied tensors once) of the tensors still on meta."""
+    return [n for n, t in _named(module).items() if t.is_meta]
+
+
+def _named(module: nn.Module) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = dict(module.named_parameters())
+    out.update(dict(module.named_buffers()))
+    return out
+
+
+def _owners(module: nn.Module) -> dict[int, list[tuple[nn.Module, str, bool]]]:
+    """``id(tensor) -> [(owning module, attribute, is_parameter)]`` (a tied tensor has several owners)."""
+    out: dict[int, list[tuple[nn.Module, str, bool]]] = {}
+    for m in module.modules():
+        for k, p in m._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((m, k, True))
+        for k, b in m._buffers.items():
+            if b is not None:
+                out.setdefault(id(b), []).append((m, k, False))
+    return out
+
+
+def _put(owners: list[tuple[nn.Module, str, bool]], old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Install ``new`` wherever ``old`` was (a Parameter stays a Parameter, with its ``requires_grad``)."""
+    if isinstance(old, nn.Parameter):
+        new = nn.Parameter(new, requires_grad=old.requires_grad)
+    for m, k, is_param in owners:
+        (m._parameters if is_param else m._buffers)[k] = new
+    return new
+
+
+def _keep_fn(keep: Callable[[str], bool] | Collection[str] | None) -> Callable[[str], bool]:
+    if keep is None:
+        return lambda name: True
+    if callable(keep):
+        return keep
+    names = set(keep)
+    return lambda name: name in names
+
+
+def materialize(module: nn.Module, keep: Callable[[str], bool] | Collection[str] | None = None, *,
+                init: Init | None = None, device: Any = "cpu", dtype: torch.dtype | None = None) -> list[str]:
+    """Allocate and initialise the meta tensors of ``module`` that ``keep`` selects; the others stay on meta.
+
+    Args:
+        module: a model built under ``torch.device("meta")`` (tensors already real are left alone).
+        keep: names to keep (a collection, or a predicate on the name); ``None`` keeps every tensor. Names are
+            those of ``module.named_parameters()`` and ``named_buffers()`` (a tied tensor under its first name).
+        init: ``init(name, tensor)`` filling one tensor in place; default ``module.init_parameter`` when the
+            model defines it, else the submodules' ``reset_parameters()`` replayed in registration order.
+        device: where the kept tensors live.
+        dtype: cast floating-point kept tensors to this dtype after initialisation (initialisation itself runs
+            in the dtype the model was built with, so the values equal a plain build followed by ``.to(dtype)``).
+
+    Returns:
+        The names materialised, in model order.
+
+    Raises:
+        ValueError: a kept tensor that no initialiser covers (e.g. a buffer computed in ``__init__``, or a
+            module without ``reset_parameters``): the message names it and the ways to provide one.
+    """
+    want = _keep_fn(keep)
+    named = _named(module)
+    todo = [n for n, t in named.items() if t.is_meta and want(n)]
+    if not todo:
+        return []
+    fill = init if init is not None else getattr(module, "init_parameter", None)
+    owners = _owners(module)
+    if fill is not None:
+        for name in todo:
+            old = named[name]
+            t = torch.empty(old.shape, dtype=old.dtype, device=device)
+            with torch.no_grad():
+                fill(name, t)
+            _put(owners[id(old)], old, _cast(t, dtype))
+        return todo
+    return _replay(module, named, set(todo), owners, device, dtype)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+
+def _replay(module: nn.Module, named: dict[str, torch.Tensor], todo: set[str], owners, device: Any,
+            dtype: torch.dtype | None) -> list[str]:
+    """Run every submodule's ``reset_parameters`` in registration order on freshly allocated tensors."""
+    name_of = {id(t): n for n, t in named.items()}
+    uncovered = [n for n in todo if not _reset_owner(owners[id(named[n])])]
+    if uncovered:
+        raise ValueError(
+            f"cannot initialise {uncovered[0]!r} (and {len(uncovered) - 1} more) of a model on the meta device: "
+            f"its module has no reset_parameters() and the model no init_parameter(name, tensor); pass "
+            f"init=fn(name, tensor) to materialize(), or build the model on a real device")
+    done: list[str] = []
+    for m in module.modules():
+        mine = [t for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None and t.is_meta]
+        if not mine or not callable(getattr(m, "reset_parameters", None)):
+            continue
+        real = {id(t): _put(owners[id(t)], t, torch.empty(t.shape, dtype=t.dtype, device=device)) for t in mine}
+        with torch.no_grad():
+            m.reset_parameters()
+        for t in mine:
+            name = name_of.get(id(t))
+            new = real[id(t)]
+            if name in todo:
+                _put(owners[id(t)], new, _cast(new.detach(), dtype))
+                done.append(name)
+            else:  # initialised only to keep the random stream in step: back to meta
+                _put(owners[id(t)], new, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+    order = {n: i for i, n in enumerate(named)}
+    return sorted(done, key=order.__getitem__)
+
+
+def _reset_owner(owners: list[tuple[nn.Module, str, bool]]) -> bool:
+    return any(callable(getattr(m, "reset_parameters", None)) for m, _, _ in owners)

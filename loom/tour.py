@@ -62,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("PMI_RANK", "0") == "0":
             print("loom demo: loom.parallel.sequence is not available; using this package's Ulysses (no FPDT)")
         extra += ["--sequence.algorithm=ulysses", "--sequence.chunks=1", "--sequence.offload=false"]
+    if "--resume" not in args and "-r" not in args:
+        # The demo is a fixed recipe: a new `make demo` replaces the previous demo run (say so, and keep
+        # another run's directory safe: --train.out=DIR still refuses a directory holding another run).
+        if not any(a.startswith("--train.out") for a in args):
+            extra.append("--overwrite")
     rc = cli.main(["--config", str(demo_config()), *extra, *args])
     if rc == 0 and os.environ.get("PMI_RANK", "0") == "0":
         _sample(args)

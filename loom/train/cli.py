@@ -4,8 +4,12 @@ Every rank parses the same arguments and config, so a bad config fails identical
 prints ``loom train: error: ...`` and the job exits with code 2, without a traceback and without
 communicating (nothing can hang on a peer that already left).
 
-``--dry-run`` validates the config and prints the plan (mesh, stage split, per-rank memory estimate, bytes
-per step per mesh axis) without training; outside an MPI job it plans for the configured mesh.
+``--dry-run`` validates what the real run validates (the config, the compression policy, the corpus, the
+device, the run directory) and prints the plan (mesh, stage split, per-rank memory estimate, bytes per step
+per mesh axis) without training; outside an MPI job it plans for the configured mesh.
+
+A run directory (``train.out``) belongs to one run: a new run into a directory holding another run's
+checkpoints or metrics exits 2 unless given ``--resume`` (continue it) or ``--overwrite`` (delete it first).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from .config import Config, ConfigError, config_to_dict, load_config
 
@@ -36,6 +41,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-c", "--config", metavar="TOML", help="run configuration (see configs/demo.toml)")
     p.add_argument("-n", "--dry-run", action="store_true", help="validate the config and print the plan; no training")
     p.add_argument("-r", "--resume", action="store_true", help="continue from the newest checkpoint (if any)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the checkpoints, metrics and plots of a previous run in train.out first")
     return p
 
 
@@ -131,8 +138,39 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def _rank() -> str:
+    return os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
+
+
+def preflight(cfg: Config) -> None:
+    """What the trainer checks before its first collective, without communicating: the compression policy,
+    the corpus and the device. Raises :class:`ConfigError` (``--dry-run`` calls this; the trainer itself
+    runs the same checks)."""
+    import torch
+
+    from .data import load_corpus
+    from .trainer import compression_hook
+
+    if cfg.compress.policy != "none":
+        compression_hook(cfg.compress.policy, None if cfg.compress.min_kb < 0 else int(cfg.compress.min_kb * 1024))
+    load_corpus(cfg.data)
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device = 'cuda' but torch sees no CUDA device; use train.device = 'cpu'")
+
+
+def claim(cfg: Config, *, resume: bool, overwrite: bool, dry_run: bool = False) -> None:
+    """Apply the run-directory rules to ``train.out`` (rank 0 clears it on ``overwrite``)."""
+    from . import checkpoint as ckpt
+
+    out = Path(cfg.train.out)
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+    ckpt.claim_run_dir(out, ckpt_dir, resume=resume, overwrite=overwrite)
+    if overwrite and not dry_run and _rank() == "0":
+        ckpt.clear_run_dir(out, ckpt_dir)
+
+
 def _error(msg: str) -> int:
-    rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
+    rank = _rank()
     # One write per message: ranks share the launcher's stderr, and print() writes the newline separately.
     sys.stderr.write(f"loom train: error (rank {rank}): {msg}\n")
     sys.stderr.flush()
@@ -141,10 +179,6 @@ def _error(msg: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        cfg = load_config(args.config, rest)
-    except ConfigError as exc:
-        return _error(str(exc))
     # The launcher tells each rank the job size: check the mesh before importing torch or initializing MPI,
     # so a wrong mesh fails fast and identically on every rank.
     size = None
@@ -152,12 +186,18 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get(var, "").isdigit():
             size = int(os.environ[var])
     try:
+        cfg = load_config(args.config, rest)
         if size is not None:
             cfg.validate_world(size)
+        if args.dry_run:
+            preflight(cfg)
+        # Every rank checks the directory; rank 0 clears it on --overwrite before the trainer's first
+        # collective, and nothing is written until after that collective.
+        claim(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run)
     except ConfigError as exc:
         return _error(str(exc))
     if args.dry_run:
-        if os.environ.get("PMI_RANK", "0") == "0" and os.environ.get("OMPI_COMM_WORLD_RANK", "0") == "0":
+        if _rank() == "0":
             print(plan(cfg, size))
         return 0
 

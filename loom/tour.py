@@ -12,11 +12,14 @@ any other argument is passed to ``loom train`` (e.g. ``--train.steps=100``).
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
 
-__all__ = ["main", "demo_config", "mesh_for"]
+from . import cli_args
+
+__all__ = ["main", "parser", "demo_config", "mesh_for"]
 
 RELAUNCH = True
 
@@ -45,15 +48,22 @@ def _size() -> int:
     return 1
 
 
+def parser() -> argparse.ArgumentParser:
+    p = cli_args.ArgumentParser(
+        prog="loom demo", description=__doc__.split("\n\n")[1].replace("``", "`"),
+        epilog="Any other argument is passed to `loom train` (e.g. --train.steps=100); `loom train --help` lists "
+               "them. A new demo replaces the previous demo run in its train.out; --resume continues it.")
+    p.add_argument("--tour", action="store_true",
+                   help="run the communication tour instead (latency, bandwidth, allreduce, alltoallv tables)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in args or "--help" in args:
-        print(__doc__)
-        return 0
-    if "--tour" in args:
+    opts, args = parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if opts.tour:
         from .bench.comm import tour
 
-        return tour([a for a in args if a != "--tour"])
+        return tour(args)
     from .train import cli
     from .train.model import _sequence_ops
 

@@ -19,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from .. import cli_args
 from .config import Config, ConfigError, config_to_dict, load_config
 
 __all__ = ["main", "parser", "plan"]
@@ -26,20 +27,17 @@ __all__ = ["main", "parser", "plan"]
 RELAUNCH = True
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown, and the epilog's table of config keys kept as written."""
-
-
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli_args.ArgumentParser(
         prog="loom train",
         description="Train a Llama-style byte-level model (dp/sp mesh, compression, checkpoints). Any config "
-                    "key can be overridden with --section.key=value, e.g. --train.steps=50 --mesh.dp=2.",
-        formatter_class=_Formatter,
+                    "key can be overridden with --section.key=value, e.g. --train.steps=50 --mesh.dp=2. "
+                    "Without a mesh.dp, the data-parallel axis takes the ranks the other axes leave (--ranks 2 "
+                    "trains dp=2).",
         epilog=_defaults_epilog(),
     )
     p.add_argument("-c", "--config", metavar="TOML", help="run configuration (see configs/demo.toml)")
-    p.add_argument("-n", "--dry-run", action="store_true", help="validate the config and print the plan; no training")
+    cli_args.add_dry_run(p, "validate everything the run validates and print the plan; no training")
     p.add_argument("-r", "--resume", action="store_true", help="continue from the newest checkpoint (if any)")
     p.add_argument("--overwrite", action="store_true",
                    help="delete the checkpoints, metrics and plots of a previous run in train.out first")
@@ -138,6 +136,29 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def _dp_given(config: str | None, overrides: list[str]) -> bool:
+    """Whether ``mesh.dp`` is set by the config file or an override (else it fills the world)."""
+    import tomllib
+
+    if any(a == "--mesh.dp" or a.startswith("--mesh.dp=") for a in overrides):
+        return True
+    try:
+        return "dp" in tomllib.loads(Path(config).read_text()).get("mesh", {}) if config else False
+    except (OSError, tomllib.TOMLDecodeError, AttributeError):
+        return False  # load_config has already reported a broken file
+
+
+def fill_dp(cfg: Config, size: int) -> int:
+    """``mesh.dp`` that makes the mesh cover ``size`` ranks (as torchtitan's ``dp_shard = -1``); the other axes
+    must divide ``size``, else :class:`ConfigError` names them."""
+    other = cfg.mesh.pp * cfg.mesh.sp * cfg.mesh.ep
+    if size % other:
+        raise ConfigError(f"the job has {size} ranks, which mesh.pp={cfg.mesh.pp} x mesh.sp={cfg.mesh.sp} x "
+                          f"mesh.ep={cfg.mesh.ep} = {other} does not divide; launch a multiple of {other} ranks "
+                          f"or set --mesh.dp/--mesh.pp/--mesh.sp explicitly")
+    return size // other
+
+
 def _rank() -> str:
     return os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
 
@@ -187,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             size = int(os.environ[var])
     try:
         cfg = load_config(args.config, rest)
+        if size is not None and cfg.mesh.size != size and not _dp_given(args.config, rest):
+            cfg = load_config(args.config, [*rest, f"--mesh.dp={fill_dp(cfg, size)}"])
         if size is not None:
             cfg.validate_world(size)
         if args.dry_run:

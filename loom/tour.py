@@ -83,17 +83,24 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
-def _sample(args: list[str]) -> None:
-    """Show what the model learned: a short greedy-ish sample from the final checkpoint (rank 0)."""
-    from .train.config import load_config
-    from .train.generate import load_model, sample
+def sample_argv(ckdir: str | Path) -> list[str]:
+    """``loom generate`` arguments of the demo's sample: the demo prints them and runs exactly them."""
+    return ["--checkpoint", str(ckdir), "--prompt", "def ", "--tokens", "120", "--temperature", "0.6",
+            "--top-k", "20", "--seed", "0"]
 
-    cfg = load_config(demo_config(), [a for a in args if a.startswith("--") and "." in a.split("=")[0]])
-    ckdir = Path(cfg.checkpoint.dir or Path(cfg.train.out) / "checkpoints")
+
+def _sample(args: list[str]) -> None:
+    """Show what the model learned: a short sample from the final checkpoint (rank 0), through the same
+    ``loom generate`` command it prints, so that command reproduces the sample exactly."""
+    import shlex
+
+    from .train import generate
+    from .train.config import ConfigError, load_config
+
     try:
-        model, _, step = load_model(str(ckdir))
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"loom demo: no sample ({exc})")
-        return
-    text = sample(model, "def ", tokens=120, temperature=0.6, top_k=20, context=cfg.data.seq_len)
-    print(f"\nsample from step {step} (loom generate --checkpoint {ckdir} --prompt 'def '):\n{text}\n", flush=True)
+        cfg = load_config(demo_config(), [a for a in args if a.startswith("--") and "." in a.split("=")[0]])
+    except ConfigError:
+        return  # loom train has reported it
+    argv = sample_argv(cfg.checkpoint.dir or Path(cfg.train.out) / "checkpoints")
+    print(f"\nsample (reproduce it with: loom generate {shlex.join(argv)}):", flush=True)
+    generate.main(argv)

@@ -42,7 +42,17 @@ def parser() -> argparse.ArgumentParser:
                      help="outside an MPI job: launch this many ranks with mpiexec and name a worker that dies")
     run.add_argument("--timeout", type=float, default=None, help="with --ranks: kill the job after this many seconds")
     cli_args.add_dry_run(run)
+    cli_args.add_verbose(run, "also show Dask's INFO logging (scheduler and worker start-up, connections)")
     return p
+
+
+def _quiet_dask() -> None:
+    """Keep Dask's INFO logging out of a run's output: the client's prints and every warning stay visible."""
+    import logging
+
+    import distributed  # noqa: F401 - configures its loggers on import; lower them afterwards
+
+    logging.getLogger("distributed").setLevel(logging.WARNING)
 
 
 def _run_script(script: str, args: list[str]) -> int:
@@ -189,6 +199,8 @@ def main(argv: list[str]) -> int:
         return 0
     if args.np is not None and not _inside_mpi():
         return _launch(args.np, argv, args.timeout)
+    if not args.verbose:
+        _quiet_dask()
     from .launcher import initialize, shutdown
 
     memory_limit = None if str(args.memory_limit).lower() == "none" else args.memory_limit

@@ -3,8 +3,11 @@
 Each command lives in its own module exposing ``main(argv: list[str]) -> int`` (and usually an argparse
 parser); this file only dispatches, so ``loom --help`` stays fast and capabilities stay decoupled.
 
-``--ranks N`` (any command that communicates): when not already inside an MPI job, loom re-launches itself
-under the bundled ``mpiexec -n N``; inside a job (``mpiexec -n N loom ...``) the flag is ignored.
+``--ranks N`` / ``-n N`` (any command that communicates): when not already inside an MPI job, loom re-launches
+itself under the bundled ``mpiexec -n N``; inside a job (``mpiexec -n N loom ...``) the flag is ignored. A
+command module with ``OWN_RANKS = True`` parses ``--ranks`` in its own parser and launches its ranks itself
+(``loom dask run``: the arguments of its script are not loom's). Shared flags and their one
+meaning each come from :mod:`loom.cli_args`.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import importlib
 import sys
 
 from . import settings
+from .cli_args import UsageError, pop_ranks
 
-__all__ = ["main", "COMMANDS"]
+__all__ = ["main", "COMMANDS", "pop_ranks"]
 
 # name -> (module, one-line description). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -30,34 +34,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 def _inside_mpi() -> bool:
     """Whether this process is already a rank of an MPI job (a launcher's variables, or loom's own mark)."""
     return settings.launch_info() is not None or settings.get("launched")
-
-
-def pop_ranks(argv: list[str]) -> tuple[int | None, list[str]]:
-    """Remove ``--ranks N`` / ``--ranks=N`` from argv; return (N or None, rest)."""
-    out: list[str] = []
-    ranks = None
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--ranks" and i + 1 < len(argv):
-            ranks = argv[i + 1]
-            i += 2
-            continue
-        if a.startswith("--ranks="):
-            ranks = a.split("=", 1)[1]
-            i += 1
-            continue
-        out.append(a)
-        i += 1
-    if ranks is None:
-        return None, out
-    try:
-        n = int(ranks)
-    except ValueError:
-        raise SystemExit(f"loom: --ranks {ranks!r} is not an integer") from None
-    if n < 1:
-        raise SystemExit(f"loom: --ranks {n} must be >= 1")
-    return n, out
 
 
 def relaunch(ranks: int, argv: list[str]) -> int:
@@ -93,12 +69,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, _ = COMMANDS[name]
     if "--help" not in rest and "-h" not in rest:
-        ranks, rest_wo = pop_ranks(rest)
-        if ranks is not None and not _inside_mpi() and getattr(_module(module_name), "RELAUNCH", True):
-            return relaunch(ranks, [name, *rest_wo])
-        if ranks is not None:
-            rest = rest_wo
-    return int(_module(module_name).main(rest) or 0)
+        try:
+            rest = _dispatch_ranks(name, _module(module_name), rest)
+        except UsageError as exc:
+            print(f"loom {name}: error: {exc}", file=sys.stderr)
+            return 2
+        if isinstance(rest, int):
+            return rest
+    try:
+        return int(_module(module_name).main(rest) or 0)
+    except SystemExit as exc:  # argparse's --help and usage errors: main() returns the exit code like the shell sees
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+
+
+def _dispatch_ranks(name: str, module, rest: list[str]) -> list[str] | int:
+    """Handle ``--ranks``: relaunch on N ranks (an exit code), or the arguments left for the command."""
+    if getattr(module, "OWN_RANKS", False):
+        return rest  # the command's own parser reads --ranks
+    ranks, rest_wo = pop_ranks(rest)
+    if ranks is not None and not _inside_mpi() and getattr(module, "RELAUNCH", True):
+        return relaunch(ranks, [name, *rest_wo])
+    return rest_wo
 
 
 def _module(module_name: str):

@@ -5,7 +5,8 @@
 
 Every rank calls ``fit`` with the same model and the same data; replica ``r`` trains on rows
 ``[r * b, (r + 1) * b)`` of each global batch (``b = batch_size / replicas``), so the result equals
-single-process training on the global batches. Rank 0 draws a progress bar and prints per-epoch metrics.
+single-process training on the global batches. Rank 0 draws a progress bar on a terminal, else prints a
+line per epoch.
 """
 
 from __future__ import annotations
@@ -76,10 +77,22 @@ def _shard(batch: Any, r: int, reps: int) -> Any:
     return batch[r * b:(r + 1) * b]
 
 
+def _progress_mode(progress: bool | str) -> str:
+    """``bar``, ``lines`` or ``none``: a bar only on a terminal, where it redraws in place; elsewhere (a log
+    file, a pipe, mpiexec without a terminal) a bar would print its frames, so one line per epoch instead."""
+    if progress is True:
+        return "bar" if sys.stderr.isatty() else "lines"
+    if progress is False:
+        return "none"
+    if progress not in ("bar", "lines", "none"):
+        raise ValueError(f"progress={progress!r}; valid: True, False, 'bar', 'lines', 'none'")
+    return progress
+
+
 def fit(model: Any, data: Any, loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, epochs: int = 1,
         partitions: int = 1, replicas: int | None = None, micro_batches: int = 1, schedule: str = "1f1b",
         balance: str | list[int] = "params", batch_size: int | None = None, validation: Any = None,
-        progress: bool = True, **hybrid: Any) -> History:
+        progress: bool | str = True, **hybrid: Any) -> History:
     """Train ``model`` data-, pipeline- or hybrid-parallel; call it on every rank.
 
     Args:
@@ -93,7 +106,8 @@ def fit(model: Any, data: Any, loss_fn: Callable[[Any, Any], torch.Tensor], opti
         partitions, replicas, micro_batches, schedule, balance: as in :class:`HybridParallel`.
         batch_size: global batch size when ``data`` is a pair of tensors.
         validation: optional ``(inputs, targets)`` evaluated (forward only) after every epoch.
-        progress: draw a rich progress bar on rank 0.
+        progress: what rank 0 shows: ``"bar"`` (a rich progress bar), ``"lines"`` (one line per epoch),
+            ``"none"``; ``True`` is a bar on a terminal and lines otherwise, ``False`` is ``"none"``.
         **hybrid: other :class:`HybridParallel` arguments (``comm``, ``grad_hook``, ``compression``, ...).
 
     Returns:
@@ -101,6 +115,7 @@ def fit(model: Any, data: Any, loss_fn: Callable[[Any, Any], torch.Tensor], opti
     """
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs={epochs!r} must be an integer >= 1")
+    mode = _progress_mode(progress)
     hp = HybridParallel(model, partitions=partitions, replicas=replicas, micro_batches=micro_batches,
                         schedule=schedule, balance=balance, **hybrid)
     if isinstance(optimizer, torch.optim.Optimizer):
@@ -118,19 +133,21 @@ def fit(model: Any, data: Any, loss_fn: Callable[[Any, Any], torch.Tensor], opti
         steps = getattr(source, "steps", None) or len(source())  # type: ignore[arg-type]
     except TypeError:
         steps = None
+    mode = mode if rank0 else "none"
     bar = None
-    if progress and rank0:
+    if mode == "bar":
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         bar = Progress(TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
-                       TextColumn("loss {task.fields[loss]:.4g}"), TimeElapsedColumn(),
+                       TextColumn("loss {task.fields[loss]:.4g}{task.fields[val]}"), TimeElapsedColumn(),
                        console=Console(file=sys.stderr), transient=False)
         bar.start()
     try:
         for ep in range(epochs):
             t0 = time.perf_counter()
-            task = bar.add_task("train", total=steps, epoch=f"{ep + 1}/{epochs}", loss=float("nan")) if bar else None
+            task = (bar.add_task("train", total=steps, epoch=f"{ep + 1}/{epochs}", loss=float("nan"), val="")
+                    if bar else None)
             total, count = 0.0, 0
             for x, y in source():
                 opt.zero_grad()
@@ -147,10 +164,12 @@ def fit(model: Any, data: Any, loss_fn: Callable[[Any, Any], torch.Tensor], opti
                 vx, vy = validation
                 hist.val_loss.append(hp.eval_step(_shard(vx, r, reps), _shard(vy, r, reps), loss_fn))
             hist.seconds.append(time.perf_counter() - t0)
-            if rank0 and progress:
+            if mode == "lines":
                 val = f"  val_loss {hist.val_loss[-1]:.6g}" if hist.val_loss else ""
-                msg = f"epoch {ep + 1}/{epochs}: loss {hist.loss[-1]:.6g}{val}  ({hist.seconds[-1]:.2f} s)"
-                (bar.console.print if bar else print)(msg)
+                print(f"epoch {ep + 1}/{epochs}: loss {hist.loss[-1]:.6g}{val}  ({hist.seconds[-1]:.2f} s)",
+                      file=sys.stderr, flush=True)
+            elif bar is not None and hist.val_loss:
+                bar.update(task, val=f"  val_loss {hist.val_loss[-1]:.4g}")
     finally:
         if bar is not None:
             bar.stop()

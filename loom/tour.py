@@ -12,12 +12,13 @@ any other argument is passed to ``loom train`` (e.g. ``--train.steps=100``).
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
-from . import settings
+from . import cli_args, settings
 
-__all__ = ["main", "demo_config", "mesh_for"]
+__all__ = ["main", "parser", "demo_config", "mesh_for"]
 
 RELAUNCH = True
 
@@ -44,35 +45,54 @@ def _size() -> int:
     return 1 if info is None else info.size
 
 
+def parser() -> argparse.ArgumentParser:
+    p = cli_args.ArgumentParser(
+        prog="loom demo", description=__doc__.split("\n\n")[1].replace("``", "`"),
+        epilog="Any other argument is passed to `loom train` (e.g. --train.steps=100); `loom train --help` lists "
+               "them. A new demo replaces the previous demo run in its train.out; --resume continues it.")
+    p.add_argument("--tour", action="store_true",
+                   help="run the communication tour instead (latency, bandwidth, allreduce, alltoallv tables)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in args or "--help" in args:
-        print(__doc__)
-        return 0
-    if "--tour" in args:
+    opts, args = parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if opts.tour:
         from .bench.comm import tour
 
-        return tour([a for a in args if a != "--tour"])
+        return tour(args)
     from .train import cli
 
     extra = mesh_for(_size())
+    if "--resume" not in args and "-r" not in args:
+        # The demo is a fixed recipe: a new `make demo` replaces the previous demo run (say so, and keep
+        # another run's directory safe: --train.out=DIR still refuses a directory holding another run).
+        if not any(a.startswith("--train.out") for a in args):
+            extra.append("--overwrite")
     rc = cli.main(["--config", str(demo_config()), *extra, *args])
     if rc == 0 and settings.launch_rank() == 0:
         _sample(args)
     return rc
 
 
-def _sample(args: list[str]) -> None:
-    """Show what the model learned: a short greedy-ish sample from the final checkpoint (rank 0)."""
-    from .train.config import load_config
-    from .train.generate import load_model, sample
+def sample_argv(ckdir: str | Path) -> list[str]:
+    """``loom generate`` arguments of the demo's sample: the demo prints them and runs exactly them."""
+    return ["--checkpoint", str(ckdir), "--prompt", "def ", "--tokens", "120", "--temperature", "0.6",
+            "--top-k", "20", "--seed", "0"]
 
-    cfg = load_config(demo_config(), [a for a in args if a.startswith("--") and "." in a.split("=")[0]])
-    ckdir = Path(cfg.checkpoint.dir or Path(cfg.train.out) / "checkpoints")
+
+def _sample(args: list[str]) -> None:
+    """Show what the model learned: a short sample from the final checkpoint (rank 0), through the same
+    ``loom generate`` command it prints, so that command reproduces the sample exactly."""
+    import shlex
+
+    from .train import generate
+    from .train.config import ConfigError, load_config
+
     try:
-        model, _, step = load_model(str(ckdir))
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"loom demo: no sample ({exc})")
-        return
-    text = sample(model, "def ", tokens=120, temperature=0.6, top_k=20, context=cfg.data.seq_len)
-    print(f"\nsample from step {step} (loom generate --checkpoint {ckdir} --prompt 'def '):\n{text}\n", flush=True)
+        cfg = load_config(demo_config(), [a for a in args if a.startswith("--") and "." in a.split("=")[0]])
+    except ConfigError:
+        return  # loom train has reported it
+    argv = sample_argv(cfg.checkpoint.dir or Path(cfg.train.out) / "checkpoints")
+    print(f"\nsample (reproduce it with: loom generate {shlex.join(argv)}):", flush=True)
+    generate.main(argv)

@@ -220,14 +220,7 @@ def bibw(argv: list[str]) -> int:
 
 # ------------------------------------------------------------------------------------------ collectives
 def allreduce(argv: list[str]) -> int:
-    """osu_allreduce: float32 sum over all ranks; average latency over ranks.
-
-    ``--codec NAME`` runs the compressed allreduce against the uncompressed one instead (loom.compress).
-    """
-    if any(a == "--codec" or a.startswith("--codec=") for a in argv):
-        from ..compress.benchmark import allreduce_main
-
-        return allreduce_main(argv)
+    """osu_allreduce: float32 sum over all ranks; average latency over ranks (compressed: ``loom bench compress``)."""
     args, comm = _setup("allreduce", "allreduce latency (float32 sum)", argv, min_size=4, max_size=1 << 22)
     MPI = _raw()
     raw = MPI.COMM_WORLD
@@ -291,13 +284,8 @@ def alltoall(argv: list[str]) -> int:
 def alltoallv(argv: list[str]) -> int:
     """osu_alltoallv: ``size`` bytes to every rank through the vector interface (counts known to both sides).
 
-    ``--skew balanced|hot-pair|zipf-pairs:A|zipf-dest:A`` or ``--vs direct``: the multi-path table instead
-    (:mod:`loom.multipath.bench`: loom multi-path vs direct alltoallv in one run).
+    Skewed counts, multi-path vs direct: ``loom bench multipath`` (:mod:`loom.multipath.bench`).
     """
-    if any(a == "--skew" or a.startswith("--skew=") for a in argv) or "direct" in argv or "--vs=direct" in argv:
-        from ..multipath.bench import alltoallv_skew
-
-        return alltoallv_skew(argv)
     args, comm = _setup("alltoallv", "alltoallv latency (uniform counts)", argv, min_size=1, max_size=1 << 20)
     MPI = _raw()
     raw = MPI.COMM_WORLD

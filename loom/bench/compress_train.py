@@ -28,6 +28,7 @@ import time
 import torch
 import torch.nn as nn
 
+from .. import cli_args
 from ..comm import Mesh, world
 from ..compress import CompressionPolicy, dp_hook, reset_stats, stats
 from . import omb
@@ -36,12 +37,12 @@ __all__ = ["main", "parser"]
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loom bench compress-train", description=__doc__.split("\n\n")[0],
+    p = cli_args.ArgumentParser(prog="loom bench compress-train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--policies", default="none,naive,hybrid",
                    help="comma list of presets (none, naive, hybrid) or dp=CODEC (dp only, error feedback on)")
     p.add_argument("--model", choices=("llama", "mlp"), default="llama", help="model trained")
-    p.add_argument("-s", "--steps", type=int, default=300, help="optimizer steps per policy")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per policy")
     p.add_argument("-b", "--batch", type=int, default=8, help="per-rank batch (sequences or samples)")
     p.add_argument("--seq", type=int, default=64, help="sequence length (llama)")
     p.add_argument("--hidden", type=int, default=64, help="model width")

@@ -1,6 +1,6 @@
 """``loom bench dask``: Dask's comm layer over ``mpi://`` against ``tcp://``, then two applications.
 
-Plan (one invocation; relaunches itself on ``--np`` ranks, default 4, when started outside MPI):
+Plan (one invocation on ``--ranks N`` ranks; started outside MPI without ``--ranks`` it launches 4):
 
 1. **Reference**: loom.comm's blocking ``send``/``recv`` ping-pong between ranks 0 and 1 (the MPI floor).
 2. **Comm ping-pong**: rank 1 listens on ``mpi://`` and ``tcp://127.0.0.1`` with an echo handler, rank 0
@@ -49,7 +49,6 @@ def _parser():
     p = omb.parser("dask", "Dask comm ping-pong and applications: mpi:// vs tcp://", min_size=1,
                    max_size=64 << 20, vs=("tcp",), default_vs="tcp")
     p.set_defaults(iterations=500, iterations_large=30, warmup=50, warmup_large=3, rounds=2, max_seconds=2.0)
-    p.add_argument("--np", type=int, default=4, help="ranks to launch when started outside MPI (>= 4 for apps)")
     p.add_argument("--array", type=int, default=8000, help="side of the square array for (x + x.T).sum()")
     p.add_argument("--chunk", type=int, default=1000, help="chunk side of that array")
     p.add_argument("--rows", type=int, default=2_000_000, help="rows of each dataframe in the merge")
@@ -334,11 +333,8 @@ def main(argv: list[str]) -> int:
     if not _inside_mpi():
         from loom.comm import launch
 
-        if args.np < 2:
-            print(f"loom bench dask: --np {args.np} must be >= 2 (>= 4 for the applications)", file=sys.stderr)
-            return 2
         env = {"LOOM_LAUNCHED": "1", "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED": "error"}
-        return launch.run(args.np, [sys.executable, "-m", "loom.cli", "bench", "dask", *argv], env=env).returncode
+        return launch.run(4, [sys.executable, "-m", "loom.cli", "bench", "dask", *argv], env=env).returncode
     import logging
 
     logging.getLogger("distributed").setLevel(logging.ERROR)
@@ -346,7 +342,7 @@ def main(argv: list[str]) -> int:
 
     comm = world()
     if comm.size < 2:
-        print("loom bench dask needs >= 2 ranks (4 for the applications): loom bench dask --np 4", file=sys.stderr)
+        print("loom bench dask needs >= 2 ranks (4 for the applications): loom bench dask --ranks 4", file=sys.stderr)
         return 2
     doc: dict = {}
     if not args.skip_comm:

@@ -18,6 +18,7 @@ import sys
 import torch
 from torch import nn
 
+from .. import cli_args
 from ..comm import reset_stats, stats, world
 from . import omb
 
@@ -41,14 +42,13 @@ class WideResMLP(nn.Module):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loom bench hybrid", description=__doc__.splitlines()[0],
+    p = cli_args.ArgumentParser(prog="loom bench hybrid", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-w", "--width", type=int, default=1024, help="hidden width of the residual blocks")
     p.add_argument("-d", "--depth", type=int, default=16, help="residual blocks (each width x width)")
     p.add_argument("-b", "--batch", type=int, default=16, help="global batch size (rows)")
-    p.add_argument("-m", "--micro-batches", type=int, default=4, help="micro-batches per replica batch")
-    p.add_argument("-s", "--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b",
-                   help="pipeline schedule")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per replica batch")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b", help="pipeline schedule")
     p.add_argument("-i", "--iterations", type=int, default=10, help="timed steps per round")
     p.add_argument("-x", "--warmup", type=int, default=2, help="untimed steps per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds (modes interleaved, best kept)")

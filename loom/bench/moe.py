@@ -16,6 +16,7 @@ import argparse
 
 import torch
 
+from .. import cli_args
 from ..comm import world
 from . import omb
 
@@ -23,7 +24,7 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="loom bench moe", description=__doc__.split("\n\n")[0],
+    p = cli_args.ArgumentParser(prog="loom bench moe", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[512, 2048], help="tokens per rank (one row each)")
     p.add_argument("--dim", type=int, default=1024, help="model width")

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .. import cli_args
 from ..comm import world
 from ..models.llama import Llama, LlamaConfig
 from ..parallel.offload import MemoryTracker, reset_transfer_stats, transfer_stats
@@ -40,7 +41,7 @@ STEPS = ("ulysses", "+ loss chunking", "+ FFN chunking", "+ attention pipeline",
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loom bench seqlen", description=__doc__.splitlines()[0],
+    p = cli_args.ArgumentParser(prog="loom bench seqlen", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--budget", type=parse_size, default=parse_size("2560K"), help="per-rank device memory budget")
     p.add_argument("--layers", type=int, default=2)

@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Sequence
+
+from ..cli_args import ArgumentParser, parse_size
 
 __all__ = [
     "parser",
@@ -34,23 +35,10 @@ __all__ = [
     "machine_info",
 ]
 
-_UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """``"64M"`` -> 67108864; plain integers are bytes."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kmgKMG]?[iI]?[bB]?)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"size {text!r} is not a byte count like 1024, 64K or 64M")
-    return int(m.group(1)) * _UNITS[m.group(2).lower()]
-
-
 def parser(prog: str, description: str, *, min_size: int = 1, max_size: int = 1 << 22,
            vs: Sequence[str] = ("none", "raw"), default_vs: str = "raw") -> argparse.ArgumentParser:
     """The common options of a comm benchmark; callers add their own."""
-    p = argparse.ArgumentParser(prog=f"loom bench {prog}", description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(prog=f"loom bench {prog}", description=description)
     p.add_argument("-m", "--min-size", type=parse_size, default=min_size, help="smallest message (bytes, 1K, 1M)")
     p.add_argument("-M", "--max-size", type=parse_size, default=max_size, help="largest message")
     p.add_argument("-i", "--iterations", type=int, default=1000, help="timed iterations at sizes <= 8 KiB")

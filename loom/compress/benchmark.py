@@ -1,4 +1,4 @@
-"""``loom bench allreduce --codec NAME``: compressed vs uncompressed allreduce in one run (OMB format).
+"""``loom bench compress --codec NAME``: compressed vs uncompressed allreduce in one run (OMB format).
 
 Columns after the OMB ``Size``/``Latency``: the uncompressed ``comm.allreduce`` of the same float32 tensor
 measured interleaved with it, the latency ratio, the bytes this rank put on the wire for one call with and
@@ -31,7 +31,7 @@ def _codec_arg(text: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = omb.parser("allreduce", "compressed allreduce (float32 sum) vs uncompressed, same run",
+    p = omb.parser("compress", "compressed allreduce (float32 sum) vs uncompressed, same run",
                    min_size=1024, max_size=1 << 22, vs=("none",), default_vs="none")
     p.add_argument("--codec", required=True, type=_codec_arg,
                    help="codec name with options, e.g. int8, int4:block=32, zfp:rate=8")
@@ -40,10 +40,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def allreduce_main(argv: list[str], codec_name: str | None = None) -> int:
-    """Run the table; ``codec_name`` (already parsed by the caller) is re-inserted as ``--codec``."""
-    if codec_name is not None:
-        argv = [*argv, "--codec", codec_name]
+def allreduce_main(argv: list[str]) -> int:
+    """``loom bench compress``: the table."""
     args = parser().parse_args(argv)
     torch.set_num_threads(1)
     comm = world()

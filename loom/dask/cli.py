@@ -2,6 +2,9 @@
 
     mpiexec -n 4 loom dask run analysis.py --input data.parquet     # or: loom dask run --ranks 4 analysis.py
 
+``--ranks N`` (before SCRIPT) is read here, not by ``loom`` itself: the script's own arguments are left
+alone, and when a rank dies the launcher here names its role.
+
 Rank 0 runs the scheduler, rank 1 runs ``SCRIPT`` as ``__main__`` (with ``sys.argv = [SCRIPT, *ARGS]``; a
 plain ``Client()`` connects to the scheduler), ranks 2.. are workers. When the script returns, the cluster
 is shut down and every rank exits 0; an exception in the script is printed and the job exits 1 (a
@@ -16,28 +19,39 @@ import runpy
 import sys
 import traceback
 
+from .. import cli_args
+
 __all__ = ["main", "parser"]
 
 RELAUNCH = True
+OWN_RANKS = True  # loom/cli.py leaves --ranks to this parser: a script's arguments are not loom's
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loom dask", description="Dask over MPI (mpi:// comm backend)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli_args.ArgumentParser(prog="loom dask", description="Dask over MPI (mpi:// comm backend)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    run = sub.add_parser("run", help="run SCRIPT as the Dask client of this MPI job",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    run = sub.add_parser("run", help="run SCRIPT as the Dask client of this MPI job")
     run.add_argument("script", help="Python file run as __main__ on rank 1")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
-    run.add_argument("-t", "--nthreads", type=int, default=1, help="threads per worker rank")
+    run.add_argument("--nthreads", type=int, default=1, help="threads per worker rank")
     run.add_argument("--memory-limit", default="auto", help="per-worker memory limit (Dask syntax, or 'none')")
     run.add_argument("--local-directory", default=None, help="workers' spill directory")
     run.add_argument("--dashboard", action="store_true", help="start the scheduler dashboard (needs bokeh)")
-    run.add_argument("-n", "--np", type=int, default=None, dest="np",
+    run.add_argument("-n", "--ranks", type=cli_args.parse_ranks, default=None, dest="np",
                      help="outside an MPI job: launch this many ranks with mpiexec and name a worker that dies")
-    run.add_argument("--timeout", type=float, default=None, help="with -n: kill the job after this many seconds")
-    run.add_argument("--dry-run", action="store_true", help="check the arguments and exit without communicating")
+    run.add_argument("--timeout", type=float, default=None, help="with --ranks: kill the job after this many seconds")
+    cli_args.add_dry_run(run)
+    cli_args.add_verbose(run, "also show Dask's INFO logging (scheduler and worker start-up, connections)")
     return p
+
+
+def _quiet_dask() -> None:
+    """Keep Dask's INFO logging out of a run's output: the client's prints and every warning stay visible."""
+    import logging
+
+    import distributed  # noqa: F401 - configures its loggers on import; lower them afterwards
+
+    logging.getLogger("distributed").setLevel(logging.WARNING)
 
 
 def _run_script(script: str, args: list[str]) -> int:
@@ -189,7 +203,7 @@ def main(argv: list[str]) -> int:
         print(f"loom dask: script {args.script!r} not found", file=sys.stderr)
         return 2
     if args.np is not None and args.np < 3:
-        print(f"loom dask: -n {args.np}: a Dask job over MPI needs >= 3 ranks (scheduler, client, worker)",
+        print(f"loom dask: --ranks {args.np}: a Dask job over MPI needs >= 3 ranks (scheduler, client, worker)",
               file=sys.stderr)
         return 2
     if args.dry_run:
@@ -197,6 +211,8 @@ def main(argv: list[str]) -> int:
         return 0
     if args.np is not None and not _inside_mpi():
         return _launch(args.np, argv, args.timeout)
+    if not args.verbose:
+        _quiet_dask()
     from .launcher import initialize, shutdown
 
     memory_limit = None if str(args.memory_limit).lower() == "none" else args.memory_limit

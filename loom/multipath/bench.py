@@ -1,4 +1,4 @@
-"""``loom bench alltoallv --skew ... --vs direct``: direct alltoallv vs multi-path alltoallv in one run.
+"""``loom bench multipath --skew ...``: direct alltoallv vs multi-path alltoallv in one run.
 
 Each size is the *balanced* bytes per ordered pair; the skew reshapes the same total volume
 (:mod:`loom.multipath.demand`). Rows are bytes (``uint8``), so counts equal the demand matrix. Both sides
@@ -44,7 +44,7 @@ def bench_topology(name: str, size: int) -> Topology:
 
 
 def alltoallv_skew(argv: list[str]) -> int:
-    p = omb.parser("alltoallv", "alltoallv with skewed counts: multi-path vs direct", min_size=1 << 20,
+    p = omb.parser("multipath", "alltoallv with skewed counts: multi-path vs direct", min_size=1 << 20,
                    max_size=4 << 20, vs=("none", "direct"), default_vs="direct")
     p.add_argument("--skew", default="balanced", help="balanced | hot-pair | zipf-pairs:A | zipf-dest:A")
     p.add_argument("--topology", default="shm", help=f"preset outside a testbed ({', '.join(PRESETS)})")

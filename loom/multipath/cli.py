@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-from ..comm.measure import parse_size
+from .. import cli_args
+from ..cli_args import parse_size
 from .baselines import ecmp, lp_optimum, single_path, stripe
 from .demand import demand_matrix, parse_skew
 from .planner import Plan, plan
@@ -31,14 +32,10 @@ RELAUNCH = False  # pure planning: never re-launched under mpiexec
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loom plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("-t", "--topology", default="testbed",
-                   help=f"preset ({', '.join(PRESETS)}) or a TOML file")
-    p.add_argument("-n", "--nodes", type=int, default=None, help="nodes (preset default when omitted)")
-    p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (preset default)")
-    p.add_argument("--rails", type=int, default=None, help="rails (preset default)")
-    p.add_argument("-s", "--skew", default="hot-pair", help="balanced | hot-pair | zipf-pairs:A | zipf-dest:A")
+    p = cli_args.ArgumentParser(prog="loom plan", description=__doc__.split("\n\n")[0])
+    cli_args.add_topology(p, nodes=None, per=None, rails=None, topology="testbed",
+                          presets=f"{', '.join(PRESETS)}, or a TOML file")
+    p.add_argument("--skew", default="hot-pair", help="balanced | hot-pair | zipf-pairs:A | zipf-dest:A")
     p.add_argument("--size", type=parse_size, default=16 << 20, help="balanced bytes per ordered pair")
     p.add_argument("--seed", type=int, default=0, help="seed of the zipf rankings")
     p.add_argument("--epsilon", type=float, default=0.05, help="MWU accuracy")
@@ -49,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-batch", type=float, default=0.01,
                    help="re-share link capacity once this fraction of the running flows finished (0 = at every "
                         "completion, exact; below 200 flows 0.01 is exact too)")
-    p.add_argument("--png", default="loom-plan.png", help="link-utilisation plot ('' to skip)")
-    p.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    p.add_argument("--png", metavar="PATH", default=None, help="also plot the link utilisation to PATH")
+    cli_args.add_json(p, "the table")
     return p
 
 

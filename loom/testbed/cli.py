@@ -4,7 +4,7 @@
 
     loom testbed run   [topology] [--timeout S] -- COMMAND...   # COMMAND on every rank, then tear down
     loom testbed check [topology] [--seconds S] [--json PATH]    # configured vs achieved per link class
-    loom testbed show  [topology] [--json]                       # addresses, routes, planner topology (no root)
+    loom testbed show  [topology] [--json PATH]                  # addresses, routes, planner topology (no root)
     loom testbed clean [--all]                                   # namespaces left by killed testbeds
 
 Topology flags: ``--nodes/-N``, ``--ranks-per-node/-R``, ``--rails/-K``, ``--rail-gbit``, ``--intra-gbit``
@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from .. import cli_args
 from .netns import Testbed, TestbedError, TestbedUnavailable, clean, leftovers
 from .topology import TestbedSpec, ranks, topology_dict
 
@@ -35,21 +36,17 @@ RELAUNCH = False
 
 def _topology_flags(p: argparse.ArgumentParser, *, nodes: int = 2, per: int = 1, rails: int = 1,
                     rail: float = 1.0, intra: float = 10.0) -> None:
-    g = p.add_argument_group("topology")
-    g.add_argument("-N", "--nodes", type=int, default=nodes, help="emulated nodes")
-    g.add_argument("-R", "--ranks-per-node", type=int, default=per, help="MPI ranks per node (one NIC each)")
-    g.add_argument("-K", "--rails", type=int, default=rails, help="rail switches (<= ranks per node)")
+    g = cli_args.add_topology(p, nodes=nodes, per=per, rails=rails)
     g.add_argument("--rail-gbit", type=float, default=rail, help="rate of each rail NIC, Gbit/s (0: unlimited)")
     g.add_argument("--intra-gbit", type=float, default=intra, help="rate of each intra-node link (0: unlimited)")
     g.add_argument("--settle", type=float, default=1.5, help="seconds between building and launching")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loom testbed", description="emulated multi-node, multi-rail cluster "
-                                "(network namespaces + tc; needs root)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli_args.ArgumentParser(prog="loom testbed", description="emulated multi-node, multi-rail cluster "
+                                "(network namespaces + tc; needs root)")
     sub = p.add_subparsers(dest="cmd", metavar="{run,check,show,clean}", required=True)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = cli_args.Formatter
     run = sub.add_parser("run", help="run COMMAND as the testbed's MPI ranks", formatter_class=fmt)
     _topology_flags(run)
     run.add_argument("--timeout", type=float, default=600.0, help="kill the job after this many seconds")
@@ -57,17 +54,17 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...] to run on every rank")
     chk = sub.add_parser("check", help="measure every link class: configured vs achieved", formatter_class=fmt)
     _topology_flags(chk, per=2, rails=2)
-    chk.add_argument("-s", "--size", default="1M", help="bytes per message of the bandwidth windows")
-    chk.add_argument("-w", "--window", type=int, default=8, help="messages in flight per window")
+    chk.add_argument("--size", default="1M", help="bytes per message of the bandwidth windows")
+    chk.add_argument("--window", type=int, default=8, help="messages in flight per window")
     chk.add_argument("--seconds", type=float, default=2.0, help="time bound of each bandwidth loop")
     chk.add_argument("--classes", default="intra,rail,cross,rails", help="link classes to measure")
     chk.add_argument("--no-reference", action="store_true",
                      help="skip the unlimited reference link (the CPU's ceiling on this machine)")
     chk.add_argument("--timeout", type=float, default=300.0, help="kill a probe job after this many seconds")
-    chk.add_argument("--json", metavar="PATH", help="also write the table as JSON")
+    cli_args.add_json(chk, "the table")
     show = sub.add_parser("show", help="print ranks, addresses, routes (no root needed)", formatter_class=fmt)
     _topology_flags(show)
-    show.add_argument("--json", action="store_true", help="print the planner topology (topology_dict) as JSON")
+    cli_args.add_json(show, "the planner topology (topology_dict)")
     cl = sub.add_parser("clean", help="delete namespaces left by killed testbeds", formatter_class=fmt)
     cl.add_argument("--all", action="store_true", help="also those of live testbeds (other processes')")
     return p
@@ -194,9 +191,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     spec = _spec(args)
-    if args.json:
+    if args.json == "-":
         print(json.dumps(topology_dict(spec), indent=1))
         return 0
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(topology_dict(spec), f, indent=1)
     print(f"# {spec.describe()}")
     for info in ranks(spec):
         print(f"rank {info.rank}: node {info.node} local {info.local_rank} rail {info.rail}  "

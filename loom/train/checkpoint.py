@@ -10,19 +10,29 @@ Contents (plain dict of tensors and Python scalars/containers only): ``format``,
 completed), ``config`` (the run's nested config dict), ``stage``/``stages``/``layers``, ``model``
 (state dict with global parameter names), ``optim`` (AdamW state dict), ``rng`` (torch CPU generator state
 and Python ``random`` state). The data order needs no state: batches are a function of (seed, step).
+
+A run directory belongs to one run (:func:`claim_run_dir`): a new run refuses a directory that holds another
+run's checkpoints or metrics unless told to resume it or to overwrite it, and a resumed run must have the
+checkpoint's config apart from :data:`RESUMABLE` keys (:func:`config_changes`). Without these rules a shorter
+run into a used directory would prune its own checkpoint and keep the stale, newer steps of the old run.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
+import shutil
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
-import torch
+from .config import ConfigError
 
-__all__ = ["save", "load", "latest", "stage_path", "prune", "capture_rng", "restore_rng", "FORMAT"]
+__all__ = ["save", "load", "latest", "stage_path", "prune", "resolve", "capture_rng", "restore_rng", "FORMAT",
+           "RESUMABLE", "config_changes", "run_files", "claim_run_dir", "clear_run_dir", "RunDirError"]
 
 FORMAT = 1
 _NAME = re.compile(r"step_(\d{6,})\.stage(\d+)\.pt$")
@@ -34,6 +44,8 @@ def stage_path(directory: str | Path, step: int, stage: int = 0) -> Path:
 
 def capture_rng() -> dict[str, Any]:
     """RNG state that training could consume (torch CPU generator, Python ``random``)."""
+    import torch
+
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -41,6 +53,8 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
+    import torch
+
     torch.set_rng_state(state["torch"])
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
@@ -50,6 +64,8 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 def save(path: str | Path, payload: dict[str, Any]) -> Path:
     """Write ``payload`` atomically to ``path`` (temporary file in the same directory, fsync, rename)."""
+    import torch
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
@@ -74,13 +90,28 @@ def save(path: str | Path, payload: dict[str, Any]) -> Path:
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint with ``weights_only=True`` (no arbitrary unpickling)."""
+    """Load a checkpoint with ``weights_only=True`` (no arbitrary unpickling).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` is not a loom checkpoint (another file, a truncated one, another format).
+    """
+    import torch
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    ck = torch.load(path, map_location="cpu", weights_only=True)
+    not_ours = f"{path} is not a loom train checkpoint (format {FORMAT}, written by `loom train`)"
+    try:
+        with warnings.catch_warnings():  # a foreign pickle's protocol warning would precede the one-line error
+            warnings.simplefilter("ignore", UserWarning)
+            ck = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, RuntimeError, ValueError, UnicodeDecodeError,
+            AttributeError, KeyError, IndexError) as exc:
+        # torch.load reports a foreign file as any of these, with a long unpickling message; say what it is.
+        raise ValueError(f"{not_ours}: torch.load failed with {type(exc).__name__}") from None
     if not isinstance(ck, dict) or ck.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a loom train checkpoint (format {FORMAT})")
+        raise ValueError(not_ours)
     return ck
 
 
@@ -102,13 +133,17 @@ def latest(directory: str | Path, stages: int = 1) -> int | None:
     return max(done) if done else None
 
 
-def prune(directory: str | Path, keep: int, stages: int = 1) -> None:
-    """Keep the newest ``keep`` complete steps; delete every file of older steps (complete or not).
+def prune(directory: str | Path, keep: int, stages: int = 1, current: int | None = None) -> None:
+    """Keep the newest ``keep`` complete steps up to ``current``; delete every file of older steps.
 
-    Steps newer than the newest complete one (being written right now) are never touched.
+    ``current`` (the step this run just wrote) is always kept, whatever other steps the directory holds.
+    Steps newer than ``current``, or newer than the newest complete one (being written right now), are never
+    touched.
     """
     found = _complete(Path(directory))
     done = sorted(s for s, files in found.items() if all(i in files for i in range(stages)))
+    if current is not None:
+        done = [s for s in done if s <= current]
     if len(done) <= keep:
         return
     oldest_kept = done[-keep]
@@ -118,15 +153,34 @@ def prune(directory: str | Path, keep: int, stages: int = 1) -> None:
                 p.unlink(missing_ok=True)
 
 
+def _stages_of(path: Path) -> int:
+    """The pipeline stage count recorded in a stage file (memory-mapped: the tensors are not read)."""
+    import torch
+
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # a foreign or torn file: load() reports it properly when the caller reads it
+        return 1
+    return int(ck.get("stages", 1)) if isinstance(ck, dict) else 1
+
+
 def resolve(path: str | Path) -> list[Path]:
-    """The stage files of a checkpoint given as a file, a step file of any stage, or a directory (latest)."""
+    """The stage files of a checkpoint given as a file, a step file of any stage, or a directory.
+
+    A directory resolves to its newest *complete* step (every stage file present); a step of which some
+    stage files are missing is skipped.
+    """
     p = Path(path)
     if p.is_dir():
         found = _complete(p)
         if not found:
             raise FileNotFoundError(f"no checkpoints (step_*.stage*.pt) in {str(p)!r}")
-        step = max(found)
-        return [found[step][i] for i in sorted(found[step])]
+        for step in sorted(found, reverse=True):
+            files = found[step]
+            if 0 in files and all(i in files for i in range(_stages_of(files[0]))):
+                return [files[i] for i in sorted(files)]
+        raise FileNotFoundError(f"no complete checkpoint in {str(p)!r}: every step lacks some stage files "
+                                f"(steps {sorted(found)})")
     m = _NAME.search(p.name)
     if m and p.is_file():
         stages = _complete(p.parent).get(int(m.group(1)), {})
@@ -134,3 +188,78 @@ def resolve(path: str | Path) -> list[Path]:
     if p.is_file():
         return [p]
     raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist (give a .pt file or a checkpoint directory)")
+
+
+# ---------------------------------------------------------------------------------------------- run directory
+RESUMABLE: dict[str, frozenset[str]] = {
+    "train": frozenset({"steps", "eval_every", "eval_batches", "log_every", "out", "progress", "plots", "device"}),
+    "checkpoint": frozenset({"every", "keep", "dir"}),
+    # The checkpoint holds whole stages, so the replicas and shards can be laid out again; pp must match.
+    "mesh": frozenset({"dp", "sp", "ep", "schedule"}),
+    "data": frozenset({"micro_batches"}),
+}
+"""Config keys a ``--resume`` may change: how long, how often, where, and on how many replicas.
+Every other key (the model, optimizer, data, compression, precision) must equal the checkpoint's."""
+
+
+def config_changes(saved: dict[str, dict[str, Any]], current: dict[str, dict[str, Any]]) -> list[str]:
+    """``section.key: checkpoint X vs config Y`` for every key outside :data:`RESUMABLE` that differs.
+
+    A key the checkpoint lacks (written before the key existed) is taken to be at its current value.
+    """
+    diffs = []
+    for section, values in current.items():
+        theirs = saved.get(section, {})
+        for key, value in values.items():
+            if key in RESUMABLE.get(section, ()) or key not in theirs or theirs[key] == value:
+                continue
+            diffs.append(f"{section}.{key}: checkpoint {theirs[key]!r} vs config {value!r}")
+    return diffs
+
+
+class RunDirError(ConfigError):
+    """The run directory holds another run (the CLI prints it and exits with code 2)."""
+
+
+def run_files(out: str | Path, ckpt_dir: str | Path) -> list[Path]:
+    """What a previous run left in ``out``: checkpoint files, a non-empty ``metrics.jsonl``, plots."""
+    out, ckpt_dir = Path(out), Path(ckpt_dir)
+    files = sorted(p for files in _complete(ckpt_dir).values() for p in files.values())
+    metrics = out / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        files.append(metrics)
+    if (out / "plots").is_dir():
+        files += sorted((out / "plots").glob("*.png"))
+    return files
+
+
+def claim_run_dir(out: str | Path, ckpt_dir: str | Path, *, resume: bool, overwrite: bool) -> None:
+    """Check that a run may write to ``out``; raise :class:`RunDirError` naming the ways out if not.
+
+    A new run needs an empty directory (or ``overwrite``; the caller then calls :func:`clear_run_dir`);
+    ``resume`` continues what is there.
+    """
+    if resume and overwrite:
+        raise RunDirError("--resume continues the run in the directory and --overwrite deletes it; choose one")
+    if resume or overwrite:
+        return
+    found = run_files(out, ckpt_dir)
+    if not found:
+        return
+    steps = sorted({int(m.group(1)) for p in found if (m := _NAME.match(p.name))})
+    what = [f"checkpoints of step {', '.join(map(str, steps))} in {ckpt_dir}"] if steps else []
+    what += [str(p.relative_to(out)) for p in found if p.parent == Path(out)]
+    raise RunDirError(
+        f"{out} already holds another run ({'; '.join(what) or found[0]}); continue it with --resume, "
+        f"choose a new directory with --train.out=DIR, or delete it with --overwrite")
+
+
+def clear_run_dir(out: str | Path, ckpt_dir: str | Path) -> None:
+    """Delete what a previous run left (checkpoints, metrics, plots) so a new run starts clean."""
+    for p in run_files(out, ckpt_dir):
+        p.unlink(missing_ok=True)
+    for tmp in Path(ckpt_dir).glob(".step_*.tmp.*") if Path(ckpt_dir).is_dir() else ():
+        tmp.unlink(missing_ok=True)
+    plots = Path(out) / "plots"
+    if plots.is_dir() and not any(plots.iterdir()):
+        shutil.rmtree(plots, ignore_errors=True)

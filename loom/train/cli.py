@@ -4,16 +4,22 @@ Every rank parses the same arguments and config, so a bad config fails identical
 prints ``loom train: error: ...`` and the job exits with code 2, without a traceback and without
 communicating (nothing can hang on a peer that already left).
 
-``--dry-run`` validates the config and prints the plan (mesh, stage split, per-rank memory estimate, bytes
-per step per mesh axis) without training; outside an MPI job it plans for the configured mesh.
+``--dry-run`` validates what the real run validates (the config, the compression policy, the corpus, the
+device, the run directory) and prints the plan (mesh, stage split, per-rank memory estimate, bytes per step
+per mesh axis) without training; outside an MPI job it plans for the configured mesh.
+
+A run directory (``train.out``) belongs to one run: a new run into a directory holding another run's
+checkpoints or metrics exits 2 unless given ``--resume`` (continue it) or ``--overwrite`` (delete it first).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .. import settings
+from .. import cli_args
 from .config import Config, ConfigError, config_to_dict, load_config
 
 __all__ = ["main", "parser", "plan"]
@@ -21,21 +27,20 @@ __all__ = ["main", "parser", "plan"]
 RELAUNCH = True
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown, and the epilog's table of config keys kept as written."""
-
-
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli_args.ArgumentParser(
         prog="loom train",
         description="Train a Llama-style byte-level model (dp/sp mesh, compression, checkpoints). Any config "
-                    "key can be overridden with --section.key=value, e.g. --train.steps=50 --mesh.dp=2.",
-        formatter_class=_Formatter,
+                    "key can be overridden with --section.key=value, e.g. --train.steps=50 --mesh.dp=2. "
+                    "Without a mesh.dp, the data-parallel axis takes the ranks the other axes leave (--ranks 2 "
+                    "trains dp=2).",
         epilog=_defaults_epilog(),
     )
     p.add_argument("-c", "--config", metavar="TOML", help="run configuration (see configs/demo.toml)")
-    p.add_argument("-n", "--dry-run", action="store_true", help="validate the config and print the plan; no training")
+    cli_args.add_dry_run(p, "validate everything the run validates and print the plan; no training")
     p.add_argument("-r", "--resume", action="store_true", help="continue from the newest checkpoint (if any)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the checkpoints, metrics and plots of a previous run in train.out first")
     return p
 
 
@@ -128,6 +133,56 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def _dp_given(config: str | None, overrides: list[str]) -> bool:
+    """Whether ``mesh.dp`` is set by the config file or an override (else it fills the world)."""
+    import tomllib
+
+    if any(a == "--mesh.dp" or a.startswith("--mesh.dp=") for a in overrides):
+        return True
+    try:
+        return "dp" in tomllib.loads(Path(config).read_text()).get("mesh", {}) if config else False
+    except (OSError, tomllib.TOMLDecodeError, AttributeError):
+        return False  # load_config has already reported a broken file
+
+
+def fill_dp(cfg: Config, size: int) -> int:
+    """``mesh.dp`` that makes the mesh cover ``size`` ranks (as torchtitan's ``dp_shard = -1``); the other axes
+    must divide ``size``, else :class:`ConfigError` names them."""
+    other = cfg.mesh.pp * cfg.mesh.sp * cfg.mesh.ep
+    if size % other:
+        raise ConfigError(f"the job has {size} ranks, which mesh.pp={cfg.mesh.pp} x mesh.sp={cfg.mesh.sp} x "
+                          f"mesh.ep={cfg.mesh.ep} = {other} does not divide; launch a multiple of {other} ranks "
+                          f"or set --mesh.dp/--mesh.pp/--mesh.sp explicitly")
+    return size // other
+
+
+def preflight(cfg: Config) -> None:
+    """What the trainer checks before its first collective, without communicating: the compression policy,
+    the corpus and the device. Raises :class:`ConfigError` (``--dry-run`` calls this; the trainer itself
+    runs the same checks)."""
+    import torch
+
+    from .data import load_corpus
+    from .trainer import compression_hook
+
+    if cfg.compress.policy != "none":
+        compression_hook(cfg.compress.policy, None if cfg.compress.min_kb < 0 else int(cfg.compress.min_kb * 1024))
+    load_corpus(cfg.data)
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device = 'cuda' but torch sees no CUDA device; use train.device = 'cpu'")
+
+
+def claim(cfg: Config, *, resume: bool, overwrite: bool, dry_run: bool = False) -> None:
+    """Apply the run-directory rules to ``train.out`` (rank 0 clears it on ``overwrite``)."""
+    from . import checkpoint as ckpt
+
+    out = Path(cfg.train.out)
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+    ckpt.claim_run_dir(out, ckpt_dir, resume=resume, overwrite=overwrite)
+    if overwrite and not dry_run and settings.launch_rank() == 0:
+        ckpt.clear_run_dir(out, ckpt_dir)
+
+
 def _error(msg: str) -> int:
     rank = settings.launch_rank()
     # One write per message: ranks share the launcher's stderr, and print() writes the newline separately.
@@ -138,17 +193,21 @@ def _error(msg: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        cfg = load_config(args.config, rest)
-    except ConfigError as exc:
-        return _error(str(exc))
     # The launcher tells each rank the job size: check the mesh before importing torch or initializing MPI,
     # so a wrong mesh fails fast and identically on every rank.
     info = settings.launch_info()
     size = None if info is None else info.size
     try:
+        cfg = load_config(args.config, rest)
+        if size is not None and cfg.mesh.size != size and not _dp_given(args.config, rest):
+            cfg = load_config(args.config, [*rest, f"--mesh.dp={fill_dp(cfg, size)}"])
         if size is not None:
             cfg.validate_world(size)
+        if args.dry_run:
+            preflight(cfg)
+        # Every rank checks the directory; rank 0 clears it on --overwrite before the trainer's first
+        # collective, and nothing is written until after that collective.
+        claim(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run)
     except ConfigError as exc:
         return _error(str(exc))
     if args.dry_run:

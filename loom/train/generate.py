@@ -7,11 +7,11 @@ from a seeded generator (the same command prints the same text).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
+from .. import cli_args
 from . import checkpoint as ckpt
 from .config import ConfigError, config_from_dict
 from .data import decode, encode
@@ -67,12 +67,11 @@ def sample(model, prompt: str, *, tokens: int = 200, temperature: float = 0.8, t
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="loom generate", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("-c", "--checkpoint", required=True, help="checkpoint .pt file or directory (newest step)")
+    p = cli_args.ArgumentParser(prog="loom generate", description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", required=True, help="checkpoint .pt file or directory (newest complete step)")
     p.add_argument("-p", "--prompt", default="def ", help="text to continue")
-    p.add_argument("-n", "--tokens", type=int, default=200, help="bytes to generate")
-    p.add_argument("-t", "--temperature", type=float, default=0.8, help="sampling temperature (0 = greedy)")
+    p.add_argument("--tokens", type=int, default=200, help="bytes to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0 = greedy)")
     p.add_argument("-k", "--top-k", type=int, default=40, help="sample among the k most likely bytes (0 = all)")
     p.add_argument("--context", type=int, default=0, help="context window in bytes (0 = the training seq_len)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")

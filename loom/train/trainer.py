@@ -262,13 +262,11 @@ class Trainer:
         if step is None:
             return
         state = ckpt.load(ckpt.stage_path(self.ckpt_dir, step, self.stage))
-        mine = config_to_dict(self.cfg)["model"]
-        theirs = state.get("config", {}).get("model", mine)
-        if theirs != mine:
-            diff = ", ".join(f"model.{k}: checkpoint {theirs.get(k)!r} vs config {v!r}"
-                             for k, v in mine.items() if theirs.get(k) != v)
-            raise ConfigError(f"--resume: the newest checkpoint in {self.ckpt_dir} (step {step}) is of another model "
-                              f"({diff}); use the same [model] or another train.out / checkpoint.dir")
+        diff = ckpt.config_changes(state.get("config", {}), config_to_dict(self.cfg))
+        if diff:
+            raise ConfigError(f"--resume: the newest checkpoint in {self.ckpt_dir} (step {step}) is of another run "
+                              f"({', '.join(diff)}); resume with the checkpoint's values, or start a new run with "
+                              f"another --train.out")
         if state.get("stages", 1) != self.stages or list(state.get("params", self.param_names)) != self.param_names:
             raise ConfigError(f"checkpoint {self.ckpt_dir} step {step} was written with {state.get('stages')} "
                               f"pipeline stages and a different layer split; resume with the same mesh.pp")
@@ -330,7 +328,7 @@ class Trainer:
                 path = ckpt.save(ckpt.stage_path(self.ckpt_dir, step, self.stage), payload)
         self.comm.barrier()  # every stage file exists before anyone prunes or moves on
         if self.comm.rank == 0:
-            ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep, self.stages)
+            ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep, self.stages, current=step)
         return path
 
     # ------------------------------------------------------------------ pieces of a step

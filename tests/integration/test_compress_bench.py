@@ -19,7 +19,7 @@ def _run(tmp_path, *argv):
 
 
 def test_bench_allreduce_codec(tmp_path):
-    doc, text = _run(tmp_path, "allreduce", "--codec", "int8", "-m", "1K", "-M", "64K", "-i", "5",
+    doc, text = _run(tmp_path, "compress", "--codec", "int8", "-m", "1K", "-M", "64K", "-i", "5",
                      "--iterations-large", "3", "-x", "1", "--warmup-large", "1", "--rounds", "1")
     assert "# Size" in text and "Compressed Allreduce" in text
     rows = {r["Size"]: r for r in doc["rows"]}

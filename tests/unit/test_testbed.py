@@ -189,7 +189,7 @@ def test_refuses_without_tc(monkeypatch):
 
 def test_cli_show_dry_run_and_errors(capsys):
     assert cli.RELAUNCH is False
-    assert cli.main(["show", "-N", "2", "-R", "2", "-K", "2", "--json"]) == 0
+    assert cli.main(["show", "-N", "2", "-R", "2", "-K", "2", "--json", "-"]) == 0
     assert json.loads(capsys.readouterr().out) == topology_dict(TestbedSpec(nodes=2, ranks_per_node=2, rails=2))
     assert cli.main(["show", "-N", "2", "-R", "2", "-K", "2"]) == 0
     assert "via 10.200.100.2 dev intra src 10.200.0.1" in capsys.readouterr().out

@@ -1,0 +1,111 @@
+"""One CLI vocabulary: every ``loom ... --help`` is argparse and renders, a short flag means one thing in every
+command (:data:`loom.cli_args.SHORT`), every usage error exits 2 with one line and no traceback, ``--ranks``
+is read one way, and the mesh fills ``dp``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+
+import pytest
+
+from loom import cli, cli_args
+from loom.bench import BENCHMARKS
+
+HELP = [[], ["demo"], ["bench"], *(["bench", name] for name in BENCHMARKS), ["train"], ["generate"], ["plan"],
+        ["testbed"], *(["testbed", sub] for sub in ("run", "check", "show", "clean")), ["dask"], ["dask", "run"]]
+
+
+@pytest.fixture(autouse=True)
+def _outside_mpi(monkeypatch):
+    for var in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "LOOM_LAUNCHED"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _loom(argv: list[str]) -> tuple[int, str, str]:
+    """``loom argv`` in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = cli.main(list(argv))
+        except SystemExit as exc:
+            rc = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("argv", HELP, ids=lambda a: " ".join(a) or "loom")
+def test_every_help_renders_and_short_flags_mean_one_thing(argv, monkeypatch):
+    seen: list[argparse.ArgumentParser] = []
+    real = argparse.ArgumentParser.parse_known_args
+
+    def spy(self, *args, **kwargs):
+        seen.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", spy)
+    rc, out, err = _loom([*argv, "--help"])
+    assert rc == 0, err
+    assert out.startswith("usage: loom"), out[:200]
+    if argv:  # the root dispatcher has its own listing; every command below it is argparse
+        assert seen and all(isinstance(p, cli_args.ArgumentParser) for p in seen), [p.prog for p in seen]
+    for p in seen:
+        for action in p._actions:
+            for opt in action.option_strings:
+                if len(opt) == 2 and opt[1] != "-":
+                    assert opt in cli_args.SHORT, f"{p.prog}: short flag {opt} is not in loom.cli_args.SHORT"
+                    assert cli_args.SHORT[opt] in action.option_strings, \
+                        f"{p.prog}: {opt} means {action.option_strings}, elsewhere {cli_args.SHORT[opt]}"
+            if "--json" in action.option_strings:
+                assert action.nargs is None and action.metavar == "PATH", f"{p.prog}: --json takes a PATH"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["train", "--ranks", "0"], "--ranks 0 must be >= 1"),
+    (["bench", "latency", "-n", "two"], "--ranks 'two' is not an integer"),
+    (["train", "--dry-run", "--compress.policy=foo"], "compress.policy = 'foo'"),
+    (["train", "--dry-run", "--model.hiden=3"], "unknown key model.hiden"),
+    (["plan", "--nodes", "x"], "argument -N/--nodes: invalid int value"),
+    (["plan", "--skew", "lopsided"], "lopsided"),
+    (["bench", "latency", "-M", "lots"], "size 'lots' is not a byte count"),
+    (["bench", "allreduce", "--codec", "int8"], "unrecognized arguments: --codec int8"),
+    (["bench", "nope"], "invalid choice: 'nope'"),
+    (["generate"], "the following arguments are required: --checkpoint"),
+    (["testbed", "show", "-N", "x"], "invalid int value"),
+    (["dask", "run"], "the following arguments are required: script"),
+    (["dask", "run", "--ranks", "0", "x.py"], "--ranks 0 must be >= 1"),
+    (["demo", "--ranks"], "--ranks needs a value"),
+    (["nosuch"], "unknown command 'nosuch'"),
+])
+def test_usage_errors_exit_2_with_one_line(argv, words):
+    rc, out, err = _loom(argv)
+    assert rc == 2, (rc, out, err)
+    assert "Traceback" not in out + err
+    assert err.count("\n") == 1 and words in err, err
+
+
+def test_pop_ranks_reads_one_spelling_and_leaves_a_job_command_alone():
+    assert cli_args.pop_ranks(["-n", "3", "-M", "1M"]) == (3, ["-M", "1M"])
+    assert cli_args.pop_ranks(["--ranks=2", "--", "cmd", "-n", "5"]) == (2, ["--", "cmd", "-n", "5"])
+    with pytest.raises(cli_args.UsageError, match="--ranks 0 must be >= 1"):
+        cli_args.pop_ranks(["--ranks", "0"])
+
+
+@pytest.mark.parametrize("size, extra, mesh", [
+    (2, [], "dp=2 pp=1 sp=1 ep=1 = 2 ranks"),
+    (4, ["--mesh.sp=2"], "dp=2 pp=1 sp=2 ep=1 = 4 ranks"),
+])
+def test_the_mesh_fills_dp(monkeypatch, tmp_path, size, extra, mesh):
+    monkeypatch.setenv("PMI_SIZE", str(size))
+    monkeypatch.setenv("PMI_RANK", "0")
+    rc, out, err = _loom(["train", "--dry-run", f"--train.out={tmp_path}", "--data.max_bytes=20000", *extra])
+    assert rc == 0, err
+    assert mesh in out, out
+
+
+def test_an_explicit_mesh_is_not_filled(monkeypatch, tmp_path):
+    monkeypatch.setenv("PMI_SIZE", "2")
+    rc, _, err = _loom(["train", "--dry-run", f"--train.out={tmp_path}", "--mesh.dp=1"])
+    assert rc == 2 and "= 1 ranks but the job has 2" in err, err
+    rc, _, err = _loom(["train", "--dry-run", f"--train.out={tmp_path}", "--mesh.sp=4"])
+    assert rc == 2 and "which mesh.pp=1 x mesh.sp=4 x mesh.ep=1 = 4 does not divide" in err, err

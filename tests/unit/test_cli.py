@@ -105,6 +105,7 @@ def test_the_mesh_fills_dp(monkeypatch, tmp_path, size, extra, mesh):
 
 def test_an_explicit_mesh_is_not_filled(monkeypatch, tmp_path):
     monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setenv("PMI_RANK", "0")  # a launcher sets both; loom.settings.launch_info reads them together
     rc, _, err = _loom(["train", "--dry-run", f"--train.out={tmp_path}", "--mesh.dp=1"])
     assert rc == 2 and "= 1 ranks but the job has 2" in err, err
     rc, _, err = _loom(["train", "--dry-run", f"--train.out={tmp_path}", "--mesh.sp=4"])

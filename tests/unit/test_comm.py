@@ -99,7 +99,7 @@ def test_poller_sleeps_on_a_timerfd_and_still_delivers():
         await asyncio.sleep(0.02)  # the poller is past its 200 us spin, sleeping
         assert not waiting.done()
         comm.isend(np.arange(4.0), 0, tag=91).wait()
-        await asyncio.wait_for(waiting, 5)
+        await asyncio.wait_for(waiting, 60)  # a hang bound, not a latency check: CI machines can be busy
         return p._timer
 
     timer = asyncio.run(main())

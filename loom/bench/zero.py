@@ -10,7 +10,8 @@ Three tables, one run:
   communication buffers alive before it. Search: two probes give the slope, the secant predicts the
   crossing, bisection brackets it to one block; every reported depth was run and fit, the next did not.
 * **Peer, FSDP2** (2 ranks): loom stage 3 and torch ``fully_shard`` (gloo, one ``fully_shard`` per block
-  and one on the root) on the same model, batch and Adam: step time and peak memory per rank. The tracker
+  and one on the root) on the same model, batch and Adam: step time and peak memory per rank. Every Adam
+  here runs ``foreach=False`` (its temporaries are one tensor's, not the whole model's), the same for all. The tracker
   also counts storages that ``UntypedStorage.resize_`` grows, since FSDP2 allocates its unsharded
   parameters that way.
 * **Plain data parallel vs DDP** (2 ranks): loom stage 0 (:class:`loom.parallel.data.GradReducer`) and
@@ -105,10 +106,11 @@ def _persistent(model: nn.Module, opt: torch.optim.Optimizer, wrapper: Any = Non
     for st in opt.state.values():
         out += [v for v in st.values() if isinstance(v, torch.Tensor)]
     if isinstance(wrapper, ShardedDataParallel):
+        out += [t for p in wrapper.parameters() for t in (p, p.grad) if t is not None]
         if wrapper.stage == 0:
             out += wrapper.reducer.buffers
         else:
-            out += [wrapper.flat, wrapper.flat.grad] + [b.full for b in wrapper.buckets if b.full is not None]
+            out += [b.full for b in wrapper.buckets if b.full is not None]  # shards and grads are parameters
     return out
 
 
@@ -124,7 +126,7 @@ def _loom(comm, stage: int, width: int, depth: int, batch: int, bucket_mb: float
     torch.manual_seed(0)
     model = WideResMLP(width, depth)
     sdp = ShardedDataParallel(model, comm, stage=stage, bucket_mb=bucket_mb)
-    opt = (torch.optim.Adam(sdp.parameters(), lr=1e-4) if optim == "adam"
+    opt = (torch.optim.Adam(sdp.parameters(), lr=1e-4, foreach=False) if optim == "adam"
            else torch.optim.SGD(sdp.parameters(), lr=1e-4))
     x, y = _rows(comm, batch)
 
@@ -180,7 +182,7 @@ def _deepest(comm, stage: int, args) -> tuple[int, int, int]:
 def _capacity(comm, args) -> dict[str, Any]:
     table = omb.Table("ZeRO Capacity (largest model within a per-rank budget)",
                       ["Mode", "Blocks", "Params(M)", "Peak(MiB)", "x-dp", "Probes"], rank=comm.rank)
-    table.meta = {"model": f"residual MLP blocks of width {args.width} (fp32, Adam), global batch {args.batch}",
+    table.meta = {"model": f"residual MLP blocks of width {args.width} (fp32, Adam foreach=False), global batch {args.batch}",
                   "budget": f"{args.budget / 2**20:.1f} MiB per rank (CPU live-storage tracker, max over ranks)",
                   "ranks": f"{comm.size}; one forward + backward + optimizer step after a warm-up step"}
     table.header()
@@ -203,7 +205,7 @@ def _fsdp2(group, mesh, width: int, depth: int, batch: int, comm):
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
     x, y = _rows(comm, batch)
 
     def step():
@@ -255,7 +257,7 @@ def _peers(sub: Communicator, group, mesh, args) -> dict[str, Any]:
     exposed = zero_stats()["exposed_comm_s"]
     t1 = omb.Table("ZeRO-3 vs torch FSDP2 (fully_shard, gloo)", ["Mode", "Step(ms)", "Peak(MiB)", "x-FSDP2-time"],
                    rank=sub.rank)
-    t1.meta = {"model": f"residual MLP width {w} depth {d} ({params / 1e6:.1f} M params, fp32, Adam)",
+    t1.meta = {"model": f"residual MLP width {w} depth {d} ({params / 1e6:.1f} M params, fp32, Adam foreach=False)",
                "batch": f"global {b}", "ranks": f"{sub.size}, 1 thread each; loom buckets of {bucket:.2f} MiB"}
     t1.header()
     for name, peak, _, t in runs:

@@ -3,9 +3,11 @@
 Layout. The trainable parameters are grouped, module by module in registration order, into *buckets* of at
 most ``bucket_mb`` MiB (a module's direct parameters never straddle two buckets). Bucket ``b`` is one flat
 vector of ``N_b`` elements padded to ``P * S_b`` (``P`` ranks in the group, ``S_b = ceil(N_b / P)``); rank
-``r`` owns elements ``[r S_b, (r+1) S_b)``. This rank's pieces of every bucket, one after the other, form
-one flat *master* parameter (``flat``, in the parameters' dtype): the optimizer, any ``torch.optim`` class,
-steps on it alone, so its state is sharded at every stage >= 1. Frozen parameters and buffers stay
+``r`` owns elements ``[r S_b, (r+1) S_b)``: this rank's block of each bucket is one flat *master* parameter
+(``shards[b]``, in the parameters' dtype). The optimizer, any ``torch.optim`` class, steps on these alone,
+so its state is sharded at every stage >= 1; a block's gradient is allocated when its first reduction
+arrives (as a parameter's ``.grad`` in one process), so gradients grow during backward instead of sitting
+allocated all step. Frozen parameters and buffers stay
 replicated (broadcast from group rank 0 at construction, as DDP does).
 
 Plan per stage (one training step: forward, ``loss.backward()`` one or more times, :meth:`step`):
@@ -13,7 +15,7 @@ Plan per stage (one training step: forward, ``loss.backward()`` one or more time
 * stage 0: plain data parallelism (:class:`loom.parallel.data.GradReducer`: bucketed ``iallreduce``).
 * stage 1: full gradients accumulate in ``.grad`` as usual; :meth:`sync_grads` flattens each bucket and
   posts one ``ireduce_scatter`` per bucket (all posted, then waited), adding this rank's block into the
-  flat gradient. After the optimizer, each bucket's updated block is ``allgather``-ed in place into the
+  block's gradient. After the optimizer, each bucket's updated block is ``allgather``-ed in place into the
   bucket's full buffer, which the module's parameters are views of.
 * stage 2: as stage 1, but each bucket is reduce-scattered as backward produces it: a
   ``post_accumulate_grad`` hook copies the parameter's gradient into the bucket's flat gradient and drops
@@ -31,8 +33,10 @@ Plan per stage (one training step: forward, ``loss.backward()`` one or more time
   bucket as soon as all its parameters have their gradients, which are reduce-scattered as in stage 2.
 
 Communication: gathers and reduce-scatters run on two duplicates of the group, so each keeps its own order.
-MPICH makes no asynchronous progress, so every hook tests the outstanding requests (:meth:`_progress`);
-time spent blocked on a request is *exposed* communication, counted in :func:`zero_stats`.
+MPICH makes no asynchronous progress, so every hook tests the outstanding requests (:meth:`_progress`), and a
+reduce-scatter is consumed (added into the block's gradient, its buffers dropped) as soon as it completes;
+at most ``MAX_PENDING`` are outstanding, so their buffers stay bounded however slowly peers progress. Time
+spent blocked on a request is *exposed* communication, counted in :func:`zero_stats`.
 
 Reductions are sums in the master dtype (a bf16 gradient is reduced in float32: MPI has no bf16 sum),
 scaled by ``1 / P`` (``reduce="avg"``) or not (``"sum"``). A parameter without a gradient counts as a zero
@@ -46,7 +50,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -56,6 +60,7 @@ from .data import GradReducer
 
 __all__ = ["ShardedDataParallel", "zero_stats", "reset_zero_stats", "MANIFEST"]
 
+MAX_PENDING = 1  # outstanding gradient reduce-scatters (each holds a bucket's padded gradient)
 _STATS = {"exposed_comm_s": 0.0, "gathers": 0, "gather_waits": 0, "reduce_scatters": 0}
 MANIFEST = "manifest.json"
 
@@ -98,7 +103,7 @@ class _Bucket:
         self.numel = off
         self.shard = -(-off // size)
         self.padded = self.shard * size
-        self.start = 0  # offset of this bucket's block in the flat master
+        self.start = 0  # offset of this bucket's block in this rank's blocks laid end to end (checkpoints)
         self.owners = 0  # modules with direct parameters here (stage 3 frees after the last one ran)
         self.full: torch.Tensor | None = None  # gathered parameters (compute dtype), or None
         self.req: Request | None = None  # pending gather into ``full``
@@ -278,8 +283,8 @@ class ShardedDataParallel(nn.Module):
         for b in self.buckets:
             b.start = total
             total += b.shard
-        self.flat = nn.Parameter(torch.zeros(total, dtype=self.master_dtype))
-        self.flat.grad = torch.zeros_like(self.flat)
+        self.shards = nn.ParameterList([nn.Parameter(torch.zeros(b.shard, dtype=self.master_dtype))
+                                        for b in self.buckets])
         self._placeholders: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for b in self.buckets:
@@ -295,10 +300,18 @@ class ShardedDataParallel(nn.Module):
                     self._bind(b)
 
     def _master(self, b: _Bucket) -> torch.Tensor:
-        return self.flat.data[b.start:b.start + b.shard]
+        return self.shards[b.index].data
 
-    def _grad(self, b: _Bucket) -> torch.Tensor:
-        return self.flat.grad[b.start:b.start + b.shard]
+    def _add_grad(self, i: int, g: torch.Tensor) -> None:
+        sh = self.shards[i]
+        if sh.grad is None:
+            sh.grad = g.mul_(self.scale) if self.scale != 1.0 else g
+        else:
+            sh.grad.add_(g, alpha=self.scale)
+
+    def flat_shard(self) -> torch.Tensor:
+        """This rank's master blocks laid end to end (a copy)."""
+        return torch.cat([sh.detach() for sh in self.shards]) if len(self.shards) else torch.zeros(0)
 
     def _bind(self, b: _Bucket) -> None:
         full = b.full
@@ -307,7 +320,7 @@ class ShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ public API
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """What the optimizer steps on: the flat master shard (stage >= 1) or the trainable parameters."""
+        """What the optimizer steps on: this rank's flat master blocks (stage >= 1) or the trainable params."""
         for _, p in self.named_parameters():
             yield p
 
@@ -318,7 +331,8 @@ class ShardedDataParallel(nn.Module):
                 for n, p in zip(b.names, b.params):
                     yield prefix + n, p
         else:
-            yield prefix + "flat", self.flat
+            for i, sh in enumerate(self.shards):
+                yield f"{prefix}shards.{i}", sh
 
     def forward(self, *args, **kwargs):
         if self.stage < 3:
@@ -331,7 +345,7 @@ class ShardedDataParallel(nn.Module):
         return out
 
     def sync_grads(self) -> None:
-        """Finish this step's gradient reduction: afterwards ``flat.grad`` holds this rank's reduced block."""
+        """Finish this step's gradient reduction: afterwards ``shards[b].grad`` holds this rank's reduced block."""
         if self.stage == 0:
             if self.reducer.armed:
                 self.reducer.finish()
@@ -340,9 +354,17 @@ class ShardedDataParallel(nn.Module):
             self._backward_end()
         if self.stage == 1:
             self._post_stage1()
-        pending, self._pending_rs = self._pending_rs, []
-        for b, req in pending:
-            self._grad(self.buckets[b]).add_(_wait(req), alpha=self.scale)
+        self._drain(0)
+        for sh in self.shards:
+            if sh.grad is None:  # no gradient reached it this step: zero, the same on every rank
+                sh.grad = torch.zeros_like(sh)
+
+    def _drain(self, limit: int) -> None:
+        """Consume completed reduce-scatters in posting order; wait until at most ``limit`` are outstanding."""
+        pending = self._pending_rs
+        while pending and (len(pending) > limit or pending[0][1].test()):
+            i, req = pending.pop(0)
+            self._add_grad(i, _wait(req))
 
     def _post_stage1(self) -> None:
         for b in self.buckets:
@@ -355,6 +377,7 @@ class ShardedDataParallel(nn.Module):
             _STATS["reduce_scatters"] += 1
             for p in b.params:
                 p.grad = None
+            self._drain(MAX_PENDING)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so that their global 2-norm is at most ``max_norm``; returns the norm before."""
@@ -362,11 +385,12 @@ class ShardedDataParallel(nn.Module):
         if self.stage == 0:
             params = [p for b in self.buckets for p in b.params if p.grad is not None]
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        g = self.flat.grad
-        sq = g.to(torch.float64).pow(2).sum().reshape(1)
-        total = self.comm.allreduce(sq).sqrt()[0].to(g.dtype)
+        grads = [sh.grad for sh in self.shards]
+        sq = sum((g.to(torch.float64).pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+        total = self.comm.allreduce(sq.reshape(1)).sqrt()[0].to(self.master_dtype)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        g.mul_(coef)
+        for g in grads:
+            g.mul_(coef)
         return total
 
     def step(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None) -> torch.Tensor | None:
@@ -387,7 +411,8 @@ class ShardedDataParallel(nn.Module):
                         p.grad.zero_()
             self.reducer.start(self.micro_batches)
             return
-        self.flat.grad.zero_()
+        for sh in self.shards:
+            sh.grad = None
         for b in self.buckets:
             for p in b.params:
                 p.grad = None
@@ -414,6 +439,7 @@ class ShardedDataParallel(nn.Module):
                 b.req.test()
         for _, req in self._pending_rs:
             req.test()
+        self._drain(MAX_PENDING)
 
     # ------------------------------------------------------------------ gradients (stages 2-3)
     def _open_backward(self) -> None:
@@ -432,6 +458,9 @@ class ShardedDataParallel(nn.Module):
         bi, i = self._index_of[id(p)]
         b = self.buckets[bi]
         if b.grad is None:
+            # The previous bucket's reduce-scatter had this bucket's backward to complete in; finishing it
+            # before a new gradient buffer is allocated keeps one bucket's gradient in flight (as FSDP2 does).
+            self._drain(0)
             b.grad = torch.zeros(b.padded, dtype=self.master_dtype)
         off = b.offsets[i]
         b.grad[off:off + p.numel()].copy_(p.grad.reshape(-1))
@@ -639,7 +668,7 @@ class ShardedDataParallel(nn.Module):
         d.mkdir(parents=True, exist_ok=True)
         r, size = self.comm.rank, self.comm.size
         replicated = {k: v for k, v in self.module.state_dict().items() if k not in self._trainable_names()}
-        blob = {"flat": self.flat.detach().clone(), "optim": optimizer.state_dict() if optimizer else None,
+        blob = {"flat": self.flat_shard(), "optim": optimizer.state_dict() if optimizer else None,
                 "extra": extra, "replicated": replicated if r == 0 else None}
         _atomic_save(blob, d / _shard_name(r, size))
         self.comm.barrier()
@@ -669,7 +698,8 @@ class ShardedDataParallel(nn.Module):
                              f"bucket_mb): {len(man['buckets'])} buckets saved, {len(mine)} here")
         old = _OldShards(d, man)
         with torch.no_grad():
-            self.flat.copy_(self._reshard(old, lambda blob: blob["flat"]))
+            for b, lay in zip(self.buckets, old.layouts):
+                self._master(b).copy_(self._reshard(old, b, lambda q, lay=lay: _block(old.get(q)["flat"], lay)))
         if old.get(0)["replicated"]:
             self.module.load_state_dict(old.get(0)["replicated"], strict=False)
         if self.stage < 3:
@@ -680,36 +710,45 @@ class ShardedDataParallel(nn.Module):
             optimizer.load_state_dict(self._reshard_optim(old))
         return old.get(self.comm.rank % old.world)["extra"]
 
-    def _reshard(self, old: "_OldShards", pick) -> torch.Tensor:
-        """This rank's flat block, assembled from the saved blocks of any group size (``pick`` chooses the tensor)."""
+    def _reshard(self, old: "_OldShards", b: _Bucket, block: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """This rank's block of bucket ``b``, assembled from the blocks saved at any group size
+        (``block(q)``: old rank ``q``'s block of ``b``); padding stays zero."""
+        lay = old.layouts[b.index]
         r = self.comm.rank
-        out = torch.zeros(self.flat.numel(), dtype=self.flat.dtype)
-        for b, lay in zip(self.buckets, old.layouts):
-            lo, hi = r * b.shard, min((r + 1) * b.shard, b.numel)
-            pos = lo
-            while pos < hi:
-                q = pos // lay["shard"]
-                end = min(hi, (q + 1) * lay["shard"])
-                src = pick(old.get(q))
-                a = lay["start"] + pos - q * lay["shard"]
-                out[b.start + pos - lo:b.start + end - lo].copy_(src[a:a + end - pos])
-                pos = end
+        out = torch.zeros(b.shard, dtype=self.master_dtype)
+        lo, hi = r * b.shard, min((r + 1) * b.shard, b.numel)
+        pos = lo
+        while pos < hi:
+            q = pos // lay["shard"]
+            end = min(hi, (q + 1) * lay["shard"])
+            a = pos - q * lay["shard"]
+            out[pos - lo:end - lo].copy_(block(q)[a:a + end - pos])
+            pos = end
         return out
 
     def _reshard_optim(self, old: "_OldShards") -> dict[str, Any]:
+        """The optimizer state of the saved run (one entry per bucket's block), resharded to this group."""
         base = old.get(0)["optim"]
         if base is None:
             raise ValueError("load_sharded: the checkpoint has no optimizer state (saved without optimizer=)")
-        n_old = old.get(0)["flat"].numel()
         state = {}
         for k, st in base["state"].items():
+            lay = old.layouts[k]
             state[k] = {}
             for name, v in st.items():
-                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n_old:
-                    state[k][name] = self._reshard(old, lambda blob, k=k, name=name: blob["optim"]["state"][k][name])
+                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == lay["shard"]:
+                    state[k][name] = self._reshard(old, self.buckets[k], _optim_block(old, k, name))
                 else:
                     state[k][name] = v
         return {"state": state, "param_groups": base["param_groups"]}
+
+
+def _optim_block(old: "_OldShards", k: int, name: str) -> Callable[[int], torch.Tensor]:
+    return lambda q: old.get(q)["optim"]["state"][k][name]
+
+
+def _block(flat: torch.Tensor, lay: dict[str, int]) -> torch.Tensor:
+    return flat[lay["start"]:lay["start"] + lay["shard"]]
 
 
 def _shard_name(rank: int, size: int) -> str:

@@ -233,7 +233,7 @@ def check_bf16_compute_with_fp32_master(comm):
     ref, _, ref_losses = _reference(seed, [(x.double(), y.double()) for x, y in data], comm.size, max_norm=0.3)
     for stage in (2, 3):
         sdp = ShardedDataParallel(_model(seed, torch.float32), comm, stage=stage, compute_dtype=torch.bfloat16)
-        assert sdp.flat.dtype == torch.float32
+        assert all(sh.dtype == torch.float32 for sh in sdp.shards)
         opt = torch.optim.Adam(sdp.parameters(), lr=0.05)
         losses = []
         for step, (x, y) in enumerate(data):

@@ -31,7 +31,7 @@ def test_buckets_follow_modules_and_pad():
     names = [n for b in sdp.buckets for n in b.names]
     assert "frozen.weight" not in names and names[:2] == ["scale", "inp.weight"]  # the root module first
     trainable = sum(p.numel() for p in cz._model(0).parameters() if p.requires_grad)
-    assert sum(b.numel for b in sdp.buckets) == trainable == sdp.flat.numel()  # one rank: no padding
+    assert sum(b.numel for b in sdp.buckets) == trainable == sdp.flat_shard().numel()  # one rank: no padding
 
 
 def test_manifest_is_written_last_and_atomically(tmp_path):

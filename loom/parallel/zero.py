@@ -38,6 +38,17 @@ reduce-scatter is consumed (added into the block's gradient, its buffers dropped
 at most ``MAX_PENDING`` are outstanding, so their buffers stay bounded however slowly peers progress. Time
 spent blocked on a request is *exposed* communication, counted in :func:`zero_stats`.
 
+Compression (``compress=``, a :class:`loom.compress.CompressionPolicy` or preset name), ZeRO++ style: the
+gradient reduce-scatter uses the policy's ``dp`` codec (``hybrid``: int4) with its error feedback: each
+bucket's gradient plus the residual of the last step is encoded block by block for the other ranks (this
+rank's own block stays exact), one ``alltoallv`` of the bytes, each rank decodes and sums its block; what
+the encoding dropped is this rank's new residual. Stage-3 parameter gathers use ``param_codec`` (default
+blockwise int8 when compressing): each rank encodes its block once, one ``allgatherv`` of the bytes, every
+rank decodes every block, its own included, so the gathered weights are the same on every rank while the
+fp32 master stays exact. Compressed collectives are blocking (they run at the post point). The residuals
+live with the shard and are saved in its checkpoint file (restored when loaded at the same group size;
+at another size the layout they refer to is gone and they start from zero).
+
 Reductions are sums in the master dtype (a bf16 gradient is reduced in float32: MPI has no bf16 sum),
 scaled by ``1 / P`` (``reduce="avg"``) or not (``"sum"``). A parameter without a gradient counts as a zero
 gradient (as one process with ``zero_grad(set_to_none=False)``): a stateful optimizer still moves it.
@@ -211,12 +222,16 @@ class ShardedDataParallel(nn.Module):
         compute_dtype: dtype the module computes in (e.g. ``torch.bfloat16``); the master shard keeps the
             parameters' dtype. ``None``: the parameters' dtype.
         reduce: ``"avg"`` averages gradients over the group, ``"sum"`` sums them.
+        compress: a :class:`loom.compress.CompressionPolicy` or preset name (stages 2-3): its ``dp`` codec and
+            error feedback on the gradient reduce-scatter; ``None``: exact.
+        param_codec: codec of the stage-3 parameter gathers (default ``"int8"`` when ``compress`` is given).
         micro_batches: stage 0 only: ``backward()`` calls per step (stages 1-3 reduce after every backward).
     """
 
     def __init__(self, module: nn.Module, group: Communicator | Mesh, *, stage: int = 3,
                  axes: str | Sequence[str] | None = None, bucket_mb: float = 25.0,
-                 compute_dtype: torch.dtype | None = None, reduce: str = "avg", micro_batches: int = 1):
+                 compute_dtype: torch.dtype | None = None, reduce: str = "avg", micro_batches: int = 1,
+                 compress: Any = None, param_codec: str | None = None):
         super().__init__()
         _check_args(module, stage, bucket_mb, reduce, micro_batches)
         comm = _group(group, axes)
@@ -245,6 +260,7 @@ class ShardedDataParallel(nn.Module):
                 for p in module.parameters():
                     if not p.requires_grad and p.is_floating_point():
                         p.data = p.data.to(self.compute_dtype)
+        self._setup_compression(compress, param_codec)
         self._ag = comm.dup(name=comm.name)  # parameter gathers, in their own order
         self._rs = comm.dup(name=comm.name)  # gradient reduce-scatters, in theirs
         self._init_shards()
@@ -317,6 +333,65 @@ class ShardedDataParallel(nn.Module):
         full = b.full
         for p, off in zip(b.params, b.offsets):
             p.data = full[off:off + p.numel()].view(p.shape)
+
+    # ------------------------------------------------------------------ compression
+    def _setup_compression(self, compress: Any, param_codec: str | None) -> None:
+        self.grad_codec = self.param_codec = None
+        self.error_feedback = None
+        if compress is None:
+            if param_codec is not None:
+                raise ValueError("param_codec needs compress= (a CompressionPolicy or preset name)")
+            return
+        from ..compress import CompressionPolicy, ErrorFeedback, get_codec
+
+        policy = CompressionPolicy.preset(compress) if isinstance(compress, str) else compress
+        if not isinstance(policy, CompressionPolicy):
+            raise TypeError(f"compress must be a loom.compress.CompressionPolicy or a preset name, got "
+                            f"{type(compress).__name__}")
+        if self.stage < 2:
+            raise ValueError(f"compress needs stage 2 or 3 (the reduce-scatter it compresses), got stage "
+                             f"{self.stage}")
+        self.grad_codec = policy.codec_for("dp")
+        if self.grad_codec is not None and self.grad_codec.name == "powersgd":
+            raise ValueError("compress: powersgd needs whole matrices; a reduce-scatter of flat blocks cannot use "
+                             "it; choose a blockwise dp codec (int4, int8) or another policy")
+        self.error_feedback = ErrorFeedback() if policy.error_feedback and self.grad_codec is not None else None
+        if self.stage == 3 and (param_codec or self.grad_codec is not None):
+            self.param_codec = get_codec(param_codec or "int8")
+
+    def _compressed_rs(self, b: _Bucket, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's block of the sum of ``grad`` over the group, other ranks' blocks sent encoded."""
+        codec, ef, comm = self.grad_codec, self.error_feedback, self._rs
+        y = ef.apply(b.index, grad) if ef is not None else grad
+        r, n = comm.rank, b.shard
+        residual = torch.zeros_like(y) if ef is not None else None
+        chunks, counts = [], []
+        for j in range(comm.size):
+            if j == r:
+                counts.append(0)
+                continue
+            pkt = codec.encode(y[j * n:(j + 1) * n])
+            chunks.append(pkt.data)
+            counts.append(pkt.nbytes)
+            if residual is not None:
+                residual[j * n:(j + 1) * n] = y[j * n:(j + 1) * n] - codec.decode(pkt).to(y.dtype)
+        send = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+        recv, rc = comm.alltoallv(send, counts)
+        acc = y[r * n:(r + 1) * n].clone()
+        off = 0
+        for j, c in enumerate(rc):
+            if j != r:
+                acc += codec.decode(codec.from_wire(recv[off:off + c], (n,), y.dtype)).to(y.dtype)
+            off += c
+        if ef is not None:
+            ef.set(b.index, residual)
+        return acc
+
+    def _ef_state(self) -> dict[int, torch.Tensor] | None:
+        if self.error_feedback is None:
+            return None
+        return {b.index: self.error_feedback.get(b.index) for b in self.buckets
+                if self.error_feedback.get(b.index) is not None}
 
     # ------------------------------------------------------------------ public API
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
@@ -475,7 +550,11 @@ class ShardedDataParallel(nn.Module):
     def _post_rs(self, b: _Bucket) -> None:
         grad = b.grad if b.grad is not None else torch.zeros(b.padded, dtype=self.master_dtype)
         b.grad = None
-        self._pending_rs.append((b.index, self._rs.ireduce_scatter(grad)))
+        if self.grad_codec is not None:
+            req = Request.completed(self._compressed_rs(b, grad), what="compressed reduce-scatter")
+        else:
+            req = self._rs.ireduce_scatter(grad)
+        self._pending_rs.append((b.index, req))
         _STATS["reduce_scatters"] += 1
         b.posted = True
 
@@ -507,9 +586,15 @@ class ShardedDataParallel(nn.Module):
     def _post_gather(self, b: _Bucket) -> None:
         if b.full is not None:
             return
-        b.full = torch.empty(b.padded, dtype=self.compute_dtype)
         src = self._master(b).to(self.compute_dtype)
-        b.req = self._ag.iallgather(src, out=b.full)
+        if self.param_codec is not None:
+            from ..compress import allgather
+
+            b.full = allgather(src, self._ag, self.param_codec, min_bytes=0).to(self.compute_dtype)
+            b.req = Request.completed(b.full, what="compressed gather")
+        else:
+            b.full = torch.empty(b.padded, dtype=self.compute_dtype)
+            b.req = self._ag.iallgather(src, out=b.full)
         _STATS["gathers"] += 1
 
     def _ensure(self, b: _Bucket) -> None:
@@ -669,7 +754,7 @@ class ShardedDataParallel(nn.Module):
         r, size = self.comm.rank, self.comm.size
         replicated = {k: v for k, v in self.module.state_dict().items() if k not in self._trainable_names()}
         blob = {"flat": self.flat_shard(), "optim": optimizer.state_dict() if optimizer else None,
-                "extra": extra, "replicated": replicated if r == 0 else None}
+                "extra": extra, "replicated": replicated if r == 0 else None, "error_feedback": self._ef_state()}
         _atomic_save(blob, d / _shard_name(r, size))
         self.comm.barrier()
         if r == 0:
@@ -708,6 +793,11 @@ class ShardedDataParallel(nn.Module):
                     b.full.copy_(self.comm.allgather(self._master(b).to(self.compute_dtype)))
         if optimizer is not None:
             optimizer.load_state_dict(self._reshard_optim(old))
+        if self.error_feedback is not None:
+            self.error_feedback.reset()
+            saved = old.get(self.comm.rank)["error_feedback"] if old.world == self.comm.size else None
+            for k, res in (saved or {}).items():
+                self.error_feedback.set(k, res.clone())
         return old.get(self.comm.rank % old.world)["extra"]
 
     def _reshard(self, old: "_OldShards", b: _Bucket, block: Callable[[int], torch.Tensor]) -> torch.Tensor:

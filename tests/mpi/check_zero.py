@@ -246,6 +246,40 @@ def check_bf16_compute_with_fp32_master(comm):
         assert all(abs(a - b) < 0.05 * abs(b) + 0.02 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
 
 
+def check_compressed_resume_is_bit_exact(comm):
+    """hybrid policy (int4 + error feedback on the reduce-scatter, int8 on the stage-3 gathers): training
+    stays near the exact run, the residuals are non-zero, and a run resumed from a sharded checkpoint at
+    the same size equals the uninterrupted one bit for bit (the residuals travel in the checkpoint)."""
+    g = seeded(comm, 21)
+    seed = int(torch.randint(0, 2**30, (1,), generator=g))
+    data = [(x.float(), y.float()) for x, y in _data(g, 5)]
+    d = comm.bcast_object(tempfile.mkdtemp(prefix="loom-zero-ef-") if comm.rank == 0 else None)
+    for stage in (2, 3):
+        exact = ShardedDataParallel(_model(seed, torch.float32), comm, stage=stage, bucket_mb=0.0015)
+        eopt = torch.optim.Adam(exact.parameters(), lr=0.05)
+        want = _train(exact, eopt, data, comm, max_norm=0.3, steps_from=3)
+        runs = []
+        for resume in (False, True):
+            sdp = ShardedDataParallel(_model(seed, torch.float32), comm, stage=stage, bucket_mb=0.0015,
+                                      compress="hybrid")
+            opt = torch.optim.Adam(sdp.parameters(), lr=0.05)
+            losses = _train(sdp, opt, data[:2], comm, max_norm=0.3, steps_from=3)
+            if resume:
+                sdp.save_sharded(d, opt)
+                sdp = ShardedDataParallel(_model(seed + 5, torch.float32), comm, stage=stage, bucket_mb=0.0015,
+                                          compress="hybrid")
+                opt = torch.optim.Adam(sdp.parameters(), lr=0.05)
+                sdp.load_sharded(d, opt)
+            losses += _train(sdp, opt, data[2:], comm, max_norm=0.3, steps_from=5)
+            runs.append((losses, sdp.state_dict()))
+            if comm.size > 1:
+                assert sdp.error_feedback is not None and sdp.error_feedback.norm() > 0
+        assert runs[0][0] == runs[1][0], ("resume changed the losses", runs[0][0], runs[1][0])
+        for k, v in runs[0][1].items():
+            assert torch.equal(v, runs[1][1][k]), f"stage {stage}: resume changed {k}"
+        assert all(abs(a - b) < 0.1 * abs(b) + 0.05 for a, b in zip(runs[0][0], want)), (runs[0][0], want)
+
+
 def check_errors(comm):
     m = _model(1)
     for bad, kw in [(4, {}), (-1, {}), (True, {})]:
@@ -268,6 +302,12 @@ def check_errors(comm):
         assert "Mesh" in str(exc)
     else:
         raise AssertionError("axes with a Communicator accepted")
+    try:
+        ShardedDataParallel(m, comm, stage=1, compress="hybrid")
+    except ValueError as exc:
+        assert "stage 2 or 3" in str(exc)
+    else:
+        raise AssertionError("compression at stage 1 accepted")
     try:
         ShardedDataParallel(nn.Linear(3, 3, device="meta"), comm)
     except ValueError as exc:

@@ -23,5 +23,6 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "hybrid": ("loom.bench.hybrid", "main", "step time: data parallel vs pipeline vs hybrid"),
     "compress-train": ("loom.bench.compress_train", "main", "data-parallel training with compression policies"),
     "moe": ("loom.bench.moe", "main", "MoE layer step time: direct vs multi-path dispatch"),
+    "zero": ("loom.bench.zero", "main", "sharded data parallel (ZeRO 0-3): capacity at a budget, vs FSDP2 and DDP"),
     "dask": ("loom.bench.dask", "main", "Dask comm latency/bandwidth and applications: mpi:// vs tcp://"),
 }

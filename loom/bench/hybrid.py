@@ -6,8 +6,14 @@ gradient allreduce (every rank ships the whole model's gradients) dominates, whi
 SGD; for ``W`` ranks the modes are ``dp`` (``partitions=1, replicas=W``, Horovod-style bucketed allreduce of
 all gradients), ``pipeline`` (``partitions=W, replicas=1``) and ``hybrid`` (every other factorisation).
 
+Each mode runs at its own best micro-batch count (``--micro-batches auto``: every count in 1, 2, 4, 8 that
+divides its replica batch is timed briefly and the fastest kept): data parallelism wants one micro-batch (more
+only re-read every weight for fewer rows), a pipeline wants enough to fill its stages. The peer, torch
+``DistributedDataParallel`` on gloo over the same ranks, trains the same model and batch in the same run.
+
 Timing (:func:`loom.bench.omb.time_op`): one thread per rank, warm-up steps excluded, ``--rounds`` rounds with
-the modes interleaved, best round's mean kept. Bytes per step are counted by loom.comm, summed over ranks.
+the modes interleaved, best round's mean kept. Bytes per step are counted by loom.comm, summed over ranks
+(DDP's gloo traffic is not). Time on at most as many ranks as there are cores.
 """
 
 from __future__ import annotations
@@ -47,8 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-w", "--width", type=int, default=1024, help="hidden width of the residual blocks")
     p.add_argument("-d", "--depth", type=int, default=16, help="residual blocks (each width x width)")
     p.add_argument("-b", "--batch", type=int, default=16, help="global batch size (rows)")
-    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per replica batch")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b", help="pipeline schedule")
+    p.add_argument("-m", "--micro-batches", default="auto",
+                   help="micro-batches per replica batch: a number for every mode, or auto (each mode its best)")
+    p.add_argument("-s", "--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b",
+                   help="pipeline schedule")
     p.add_argument("-i", "--iterations", type=int, default=10, help="timed steps per round")
     p.add_argument("-x", "--warmup", type=int, default=2, help="untimed steps per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds (modes interleaved, best kept)")
@@ -67,6 +75,51 @@ def _modes(world_size: int) -> list[tuple[str, int, int]]:
     return out
 
 
+def _mib(nbytes: int | None) -> float | str:
+    return "-" if nbytes is None else nbytes / 2**20
+
+
+def _candidates(arg: str, per: int) -> list[int]:
+    if arg == "auto":
+        return [m for m in (1, 2, 4, 8) if per % m == 0]
+    return [int(arg)] if per % int(arg) == 0 else []
+
+
+def _ddp_step(args, comm, x, y, loss_fn):
+    """torch DDP (gloo) over the same ranks, same model and batch: the peer."""
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    path = comm.bcast_object(tempfile.mktemp(prefix="loom-bench-hybrid-") if comm.rank == 0 else None)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=comm.rank, world_size=comm.size)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(WideResMLP(args.width, args.depth), gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    b = args.batch // comm.size
+    sl = slice(comm.rank * b, (comm.rank + 1) * b)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss_fn(model(x[sl]), y[sl]).backward()
+        opt.step()
+
+    return step, dist
+
+
+def _best_micro(hp, step, comm, cands: list[int]) -> int:
+    """Time each candidate count briefly (max over ranks) and keep the fastest."""
+    best, best_t = cands[0], float("inf")
+    for m in cands:
+        hp.micro_batches = m
+        t = comm.allreduce_object(omb.time_op(step, comm, 1, 3, max_seconds=10.0), op="max")
+        if t < best_t:
+            best, best_t = m, t
+    hp.micro_batches = best
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from ..parallel import HybridParallel
@@ -75,11 +128,16 @@ def main(argv: list[str] | None = None) -> int:
     comm = world()
     w = comm.size
     modes = _modes(w)
+    if args.micro_batches != "auto" and not args.micro_batches.isdigit():
+        print(f"loom bench hybrid: --micro-batches {args.micro_batches!r} is neither a number nor auto",
+              file=sys.stderr)
+        return 2
     for name, p, r in modes:
         per = args.batch // r if args.batch % r == 0 else 0
-        if per == 0 or per % args.micro_batches:
+        if per == 0 or not _candidates(args.micro_batches, per):
+            unit = r * (1 if args.micro_batches == "auto" else int(args.micro_batches))
             print(f"loom bench hybrid: --batch {args.batch} must split into {r} replicas x {args.micro_batches} "
-                  f"micro-batches (mode {name}); use a multiple of {r * args.micro_batches}", file=sys.stderr)
+                  f"micro-batches (mode {name}); use a multiple of {unit}", file=sys.stderr)
             return 2
         if p > args.depth + 2:
             print(f"loom bench hybrid: {p} stages exceed the model's {args.depth + 2} layers; raise --depth",
@@ -92,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for name, p, r in modes:
         torch.manual_seed(0)
+        cands = _candidates(args.micro_batches, args.batch // r)
         hp = HybridParallel(WideResMLP(args.width, args.depth), partitions=p, replicas=r,
-                            micro_batches=args.micro_batches, schedule=args.schedule)
+                            micro_batches=cands[0], schedule=args.schedule)
         opt = torch.optim.SGD(hp.parameters(), lr=1e-4)
         b = args.batch // r
         sl = slice(hp.replica_index * b, (hp.replica_index + 1) * b)
@@ -104,12 +163,17 @@ def main(argv: list[str] | None = None) -> int:
             opt.step()
 
         step()
+        micro = _best_micro(hp, step, comm, cands)
         reset_stats()
         step()
         st = stats()
         mine = [sum(st.get(ax, {}).values()) for ax in ("dp", "pp")]
         dp_b, pp_b = (comm.allreduce_object(v) for v in mine)
-        runs.append([name, p, r, step, float("inf"), dp_b, pp_b])
+        runs.append([name, p, r, step, float("inf"), dp_b, pp_b, micro])
+    dist = None
+    if w > 1 and args.batch % w == 0:
+        ddp, dist = _ddp_step(args, comm, x, y, loss_fn)
+        runs.append(["torch DDP", 1, w, ddp, float("inf"), None, None, 1])
     params = sum(t.numel() for t in WideResMLP(args.width, args.depth).parameters())
     for _ in range(args.rounds):
         for run in runs:
@@ -117,16 +181,19 @@ def main(argv: list[str] | None = None) -> int:
                                              max_seconds=args.max_seconds))
     # every rank timed the same steps; the slowest rank's time is the step time
     base = comm.allreduce_object(runs[0][4], op="max")
-    table = omb.Table("Hybrid Parallel Training Step", ["Mode", "Stages", "Replicas", "Step(ms)", "dpMB/step",
-                                                        "ppMB/step", "Speedup-vs-dp"], rank=comm.rank)
+    table = omb.Table("Hybrid Parallel Training Step", ["Mode", "Stages", "Replicas", "Micro", "Step(ms)",
+                                                        "dpMB/step", "ppMB/step", "Speedup-vs-dp"], rank=comm.rank)
     table.meta = {"model": f"residual MLP width {args.width} depth {args.depth} ({params / 1e6:.1f} M params, fp32)",
-                  "global batch": f"{args.batch}, micro-batches {args.micro_batches}, schedule {args.schedule}",
+                  "global batch": f"{args.batch}, micro-batches {args.micro_batches} (Micro: the count used), "
+                                  f"schedule {args.schedule}",
                   "ranks": f"{w}, 1 thread each, SGD"}
     table.header()
-    for name, p, r, _, t, dp_b, pp_b in runs:
+    for name, p, r, _, t, dp_b, pp_b, micro in runs:
         t = comm.allreduce_object(t, op="max")
-        table.add(name, p, r, t * 1e3, dp_b / 2**20, pp_b / 2**20, base / t)
+        table.add(name, p, r, micro, t * 1e3, _mib(dp_b), _mib(pp_b), base / t)
     table.write_json(args.json, argv=argv)
+    if dist is not None:
+        dist.destroy_process_group()
     return 0
 
 

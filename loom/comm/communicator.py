@@ -440,32 +440,71 @@ class Communicator:
         return _to_device(out, tensor), rc
 
     # ------------------------------------------------------------------ non-blocking collectives
-    def iallreduce(self, tensor: _b.Buffer, op: str = "sum") -> Request:
-        """Non-blocking :meth:`allreduce`; ``wait()`` returns the reduced tensor."""
+    def iallreduce(self, tensor: _b.Buffer, op: str = "sum", *, out: _b.Buffer | None = None) -> Request:
+        """Non-blocking :meth:`allreduce`; ``wait()`` returns the reduced tensor.
+
+        ``out=tensor`` reduces in place (``MPI_IN_PLACE``: no result buffer, no copy) when ``tensor`` is a
+        contiguous host buffer of an MPI-reducible dtype; otherwise the result is copied into ``out``.
+        """
         mop = _op(op)
         x = _host_view(tensor)
         xin = _b.cast(x, _b.reduction_dtype(x))
-        out = _b.empty_like_shape(xin, tuple(xin.shape))
-        req = self.mpi.Iallreduce(_as_send(xin), _as_send(out), mop)
+        inplace = out is tensor and xin is x and x is tensor and _b.direct_target(out, x)
+        res = x if inplace else _b.empty_like_shape(xin, tuple(xin.shape))
+        req = self.mpi.Iallreduce(MPI.IN_PLACE if inplace else _as_send(xin), _as_send(res), mop)
         self._count("allreduce", 2 * _b.nbytes(x) * (self.size - 1) // max(self.size, 1))
         size = self.size
 
         def finish():
             if op == "avg":
-                out.__itruediv__(size)
-            return _to_device(_b.cast(out, x.dtype), tensor)
+                res.__itruediv__(size)
+            if inplace:
+                return out
+            r = _to_device(_b.cast(res, x.dtype), tensor)
+            return r if out is None else _b.finish_recv(out, r)
 
-        return Request([req], keep=(xin, out), finish=finish, what=f"iallreduce on {self.name}")
+        return Request([req], keep=(xin, res), finish=finish, what=f"iallreduce on {self.name}")
 
-    def iallgather(self, tensor: _b.Buffer) -> Request:
-        """Non-blocking :meth:`allgather`."""
+    def iallgather(self, tensor: _b.Buffer, *, out: _b.Buffer | None = None) -> Request:
+        """Non-blocking :meth:`allgather`; ``out`` (contiguous, ``size`` times the rows) to gather in place."""
         _check_dim0(tensor, "iallgather")
         x = _host_view(tensor)
-        out = _b.empty_like_shape(x, (x.shape[0] * self.size, *x.shape[1:]))
-        req = self.mpi.Iallgather(_as_bytes(x), _as_bytes(out))
+        shape = (x.shape[0] * self.size, *x.shape[1:])
+        direct = out is not None and tuple(out.shape) == shape and _b.direct_target(out, x)
+        res = out if direct else _b.empty_like_shape(x, shape)
+        req = self.mpi.Iallgather(_as_bytes(x), _as_bytes(res))
         self._count("allgather", _b.nbytes(x) * (self.size - 1))
-        return Request([req], keep=(x, out), finish=lambda: _to_device(out, tensor),
-                       what=f"iallgather on {self.name}")
+
+        def finish():
+            if direct:
+                return out
+            r = _to_device(res, tensor)
+            return r if out is None else _b.finish_recv(out, r)
+
+        return Request([req], keep=(x, res), finish=finish, what=f"iallgather on {self.name}")
+
+    def ireduce_scatter(self, tensor: _b.Buffer, op: str = "sum") -> Request:
+        """Non-blocking :meth:`reduce_scatter`; ``wait()`` returns this rank's block of the reduction."""
+        mop = _op(op)
+        _check_dim0(tensor, "ireduce_scatter")
+        n0, p = tensor.shape[0], self.size
+        if n0 % p:
+            raise ValueError(
+                f"ireduce_scatter: dim 0 of size {n0} does not divide by {p} ranks of {self.name!r}; "
+                f"pad dim 0 to {-(-n0 // p) * p}"
+            )
+        x = _host_view(tensor)
+        xin = _b.cast(x, _b.reduction_dtype(x))
+        res = _b.empty_like_shape(xin, (n0 // p, *xin.shape[1:]))
+        req = self.mpi.Ireduce_scatter_block(_as_send(xin), _as_send(res), mop)
+        self._count("reduce_scatter", _b.nbytes(x) * (p - 1) // p)
+
+        def finish():
+            if op == "avg":
+                res.__itruediv__(p)
+            return _to_device(_b.cast(res, x.dtype), tensor)
+
+        return Request([req], keep=(xin, res), finish=finish, what=f"ireduce_scatter on {self.name}")
 
     def ialltoallv(
         self, tensor: _b.Buffer, send_counts: Sequence[int], recv_counts: Sequence[int] | None = None

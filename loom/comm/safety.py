@@ -167,6 +167,7 @@ _SIGNATURES: dict[str, Callable] = {
     "allreduce": _sig_reduce("allreduce"),  # out= on allreduce, allgather, alltoall (as the methods take it)
     "iallreduce": _sig_reduce("allreduce"),
     "reduce_scatter": _sig_reduce("reduce_scatter"),
+    "ireduce_scatter": _sig_reduce("reduce_scatter"),
     "allgather": _sig_gather("allgather", trailing_only=False, result_rows=lambda c, n: n * c.size),
     "iallgather": _sig_gather("allgather", trailing_only=False),
     "allgatherv": _sig_gather("allgatherv", trailing_only=True),
@@ -278,7 +279,7 @@ def _wrap_wait(fn: Callable) -> Callable:
 
 _WRAPPED = (
     "send", "recv", "sendrecv", "barrier", "bcast", "allreduce", "reduce_scatter", "allgather", "allgatherv",
-    "alltoall", "alltoallv", "iallreduce", "iallgather", "ialltoallv", "split", "dup",
+    "alltoall", "alltoallv", "iallreduce", "iallgather", "ireduce_scatter", "ialltoallv", "split", "dup",
     "send_object", "recv_object", "bcast_object", "allgather_object", "gather_object", "allreduce_object",
 )
 

@@ -1,4 +1,4 @@
-"""loom.parallel: data, pipeline, sequence and hybrid parallelism built on loom.comm."""
+"""loom.parallel: data (plain and sharded), pipeline, sequence and hybrid parallelism built on loom.comm."""
 
 from .hybrid import HybridConfig, HybridParallel
 from .partition import TraceError, balance
@@ -10,3 +10,6 @@ __all__ = ["HybridConfig", "HybridParallel", "TraceError", "balance"]
 __all__ += ["HostPool", "MemoryTracker", "fpdt_attention", "gather_sequence", "local_positions", "shard_sequence",
             "ulysses_attention"]
 __all__ += ["MoE", "MoEConfig", "dispatch_alltoallv", "moe_reference"]
+from .zero import ShardedDataParallel, reset_zero_stats, zero_stats
+
+__all__ += ["ShardedDataParallel", "reset_zero_stats", "zero_stats"]

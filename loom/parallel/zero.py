@@ -1,0 +1,871 @@
+"""Sharded data parallelism (ZeRO stages 0-3) on ``loom.comm``: :class:`ShardedDataParallel`.
+
+Layout. The trainable parameters are grouped, module by module in registration order, into *buckets* of at
+most ``bucket_mb`` MiB (a module's direct parameters never straddle two buckets). Bucket ``b`` is one flat
+vector of ``N_b`` elements padded to ``P * S_b`` (``P`` ranks in the group, ``S_b = ceil(N_b / P)``); rank
+``r`` owns elements ``[r S_b, (r+1) S_b)``: this rank's block of each bucket is one flat *master* parameter
+(``shards[b]``, in the parameters' dtype). The optimizer, any ``torch.optim`` class, steps on these alone,
+so its state is sharded at every stage >= 1; a block's gradient is allocated when its first reduction
+arrives (as a parameter's ``.grad`` in one process), so gradients grow during backward instead of sitting
+allocated all step. Frozen parameters and buffers stay
+replicated (broadcast from group rank 0 at construction, as DDP does).
+
+Plan per stage (one training step: forward, ``loss.backward()`` one or more times, :meth:`step`):
+
+* stage 0: plain data parallelism (:class:`loom.parallel.data.GradReducer`: bucketed ``iallreduce``).
+* stage 1: full gradients accumulate in ``.grad`` as usual; :meth:`sync_grads` flattens each bucket and
+  posts one ``ireduce_scatter`` per bucket (all posted, then waited), adding this rank's block into the
+  block's gradient. After the optimizer, each bucket's updated block is ``allgather``-ed in place into the
+  bucket's full buffer, which the module's parameters are views of.
+* stage 2: as stage 1, but each bucket is reduce-scattered as backward produces it: a
+  ``post_accumulate_grad`` hook copies the parameter's gradient into the bucket's flat gradient and drops
+  ``.grad``; a complete bucket posts its ``ireduce_scatter`` at once, buckets strictly in descending order
+  (so every rank issues the same collectives in the same order). At the end of each ``backward()`` (an
+  autograd engine callback) the buckets not yet posted (a parameter without a gradient counts as zeros,
+  the same on every rank, so replicas never diverge) are posted too.
+* stage 3: parameters are sharded as well. Between uses a parameter is a one-element placeholder expanded to
+  its shape. A forward pre-hook on each module owning a bucket's parameters posts the bucket's
+  ``iallgather`` (and every earlier one not yet posted, so all ranks post them in bucket order), waits for
+  it, binds the parameters to views of the gathered buffer and prefetches the next bucket; when the
+  bucket's last owning module has run it is freed. Autograd's saved tensors that are views of a gathered
+  buffer are saved as (bucket, size, stride, offset) by a saved-tensors hook and re-materialized on unpack:
+  backward re-gathers buckets in descending order just in time (prefetching the one below), and frees a
+  bucket as soon as all its parameters have their gradients, which are reduce-scattered as in stage 2.
+
+Communication: gathers and reduce-scatters run on two duplicates of the group, so each keeps its own order.
+MPICH makes no asynchronous progress, so every hook tests the outstanding requests (:meth:`_progress`), and a
+reduce-scatter is consumed (added into the block's gradient, its buffers dropped) as soon as it completes;
+at most ``MAX_PENDING`` are outstanding, so their buffers stay bounded however slowly peers progress. Time
+spent blocked on a request is *exposed* communication, counted in :func:`zero_stats`.
+
+Compression (``compress=``, a :class:`loom.compress.CompressionPolicy` or preset name), ZeRO++ style: the
+gradient reduce-scatter uses the policy's ``dp`` codec (``hybrid``: int4) with its error feedback: each
+bucket's gradient plus the residual of the last step is encoded block by block for the other ranks (this
+rank's own block stays exact), one ``alltoallv`` of the bytes, each rank decodes and sums its block; what
+the encoding dropped is this rank's new residual. Stage-3 parameter gathers use ``param_codec`` (default
+blockwise int8 when compressing): each rank encodes its block once, one ``allgatherv`` of the bytes, every
+rank decodes every block, its own included, so the gathered weights are the same on every rank while the
+fp32 master stays exact. Compressed collectives are blocking (they run at the post point). The residuals
+live with the shard and are saved in its checkpoint file (restored when loaded at the same group size;
+at another size the layout they refer to is gone and they start from zero).
+
+Reductions are sums in the master dtype (a bf16 gradient is reduced in float32: MPI has no bf16 sum),
+scaled by ``1 / P`` (``reduce="avg"``) or not (``"sum"``). A parameter without a gradient counts as a zero
+gradient (as one process with ``zero_grad(set_to_none=False)``): a stateful optimizer still moves it.
+Every rank of the group must run the same modules in the same order at stage 3 (as torch FSDP requires).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ..comm import Communicator, Mesh, Request
+from .data import GradReducer
+
+__all__ = ["ShardedDataParallel", "zero_stats", "reset_zero_stats", "MANIFEST"]
+
+MAX_PENDING = 1  # outstanding gradient reduce-scatters (each holds a bucket's padded gradient)
+_STATS = {"exposed_comm_s": 0.0, "gathers": 0, "gather_waits": 0, "reduce_scatters": 0}
+MANIFEST = "manifest.json"
+
+
+def zero_stats() -> dict[str, float]:
+    """Counters of every :class:`ShardedDataParallel` in this process: seconds blocked on communication
+    (``exposed_comm_s``), parameter gathers posted, gathers not complete when needed, reduce-scatters."""
+    return dict(_STATS)
+
+
+def reset_zero_stats() -> None:
+    for k in _STATS:
+        _STATS[k] = 0 if isinstance(_STATS[k], int) else 0.0
+
+
+def _wait(req: Request) -> Any:
+    """Wait for ``req``, counting the time blocked as exposed communication."""
+    if req.test():
+        return req.wait()
+    t0 = time.perf_counter()
+    out = req.wait()
+    _STATS["exposed_comm_s"] += time.perf_counter() - t0
+    return out
+
+
+class _Bucket:
+    """One flat group of parameters and its per-step state."""
+
+    __slots__ = ("index", "params", "names", "offsets", "numel", "padded", "shard", "start", "owners",
+                 "full", "req", "grad", "ready", "posted")
+
+    def __init__(self, index: int, named: list[tuple[str, nn.Parameter]], size: int):
+        self.index = index
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.offsets, off = [], 0
+        for p in self.params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.numel = off
+        self.shard = -(-off // size)
+        self.padded = self.shard * size
+        self.start = 0  # offset of this bucket's block in this rank's blocks laid end to end (checkpoints)
+        self.owners = 0  # modules with direct parameters here (stage 3 frees after the last one ran)
+        self.full: torch.Tensor | None = None  # gathered parameters (compute dtype), or None
+        self.req: Request | None = None  # pending gather into ``full``
+        self.grad: torch.Tensor | None = None  # this backward's flat gradient (master dtype)
+        self.ready = 0  # parameters whose gradient arrived in this backward
+        self.posted = False  # reduce-scatter of this backward posted
+
+    def layout(self) -> dict[str, Any]:
+        return {"names": self.names, "shapes": [list(p.shape) for p in self.params], "numel": self.numel}
+
+
+def _group(group: Communicator | Mesh, axes: str | Sequence[str] | None) -> Communicator:
+    if isinstance(group, Mesh):
+        names = ("dp",) if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+        bad = [a for a in names if a not in group.shape]
+        if not names or bad:
+            raise ValueError(f"ShardedDataParallel: axes {list(names)} must be axes of the mesh; {bad} are not "
+                             f"(the mesh has {list(group.names)}); pass e.g. axes=['dp'] or ['dp', 'sp']")
+        return group[names]
+    if isinstance(group, Communicator):
+        if axes is not None:
+            raise ValueError(f"ShardedDataParallel: axes={axes!r} needs a Mesh as the group, got a Communicator "
+                             f"({group.name!r}); pass the Mesh, or drop axes to shard over the communicator")
+        return group
+    raise TypeError(f"ShardedDataParallel: group must be a loom.comm Communicator or Mesh, got "
+                    f"{type(group).__name__}")
+
+
+def _check_args(module, stage, bucket_mb, reduce, micro_batches) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"ShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage {stage!r} is not one of 0, 1, 2, 3 (0: plain data parallel, 1: shard the "
+                         f"optimizer state, 2: and the gradients, 3: and the parameters)")
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb={bucket_mb!r} must be > 0 (MiB per communication bucket)")
+    if reduce not in ("avg", "sum"):
+        raise ValueError(f"reduce={reduce!r} must be 'avg' (mean over the group) or 'sum'")
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches!r} must be an integer >= 1 (backward calls per step)")
+    if any(p.is_meta for p in module.parameters()):
+        raise ValueError("ShardedDataParallel: the module has parameters on the meta device; materialize them "
+                         "first (e.g. module.to_empty(device='cpu') and initialize) so every rank holds values")
+
+
+def _make_buckets(module: nn.Module, size: int, cap: int) -> tuple[list[_Bucket], dict[nn.Module, list[int]]]:
+    """Buckets of the trainable parameters, module by module; and the buckets each module's direct params use."""
+    buckets: list[_Bucket] = []
+    where: dict[int, int] = {}
+    owners: dict[nn.Module, list[int]] = {}
+    cur: list[tuple[str, nn.Parameter]] = []
+    nbytes, dtype = 0, None
+
+    def close():
+        nonlocal cur, nbytes
+        if cur:
+            buckets.append(_Bucket(len(buckets), cur, size))
+            cur, nbytes = [], 0
+
+    for mname, m in module.named_modules():
+        own: set[int] = set()
+        for pname, p in m.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            if id(p) in where:
+                own.add(where[id(p)])
+                continue
+            if dtype is not None and p.dtype != dtype:
+                raise ValueError(f"ShardedDataParallel: trainable parameters have mixed dtypes ({dtype} and "
+                                 f"{p.dtype} at {mname + '.' if mname else ''}{pname}); cast the module to one")
+            dtype = p.dtype
+            cur.append((f"{mname}.{pname}" if mname else pname, p))
+            nbytes += p.numel() * p.element_size()
+            where[id(p)] = len(buckets)
+            own.add(len(buckets))
+        if own:
+            owners[m] = sorted(own)
+        if nbytes >= cap:
+            close()
+    close()
+    for bs in owners.values():
+        for b in bs:
+            buckets[b].owners += 1
+    return buckets, owners
+
+
+class ShardedDataParallel(nn.Module):
+    """Data parallelism over ``group`` with optimizer state (stage 1), gradients (2) and parameters (3) sharded.
+
+    Usage::
+
+        sdp = ShardedDataParallel(model, mesh, stage=3, axes=["dp"])
+        opt = torch.optim.AdamW(sdp.parameters(), lr=1e-3)   # steps on this rank's flat shard
+        for x, y in batches:
+            loss_fn(sdp(x), y).backward()
+            sdp.step(opt, max_norm=1.0)                        # reduce, clip, update, (stages 1-2) gather
+
+    Args:
+        module: the model; every rank passes one built the same way (values are broadcast from rank 0).
+        group: a :class:`~loom.comm.Communicator`, or a :class:`~loom.comm.Mesh` with ``axes`` naming the
+            axes to shard over (default ``["dp"]``; ``["dp", "sp"]``: sequence-parallel ranks hold the same
+            weights; ``["dp", "ep"]`` for the non-expert weights of an MoE model).
+        stage: 0, 1, 2 or 3 (see the module docstring).
+        bucket_mb: bucket size cap in MiB (the unit of gathering and reducing).
+        compute_dtype: dtype the module computes in (e.g. ``torch.bfloat16``); the master shard keeps the
+            parameters' dtype. ``None``: the parameters' dtype.
+        reduce: ``"avg"`` averages gradients over the group, ``"sum"`` sums them.
+        compress: a :class:`loom.compress.CompressionPolicy` or preset name (stages 2-3): its ``dp`` codec and
+            error feedback on the gradient reduce-scatter; ``None``: exact.
+        param_codec: codec of the stage-3 parameter gathers (default ``"int8"`` when ``compress`` is given).
+        micro_batches: stage 0 only: ``backward()`` calls per step (stages 1-3 reduce after every backward).
+    """
+
+    def __init__(self, module: nn.Module, group: Communicator | Mesh, *, stage: int = 3,
+                 axes: str | Sequence[str] | None = None, bucket_mb: float = 25.0,
+                 compute_dtype: torch.dtype | None = None, reduce: str = "avg", micro_batches: int = 1,
+                 compress: Any = None, param_codec: str | None = None):
+        super().__init__()
+        _check_args(module, stage, bucket_mb, reduce, micro_batches)
+        comm = _group(group, axes)
+        self.module = module
+        self.stage = stage
+        self.comm = comm
+        self.micro_batches = micro_batches
+        self.scale = 1.0 / comm.size if reduce == "avg" else 1.0
+        self._broadcast_replicated()
+        self.buckets, self._owners = _make_buckets(module, comm.size, int(bucket_mb * (1 << 20)))
+        trainable = [p for b in self.buckets for p in b.params]
+        self.master_dtype = trainable[0].dtype if trainable else torch.float32
+        self.compute_dtype = compute_dtype or self.master_dtype
+        self._pending_rs: list[tuple[int, Request]] = []
+        self._hooks: list[Any] = []
+        if stage == 0:
+            if compute_dtype not in (None, self.master_dtype):
+                raise ValueError("compute_dtype needs stage >= 1 (the fp32 master copy lives in the shard)")
+            self.reducer = GradReducer(trainable, comm, bucket_mb=bucket_mb)
+            self.reducer.start(micro_batches)
+            for p in trainable:  # a missing gradient counts as zero, as in the flat shard of stages 1-3
+                p.grad = torch.zeros_like(p)
+            return
+        if self.compute_dtype != self.master_dtype:
+            with torch.no_grad():
+                for p in module.parameters():
+                    if not p.requires_grad and p.is_floating_point():
+                        p.data = p.data.to(self.compute_dtype)
+        self._setup_compression(compress, param_codec)
+        self._ag = comm.dup(name=comm.name)  # parameter gathers, in their own order
+        self._rs = comm.dup(name=comm.name)  # gradient reduce-scatters, in theirs
+        self._init_shards()
+        if stage >= 2:
+            self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+        if stage == 3:
+            for m, bs in self._owners.items():
+                self._hooks.append(m.register_forward_pre_hook(self._pre_hook(bs)))
+                self._hooks.append(m.register_forward_hook(self._post_hook(bs)))
+        self._index_of = {id(q): (b.index, i) for b in self.buckets for i, q in enumerate(b.params)}
+        self._live: dict[int, int] = {}  # storage address of a gathered bucket -> its index (stage 3)
+        self._fwd_next = 0
+        self._fwd_ran = [0] * len(self.buckets)
+        self._bwd_open = False
+        self._bwd_next = -1
+        self._rs_next = -1
+
+    # ------------------------------------------------------------------ construction
+    def _broadcast_replicated(self) -> None:
+        """Replicated state (buffers, frozen parameters) starts equal on every rank, as under DDP."""
+        with torch.no_grad():
+            for t in [*self.module.buffers(), *(p for p in self.module.parameters() if not p.requires_grad)]:
+                if t.numel():
+                    self.comm.bcast(t, root=0)
+
+    def _padded_flat(self, b: _Bucket, tensors: Sequence[torch.Tensor | None], dtype) -> torch.Tensor:
+        flat = torch.zeros(b.padded, dtype=dtype)
+        for p, off, t in zip(b.params, b.offsets, tensors):
+            if t is not None:
+                flat[off:off + p.numel()].copy_(t.reshape(-1))
+        return flat
+
+    def _init_shards(self) -> None:
+        r = self.comm.rank
+        total = 0
+        for b in self.buckets:
+            b.start = total
+            total += b.shard
+        self.shards = nn.ParameterList([nn.Parameter(torch.zeros(b.shard, dtype=self.master_dtype))
+                                        for b in self.buckets])
+        self._placeholders: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for b in self.buckets:
+                full = self._padded_flat(b, [p.detach() for p in b.params], self.master_dtype)
+                self.comm.bcast(full, root=0)
+                self._master(b).copy_(full[r * b.shard:(r + 1) * b.shard])
+                if self.stage == 3:
+                    for p in b.params:
+                        self._placeholders[id(p)] = torch.zeros((), dtype=self.compute_dtype).expand(p.shape)
+                        p.data = self._placeholders[id(p)]
+                else:
+                    b.full = full.to(self.compute_dtype)
+                    self._bind(b)
+
+    def _master(self, b: _Bucket) -> torch.Tensor:
+        return self.shards[b.index].data
+
+    def _add_grad(self, i: int, g: torch.Tensor) -> None:
+        sh = self.shards[i]
+        if sh.grad is None:
+            sh.grad = g.mul_(self.scale) if self.scale != 1.0 else g
+        else:
+            sh.grad.add_(g, alpha=self.scale)
+
+    def flat_shard(self) -> torch.Tensor:
+        """This rank's master blocks laid end to end (a copy)."""
+        return torch.cat([sh.detach() for sh in self.shards]) if len(self.shards) else torch.zeros(0)
+
+    def _bind(self, b: _Bucket) -> None:
+        full = b.full
+        for p, off in zip(b.params, b.offsets):
+            p.data = full[off:off + p.numel()].view(p.shape)
+
+    # ------------------------------------------------------------------ compression
+    def _setup_compression(self, compress: Any, param_codec: str | None) -> None:
+        self.grad_codec = self.param_codec = None
+        self.error_feedback = None
+        if compress is None:
+            if param_codec is not None:
+                raise ValueError("param_codec needs compress= (a CompressionPolicy or preset name)")
+            return
+        from ..compress import CompressionPolicy, ErrorFeedback, get_codec
+
+        policy = CompressionPolicy.preset(compress) if isinstance(compress, str) else compress
+        if not isinstance(policy, CompressionPolicy):
+            raise TypeError(f"compress must be a loom.compress.CompressionPolicy or a preset name, got "
+                            f"{type(compress).__name__}")
+        if self.stage < 2:
+            raise ValueError(f"compress needs stage 2 or 3 (the reduce-scatter it compresses), got stage "
+                             f"{self.stage}")
+        self.grad_codec = policy.codec_for("dp")
+        if self.grad_codec is not None and self.grad_codec.name == "powersgd":
+            raise ValueError("compress: powersgd needs whole matrices; a reduce-scatter of flat blocks cannot use "
+                             "it; choose a blockwise dp codec (int4, int8) or another policy")
+        self.error_feedback = ErrorFeedback() if policy.error_feedback and self.grad_codec is not None else None
+        if self.stage == 3 and (param_codec or self.grad_codec is not None):
+            self.param_codec = get_codec(param_codec or "int8")
+
+    def _compressed_rs(self, b: _Bucket, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's block of the sum of ``grad`` over the group, other ranks' blocks sent encoded."""
+        codec, ef, comm = self.grad_codec, self.error_feedback, self._rs
+        y = ef.apply(b.index, grad) if ef is not None else grad
+        r, n = comm.rank, b.shard
+        residual = torch.zeros_like(y) if ef is not None else None
+        chunks, counts = [], []
+        for j in range(comm.size):
+            if j == r:
+                counts.append(0)
+                continue
+            pkt = codec.encode(y[j * n:(j + 1) * n])
+            chunks.append(pkt.data)
+            counts.append(pkt.nbytes)
+            if residual is not None:
+                residual[j * n:(j + 1) * n] = y[j * n:(j + 1) * n] - codec.decode(pkt).to(y.dtype)
+        send = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+        recv, rc = comm.alltoallv(send, counts)
+        acc = y[r * n:(r + 1) * n].clone()
+        off = 0
+        for j, c in enumerate(rc):
+            if j != r:
+                acc += codec.decode(codec.from_wire(recv[off:off + c], (n,), y.dtype)).to(y.dtype)
+            off += c
+        if ef is not None:
+            ef.set(b.index, residual)
+        return acc
+
+    def _ef_state(self) -> dict[int, torch.Tensor] | None:
+        if self.error_feedback is None:
+            return None
+        return {b.index: self.error_feedback.get(b.index) for b in self.buckets
+                if self.error_feedback.get(b.index) is not None}
+
+    # ------------------------------------------------------------------ public API
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """What the optimizer steps on: this rank's flat master blocks (stage >= 1) or the trainable params."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        if self.stage == 0:
+            for b in self.buckets:
+                for n, p in zip(b.names, b.params):
+                    yield prefix + n, p
+        else:
+            for i, sh in enumerate(self.shards):
+                yield f"{prefix}shards.{i}", sh
+
+    def forward(self, *args, **kwargs):
+        if self.stage < 3:
+            return self.module(*args, **kwargs)
+        self._fwd_next = 0
+        self._fwd_ran = [0] * len(self.buckets)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            out = self.module(*args, **kwargs)
+        self._forward_end()
+        return out
+
+    def sync_grads(self) -> None:
+        """Finish this step's gradient reduction: afterwards ``shards[b].grad`` holds this rank's reduced block."""
+        if self.stage == 0:
+            if self.reducer.armed:
+                self.reducer.finish()
+            return
+        if self._bwd_open:
+            self._backward_end()
+        if self.stage == 1:
+            self._post_stage1()
+        self._drain(0)
+        for sh in self.shards:
+            if sh.grad is None:  # no gradient reached it this step: zero, the same on every rank
+                sh.grad = torch.zeros_like(sh)
+
+    def _drain(self, limit: int) -> None:
+        """Consume completed reduce-scatters in posting order; wait until at most ``limit`` are outstanding."""
+        pending = self._pending_rs
+        while pending and (len(pending) > limit or pending[0][1].test()):
+            i, req = pending.pop(0)
+            self._add_grad(i, _wait(req))
+
+    def _post_stage1(self) -> None:
+        for b in self.buckets:
+            grads = [p.grad for p in b.params]
+            if all(g is None for g in grads):
+                flat = torch.zeros(b.padded, dtype=self.master_dtype)
+            else:
+                flat = self._padded_flat(b, grads, self.master_dtype)
+            self._pending_rs.append((b.index, self._rs.ireduce_scatter(flat)))
+            _STATS["reduce_scatters"] += 1
+            for p in b.params:
+                p.grad = None
+            self._drain(MAX_PENDING)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that their global 2-norm is at most ``max_norm``; returns the norm before."""
+        self.sync_grads()
+        if self.stage == 0:
+            params = [p for b in self.buckets for p in b.params if p.grad is not None]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grads = [sh.grad for sh in self.shards]
+        sq = sum((g.to(torch.float64).pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+        total = self.comm.allreduce(sq.reshape(1)).sqrt()[0].to(self.master_dtype)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return total
+
+    def step(self, optimizer: torch.optim.Optimizer, *, max_norm: float | None = None) -> torch.Tensor | None:
+        """Reduce the gradients, clip (``max_norm``), ``optimizer.step()``, refresh the parameters, zero grads."""
+        self.sync_grads()
+        norm = self.clip_grad_norm_(max_norm) if max_norm is not None else None
+        optimizer.step()
+        if self.stage in (1, 2):
+            self._gather_all()
+        self.zero_grad()
+        return norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.stage == 0:
+            for b in self.buckets:
+                for p in b.params:
+                    if p.grad is not None:
+                        p.grad.zero_()
+            self.reducer.start(self.micro_batches)
+            return
+        for sh in self.shards:
+            sh.grad = None
+        for b in self.buckets:
+            for p in b.params:
+                p.grad = None
+
+    def _gather_all(self) -> None:
+        """Stages 1-2: every bucket's updated block, gathered in place into the buffer the parameters view."""
+        reqs = [self._ag.iallgather(self._master(b).to(self.compute_dtype), out=b.full) for b in self.buckets]
+        for req in reqs:
+            _wait(req)
+
+    def remove(self) -> None:
+        """Take the hooks off the module (it keeps its current, possibly placeholder, parameters)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.stage == 0:
+            self.reducer.remove()
+
+    # ------------------------------------------------------------------ progress
+    def _progress(self) -> None:
+        """Test every outstanding request once: MPICH moves a non-blocking collective only when tested."""
+        for b in self.buckets:
+            if b.req is not None:
+                b.req.test()
+        for _, req in self._pending_rs:
+            req.test()
+        self._drain(MAX_PENDING)
+
+    # ------------------------------------------------------------------ gradients (stages 2-3)
+    def _open_backward(self) -> None:
+        if self._bwd_open:
+            return
+        self._bwd_open = True
+        self._rs_next = len(self.buckets) - 1
+        if self.stage == 3:
+            self._bwd_next = len(self.buckets) - 1
+            while self._bwd_next >= 0 and self.buckets[self._bwd_next].full is not None:
+                self._bwd_next -= 1  # kept from forward
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        self._open_backward()
+        bi, i = self._index_of[id(p)]
+        b = self.buckets[bi]
+        if b.grad is None:
+            # The previous bucket's reduce-scatter had this bucket's backward to complete in; finishing it
+            # before a new gradient buffer is allocated keeps one bucket's gradient in flight (as FSDP2 does).
+            self._drain(0)
+            b.grad = torch.zeros(b.padded, dtype=self.master_dtype)
+        off = b.offsets[i]
+        b.grad[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None
+        b.ready += 1
+        if b.ready == len(b.params):
+            if self.stage == 3:
+                self._free(b)
+            self._post_ready()
+        self._progress()
+
+    def _post_rs(self, b: _Bucket) -> None:
+        grad = b.grad if b.grad is not None else torch.zeros(b.padded, dtype=self.master_dtype)
+        b.grad = None
+        if self.grad_codec is not None:
+            req = Request.completed(self._compressed_rs(b, grad), what="compressed reduce-scatter")
+        else:
+            req = self._rs.ireduce_scatter(grad)
+        self._pending_rs.append((b.index, req))
+        _STATS["reduce_scatters"] += 1
+        b.posted = True
+
+    def _post_ready(self) -> None:
+        while self._rs_next >= 0:
+            b = self.buckets[self._rs_next]
+            if b.ready < len(b.params):
+                return
+            self._post_rs(b)
+            self._rs_next -= 1
+
+    def _backward_end(self) -> None:
+        """End of one ``backward()``: post what is left (missing gradients are zeros), close the gathers."""
+        while self._rs_next >= 0:
+            self._post_rs(self.buckets[self._rs_next])
+            self._rs_next -= 1
+        if self.stage == 3:
+            while self._bwd_next >= 0:  # same gathers on every rank, even where a bucket was not needed
+                self._post_gather(self.buckets[self._bwd_next])
+                self._bwd_next -= 1
+            for b in self.buckets:
+                self._free(b)
+        for b in self.buckets:
+            b.ready = 0
+            b.posted = False
+        self._bwd_open = False
+
+    # ------------------------------------------------------------------ parameters (stage 3)
+    def _post_gather(self, b: _Bucket) -> None:
+        if b.full is not None:
+            return
+        src = self._master(b).to(self.compute_dtype)
+        if self.param_codec is not None:
+            from ..compress import allgather
+
+            b.full = allgather(src, self._ag, self.param_codec, min_bytes=0).to(self.compute_dtype)
+            b.req = Request.completed(b.full, what="compressed gather")
+        else:
+            b.full = torch.empty(b.padded, dtype=self.compute_dtype)
+            b.req = self._ag.iallgather(src, out=b.full)
+        _STATS["gathers"] += 1
+
+    def _ensure(self, b: _Bucket) -> None:
+        if b.req is not None:
+            if not b.req.test():
+                _STATS["gather_waits"] += 1
+            _wait(b.req)
+            b.req = None
+            self._bind(b)
+            self._live[b.full.untyped_storage().data_ptr()] = b.index
+
+    def _free(self, b: _Bucket) -> None:
+        if b.full is None:
+            return
+        if b.req is not None:
+            _wait(b.req)
+            b.req = None
+        for p in b.params:
+            p.data = self._placeholders[id(p)]
+        self._live.pop(b.full.untyped_storage().data_ptr(), None)
+        b.full = None
+
+    def _need_forward(self, i: int) -> None:
+        b = self.buckets[i]
+        if b.full is None:
+            if i >= self._fwd_next:
+                while self._fwd_next <= i:  # every rank posts the buckets in order
+                    self._post_gather(self.buckets[self._fwd_next])
+                    self._fwd_next += 1
+            else:
+                self._post_gather(b)  # a module run again after its bucket was freed
+        self._ensure(b)
+        if self._fwd_next == i + 1 and self._fwd_next < len(self.buckets):
+            self._post_gather(self.buckets[self._fwd_next])  # prefetch
+            self._fwd_next += 1
+
+    def _need_backward(self, i: int) -> None:
+        self._open_backward()
+        b = self.buckets[i]
+        if b.full is None:
+            if i <= self._bwd_next:
+                while self._bwd_next >= i:
+                    self._post_gather(self.buckets[self._bwd_next])
+                    self._bwd_next -= 1
+            else:
+                self._post_gather(b)
+        self._ensure(b)
+        if self._bwd_next == i - 1 and self._bwd_next >= 0:
+            self._post_gather(self.buckets[self._bwd_next])  # prefetch
+            self._bwd_next -= 1
+        self._progress()
+
+    def _pre_hook(self, bs: list[int]):
+        def hook(module, args):
+            for i in bs:
+                self._need_forward(i)
+            self._progress()
+        return hook
+
+    def _post_hook(self, bs: list[int]):
+        def hook(module, args, out):
+            for i in bs:
+                self._fwd_ran[i] += 1
+                if self._fwd_ran[i] >= self.buckets[i].owners and i != len(self.buckets) - 1:
+                    self._free(self.buckets[i])
+            self._progress()
+        return hook
+
+    def _forward_end(self) -> None:
+        while self._fwd_next < len(self.buckets):  # buckets no module used: keep the gather order equal
+            self._post_gather(self.buckets[self._fwd_next])
+            self._fwd_next += 1
+        # The last bucket is the first one backward needs: keep it rather than gather it again.
+        keep = len(self.buckets) - 1 if torch.is_grad_enabled() else -1
+        for b in self.buckets:
+            if b.index == keep:
+                self._ensure(b)
+            else:
+                self._free(b)
+
+    def _pack(self, t: torch.Tensor):
+        if self._live and t.layout == torch.strided:
+            i = self._live.get(t.untyped_storage().data_ptr())
+            if i is not None:
+                return (i, t.size(), t.stride(), t.storage_offset())
+        return t
+
+    def _unpack(self, saved):
+        if isinstance(saved, torch.Tensor):
+            return saved
+        i, size, stride, offset = saved
+        self._need_backward(i)
+        return self.buckets[i].full.as_strided(size, stride, offset)
+
+    # ------------------------------------------------------------------ full state
+    def _full_values(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> its full value in the master dtype, gathered from the shards (collective)."""
+        out: dict[int, torch.Tensor] = {}
+        for b in self.buckets:
+            if self.stage == 0:
+                full = torch.cat([p.detach().reshape(-1) for p in b.params])
+            else:
+                full = self.comm.allgather(self._master(b).clone())
+            for p, off in zip(b.params, b.offsets):
+                out[id(p)] = full[off:off + p.numel()].view(p.shape).clone()
+        return out
+
+    def state_dict(self, *args, **kwargs) -> dict[str, Any]:
+        """The unsharded module's ``state_dict()`` (same keys, full values), on every rank (collective)."""
+        values = self._full_values()
+        sd = self.module.state_dict()
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if id(p) in values:
+                sd[name] = values[id(p)]
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
+        """Load an unsharded ``state_dict`` (as :meth:`state_dict` returns): each rank keeps its blocks."""
+        owned = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if id(p) in self._index_of or self.stage == 0 and p.requires_grad:
+                owned[name] = p
+        missing = [n for n in owned if n not in state_dict]
+        if missing:
+            raise ValueError(f"load_state_dict: the state has no entry for {missing[:5]} (it must come from "
+                             f"the same model: its keys are module.state_dict()'s)")
+        rest = {k: v for k, v in state_dict.items() if k not in owned}
+        result = self.module.load_state_dict(rest, strict=False)
+        if strict and result.unexpected_keys:
+            raise ValueError(f"load_state_dict: unexpected keys {result.unexpected_keys[:5]}")
+        with torch.no_grad():
+            if self.stage == 0:
+                for n, p in owned.items():
+                    p.copy_(state_dict[n])
+                return result
+            names = {id(p): n for n, p in owned.items()}
+            r = self.comm.rank
+            for b in self.buckets:
+                full = self._padded_flat(b, [state_dict[names[id(p)]] for p in b.params], self.master_dtype)
+                self._master(b).copy_(full[r * b.shard:(r + 1) * b.shard])
+                if self.stage < 3:
+                    b.full.copy_(full)
+        return result
+
+    # ------------------------------------------------------------------ sharded checkpoints
+    def save_sharded(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+                     extra: dict[str, Any] | None = None) -> None:
+        """Write one file per rank (its master block, optimizer state, ``extra``) plus ``manifest.json``.
+
+        Every file is written to a temporary name and renamed; rank 0 writes the manifest last, after every
+        rank's file is in place, so a directory with a manifest is complete. Collective over the group.
+        """
+        if self.stage == 0:
+            raise ValueError("save_sharded needs stage >= 1 (stage 0 holds no shards); save state_dict() instead")
+        d = Path(path)
+        d.mkdir(parents=True, exist_ok=True)
+        r, size = self.comm.rank, self.comm.size
+        replicated = {k: v for k, v in self.module.state_dict().items() if k not in self._trainable_names()}
+        blob = {"flat": self.flat_shard(), "optim": optimizer.state_dict() if optimizer else None,
+                "extra": extra, "replicated": replicated if r == 0 else None, "error_feedback": self._ef_state()}
+        _atomic_save(blob, d / _shard_name(r, size))
+        self.comm.barrier()
+        if r == 0:
+            manifest = {"format": "loom-zero/1", "world": size, "stage": self.stage,
+                        "dtype": str(self.master_dtype), "buckets": [b.layout() for b in self.buckets],
+                        "files": [_shard_name(q, size) for q in range(size)]}
+            tmp = d / (MANIFEST + ".tmp")
+            tmp.write_text(json.dumps(manifest, indent=1))
+            os.replace(tmp, d / MANIFEST)
+        self.comm.barrier()
+
+    def _trainable_names(self) -> set[str]:
+        return {n for n, p in self.module.named_parameters(remove_duplicate=False) if id(p) in self._index_of}
+
+    def load_sharded(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """Load a :meth:`save_sharded` directory written at any group size; returns the saved ``extra``."""
+        if self.stage == 0:
+            raise ValueError("load_sharded needs stage >= 1; load a state_dict() instead")
+        d = Path(path)
+        if not (d / MANIFEST).exists():
+            raise ValueError(f"{d} has no {MANIFEST}: not a complete sharded checkpoint")
+        man = json.loads((d / MANIFEST).read_text())
+        mine = [b.layout() for b in self.buckets]
+        if man["buckets"] != mine:
+            raise ValueError(f"{d}: the checkpoint's buckets differ from this model's (another model, or another "
+                             f"bucket_mb): {len(man['buckets'])} buckets saved, {len(mine)} here")
+        old = _OldShards(d, man)
+        with torch.no_grad():
+            for b, lay in zip(self.buckets, old.layouts):
+                self._master(b).copy_(self._reshard(old, b, lambda q, lay=lay: _block(old.get(q)["flat"], lay)))
+        if old.get(0)["replicated"]:
+            self.module.load_state_dict(old.get(0)["replicated"], strict=False)
+        if self.stage < 3:
+            with torch.no_grad():
+                for b in self.buckets:
+                    b.full.copy_(self.comm.allgather(self._master(b).to(self.compute_dtype)))
+        if optimizer is not None:
+            optimizer.load_state_dict(self._reshard_optim(old))
+        if self.error_feedback is not None:
+            self.error_feedback.reset()
+            saved = old.get(self.comm.rank)["error_feedback"] if old.world == self.comm.size else None
+            for k, res in (saved or {}).items():
+                self.error_feedback.set(k, res.clone())
+        return old.get(self.comm.rank % old.world)["extra"]
+
+    def _reshard(self, old: "_OldShards", b: _Bucket, block: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """This rank's block of bucket ``b``, assembled from the blocks saved at any group size
+        (``block(q)``: old rank ``q``'s block of ``b``); padding stays zero."""
+        lay = old.layouts[b.index]
+        r = self.comm.rank
+        out = torch.zeros(b.shard, dtype=self.master_dtype)
+        lo, hi = r * b.shard, min((r + 1) * b.shard, b.numel)
+        pos = lo
+        while pos < hi:
+            q = pos // lay["shard"]
+            end = min(hi, (q + 1) * lay["shard"])
+            a = pos - q * lay["shard"]
+            out[pos - lo:end - lo].copy_(block(q)[a:a + end - pos])
+            pos = end
+        return out
+
+    def _reshard_optim(self, old: "_OldShards") -> dict[str, Any]:
+        """The optimizer state of the saved run (one entry per bucket's block), resharded to this group."""
+        base = old.get(0)["optim"]
+        if base is None:
+            raise ValueError("load_sharded: the checkpoint has no optimizer state (saved without optimizer=)")
+        state = {}
+        for k, st in base["state"].items():
+            lay = old.layouts[k]
+            state[k] = {}
+            for name, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == lay["shard"]:
+                    state[k][name] = self._reshard(old, self.buckets[k], _optim_block(old, k, name))
+                else:
+                    state[k][name] = v
+        return {"state": state, "param_groups": base["param_groups"]}
+
+
+def _optim_block(old: "_OldShards", k: int, name: str) -> Callable[[int], torch.Tensor]:
+    return lambda q: old.get(q)["optim"]["state"][k][name]
+
+
+def _block(flat: torch.Tensor, lay: dict[str, int]) -> torch.Tensor:
+    return flat[lay["start"]:lay["start"] + lay["shard"]]
+
+
+def _shard_name(rank: int, size: int) -> str:
+    return f"shard-{rank:05d}-of-{size:05d}.pt"
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+class _OldShards:
+    """The files of a saved checkpoint, loaded on first use (memory-mapped)."""
+
+    def __init__(self, d: Path, manifest: dict[str, Any]):
+        self.dir = d
+        self.world = manifest["world"]
+        self.files = manifest["files"]
+        self.layouts, start = [], 0
+        for lay in manifest["buckets"]:
+            shard = -(-lay["numel"] // self.world)
+            self.layouts.append({"shard": shard, "start": start})
+            start += shard
+        self._cache: dict[int, dict[str, Any]] = {}
+
+    def get(self, q: int) -> dict[str, Any]:
+        if q not in self._cache:
+            self._cache[q] = torch.load(self.dir / self.files[q], mmap=True, weights_only=False)
+        return self._cache[q]

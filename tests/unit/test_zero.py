@@ -1,0 +1,45 @@
+"""ShardedDataParallel on one process (a group of one rank): every check of tests/mpi/check_zero.py, plus the
+pieces that need no peers (bucket layout, refusal of bad input, checkpoint files)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.comm import world
+from loom.parallel import ShardedDataParallel
+
+_SPEC = importlib.util.spec_from_file_location("check_zero", Path(__file__).parents[1] / "mpi" / "check_zero.py")
+cz = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(cz)
+
+CHECKS = [k for k in vars(cz) if k.startswith("check_")]
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_check_on_one_rank(name):
+    torch.set_num_threads(1)
+    getattr(cz, name)(world())
+
+
+def test_buckets_follow_modules_and_pad():
+    sdp = ShardedDataParallel(cz._model(0), world(), stage=3, bucket_mb=0.0015)
+    names = [n for b in sdp.buckets for n in b.names]
+    assert "frozen.weight" not in names and names[:2] == ["scale", "inp.weight"]  # the root module first
+    trainable = sum(p.numel() for p in cz._model(0).parameters() if p.requires_grad)
+    assert sum(b.numel for b in sdp.buckets) == trainable == sdp.flat_shard().numel()  # one rank: no padding
+
+
+def test_manifest_is_written_last_and_atomically(tmp_path):
+    sdp = ShardedDataParallel(cz._model(0), world(), stage=2)
+    opt = torch.optim.Adam(sdp.parameters())
+    sdp.save_sharded(tmp_path, opt, extra={"step": 7})
+    man = json.loads((tmp_path / "manifest.json").read_text())
+    assert man["world"] == 1 and man["files"] == ["shard-00000-of-00001.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "shard-00000-of-00001.pt"]
+    with pytest.raises(ValueError, match="manifest"):
+        sdp.load_sharded(tmp_path / "nowhere")

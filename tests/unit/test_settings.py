@@ -1,6 +1,6 @@
 """loom.settings: one declaration per LOOM_* variable, one boolean parser, explicit > env > Dask config > default."""
 
-import ast
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -141,34 +141,23 @@ def test_readme_table_is_generated_from_the_declarations():
         assert f"| `{s.env}` |" in readme
 
 
-def _loom_env_reads(path: Path) -> list[str]:
-    """``os.environ.get/[]/getenv`` calls, and ``in os.environ`` tests, whose key mentions LOOM_."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        key = None
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args:
-            owner = ast.unparse(node.func.value)
-            if (owner == "os.environ" and node.func.attr in ("get", "pop", "setdefault")) or \
-                    (owner == "os" and node.func.attr == "getenv"):
-                key = node.args[0]
-        elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ" \
-                and isinstance(node.ctx, ast.Load):
-            key = node.slice
-        elif isinstance(node, ast.Compare) and any(ast.unparse(c) == "os.environ" for c in node.comparators):
-            key = node.left
-        if key is not None and "LOOM_" in ast.unparse(key):
-            found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    return found
+def _measures():
+    """scripts/measures.py, whose finder of LOOM_* reads this test shares."""
+    spec = importlib.util.spec_from_file_location("measures", ROOT / "scripts" / "measures.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_no_loom_variable_is_read_outside_the_settings_module():
-    reads = [r for p in sorted((ROOT / "loom").rglob("*.py")) if p.name != "settings.py" or p.parent.name != "loom"
-             for r in _loom_env_reads(p)]
+    reads = _measures().env_reads_outside_settings(ROOT)
     assert reads == [], f"read these through loom.settings.get(...): {reads}"
 
 
-def test_the_read_finder_can_fail(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    bad = tmp_path / "bad.py"
-    bad.write_text('import os\nA = os.environ.get("LOOM_X")\nB = os.environ["LOOM_Y"]\nC = "LOOM_Z" in os.environ\n')
-    assert _loom_env_reads(bad) == ["bad.py:2", "bad.py:3", "bad.py:4"]
+def test_the_read_finder_can_fail(tmp_path):
+    (tmp_path / "loom").mkdir()
+    (tmp_path / "loom" / "settings.py").write_text('import os\nA = os.environ.get("LOOM_X")\n')
+    (tmp_path / "loom" / "bad.py").write_text(
+        'import os\nA = os.environ.get("LOOM_X")\nB = os.environ["LOOM_Y"]\nC = "LOOM_Z" in os.environ\n'
+        'D = os.getenv("LOOM_W")\nos.environ["LOOM_SET"] = "1"\n')
+    assert _measures().env_reads_outside_settings(tmp_path) == [f"loom/bad.py:{n}" for n in (2, 3, 4, 5)]

@@ -24,15 +24,16 @@ import functools
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 __all__ = [
     "mpiexec", "mpiexec_argv", "run", "flavor", "library_flavor", "is_openmpi", "check_pairing", "env_rank",
-    "env_size", "inside_job", "rank_pids", "Death", "DeathParser", "pid_alive",
+    "env_size", "inside_job", "rank_pids", "Death", "DeathParser", "pid_alive", "start_time", "signal_verified",
 ]
 
 MPICH, OPENMPI, UNKNOWN = "mpich", "openmpi", "unknown"
@@ -160,6 +161,39 @@ def run(
         out, err = proc.communicate()
         raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat`` field 22): with the pid, a
+    process identity that a reused pid does not share. ``None`` when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def signal_verified(pid: int, sig: int, is_it: Callable[[int], bool]) -> bool:
+    """Send ``sig`` to ``pid`` only if it is still the process meant, never to a process that reused its pid.
+
+    Opens a pidfd first (it pins whichever process holds the pid now), then asks ``is_it(pid)`` (e.g. its
+    :func:`start_time` is the one recorded when it was found, or it is inside the expected namespace), then
+    signals through the pidfd: a process that died and whose pid went to another between finding and
+    signalling fails the check, or the pidfd refers to the dead one. Returns whether the signal was sent.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except (ProcessLookupError, OSError):
+        return False
+    try:
+        if not is_it(pid):
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def pid_alive(pid: int) -> bool:

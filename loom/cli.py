@@ -10,7 +10,6 @@ under the bundled ``mpiexec -n N``; inside a job (``mpiexec -n N loom ...``) the
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 
 __all__ = ["main", "COMMANDS"]
@@ -26,12 +25,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dask": ("loom.dask.cli", "run a Dask script over MPI (scheduler, client and workers as ranks)"),
 }
 
-# Environment variables that tell us we are already a rank of an MPI job.
-_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALRANKID", "LOOM_LAUNCHED")
-
-
 def _inside_mpi() -> bool:
-    return any(v in os.environ for v in _MPI_ENV)
+    """Already a rank of an MPI job (either MPI's launcher environment, or a loom launch)?"""
+    from .comm import launch
+
+    return launch.inside_job()
 
 
 def pop_ranks(argv: list[str]) -> tuple[int | None, list[str]]:

@@ -33,7 +33,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def _inside_mpi() -> bool:
     """Whether this process is already a rank of an MPI job (a launcher's variables, or loom's own mark)."""
-    return settings.launch_info() is not None or settings.get("launched")
+    from .comm import launch
+
+    return launch.inside_job()
 
 
 def relaunch(ranks: int, argv: list[str]) -> int:

@@ -14,7 +14,10 @@ Traps this module exists for (each measured with mpi4py 4.1 + MPICH 5.0 and test
   (the differentiable collectives in ``loom.parallel`` wrap these calls in ``autograd.Function``s), so data
   is read through ``.detach()``.
 * CUDA tensors go to MPI directly only when the MPI is CUDA-aware (``LOOM_CUDA_AWARE=1`` or detected);
-  otherwise they are staged through host memory.
+  otherwise they are staged through host memory. A CUDA-aware MPI reads and writes device memory outside any
+  stream's order, so before a device pointer is handed over, the work queued on the tensor's current stream
+  (the kernels that produce it, or that still read a buffer a receive will overwrite) is waited for
+  (:func:`device_ready`), as PyTorch's MPI backend synchronizes before it hands tensors to MPI.
 """
 
 from __future__ import annotations
@@ -151,6 +154,12 @@ def host_view(x: Buffer) -> Buffer:
 _BYTE = MPI.BYTE
 
 
+def device_ready(x: torch.Tensor) -> None:
+    """Block until the work queued on ``x``'s device's current stream is done: ``x`` is then complete (and
+    no queued kernel still reads it) when MPI touches its memory directly."""
+    torch.cuda.current_stream(x.device).synchronize()
+
+
 def as_bytes(x: Buffer) -> list:
     """``[buffer, MPI.BYTE]`` over ``x``'s bytes: how every non-reducing operation moves data.
 
@@ -159,6 +168,7 @@ def as_bytes(x: Buffer) -> list:
     """
     if isinstance(x, torch.Tensor):
         if x.is_cuda:
+            device_ready(x)
             return [x.reshape(-1).view(torch.uint8), _BYTE]
         return [_fromaddress(x.data_ptr(), x.nbytes), _BYTE]
     return [x, _BYTE]
@@ -192,6 +202,7 @@ def as_send(x: Buffer) -> list:
     if isinstance(x, torch.Tensor):
         if x.device.type == "cuda":
             # CUDA-aware MPI: mpi4py understands __cuda_array_interface__ / DLPack for device memory.
+            device_ready(x)
             return [x, _TORCH_MPI[x.dtype]]
         return [_fromaddress(x.data_ptr(), x.nbytes), _TORCH_MPI[x.dtype]]
     return [x, _NUMPY_MPI[x.dtype]]

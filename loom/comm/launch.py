@@ -24,17 +24,19 @@ import functools
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from .. import settings
 
 __all__ = [
     "mpiexec", "mpiexec_argv", "run", "flavor", "library_flavor", "is_openmpi", "check_pairing",
-    "inside_job", "rank_pids", "Death", "DeathParser", "pid_alive",
+    "inside_job", "rank_pids", "Death", "DeathParser", "pid_alive", "start_time",
+    "signal_verified",
 ]
 
 MPICH, OPENMPI, UNKNOWN = "mpich", "openmpi", "unknown"
@@ -42,8 +44,8 @@ MPICH, OPENMPI, UNKNOWN = "mpich", "openmpi", "unknown"
 # A rank's own index and the job's size, per MPI (first match wins; PMIX_RANK covers other PMIx launchers).
 RANK_ENV = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 SIZE_ENV = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
-# Any of these says "this process is already a rank of a job" (LOOM_LAUNCHED: a loom launch set it).
-_JOB_ENV = (*RANK_ENV, *SIZE_ENV, "MPI_LOCALRANKID", "LOOM_LAUNCHED")
+# Any of these says "this process is already a rank of a job" (as does LOOM_LAUNCHED, set by a loom launch).
+_JOB_ENV = (*RANK_ENV, *SIZE_ENV, "MPI_LOCALRANKID")
 
 
 def mpiexec() -> str:
@@ -164,6 +166,39 @@ def run(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat`` field 22): with the pid, a
+    process identity that a reused pid does not share. ``None`` when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def signal_verified(pid: int, sig: int, is_it: Callable[[int], bool]) -> bool:
+    """Send ``sig`` to ``pid`` only if it is still the process meant, never to a process that reused its pid.
+
+    Opens a pidfd first (it pins whichever process holds the pid now), then asks ``is_it(pid)`` (e.g. its
+    :func:`start_time` is the one recorded when it was found, or it is inside the expected namespace), then
+    signals through the pidfd: a process that died and whose pid went to another between finding and
+    signalling fails the check, or the pidfd refers to the dead one. Returns whether the signal was sent.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except (ProcessLookupError, OSError):
+        return False
+    try:
+        if not is_it(pid):
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def pid_alive(pid: int) -> bool:
     """True while process ``pid`` exists (``kill(pid, 0)``; a process of another user counts as alive)."""
     try:
@@ -178,7 +213,8 @@ def pid_alive(pid: int) -> bool:
 # ---------------------------------------------------------------------------------------------- rank side
 def inside_job(environ: Mapping[str, str] | None = None) -> bool:
     """True when this process is already a rank of an MPI job (or of a loom launch)."""
-    environ = os.environ if environ is None else environ
+    if environ is None:
+        return any(v in os.environ for v in _JOB_ENV) or settings.get("launched")
     return any(v in environ for v in _JOB_ENV)
 
 

@@ -172,6 +172,16 @@ class Codec(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
+    def state_dict(self) -> dict[str, Any]:
+        """State carried from one call to the next (checkpointed, so a resumed run continues bit-exactly);
+        empty for stateless codecs."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state:
+            raise ValueError(f"codec {self.name!r} is stateless but was given state {sorted(state)}")
+
     @abc.abstractmethod
     def _encode(self, flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor: ...
 
@@ -461,12 +471,19 @@ class PowerSGDCodec(Codec):
         if q is None or q.shape != (n, r) or q.dtype != dtype:
             g = torch.Generator().manual_seed(hash((self.seed, n, r)) & 0x7FFFFFFF)
             q = torch.randn(n, r, generator=g, dtype=torch.float64).to(dtype)
-            if device is not None:
-                q = q.to(device)
+        if device is not None and q.device != torch.device(device):  # restored from a CPU checkpoint
+            q = q.to(device)
         return q
 
     def store_q(self, key: Any, q: torch.Tensor) -> None:
         self._q[key] = q
+
+    def state_dict(self) -> dict[str, Any]:
+        """The warm-start ``Q`` of every matrix (key -> tensor, on the CPU)."""
+        return {"q": {k: q.detach().cpu().clone() for k, q in self._q.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._q = {k: q.clone() for k, q in state.get("q", {}).items()}
 
     @staticmethod
     def work_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -41,8 +41,10 @@ class ErrorFeedback:
         """
         r = self._res.get(key)
         x = tensor.detach()
-        if r is None or r.shape != x.shape or r.device != x.device:
+        if r is None or r.shape != x.shape:
             return x.clone()
+        if r.device != x.device:  # restored from a CPU checkpoint
+            r = self._res[key] = r.to(x.device)
         return x.to(torch.promote_types(x.dtype, r.dtype)) + r
 
     def set(self, key: Hashable, residual: torch.Tensor) -> None:
@@ -55,6 +57,14 @@ class ErrorFeedback:
     def norm(self) -> float:
         """L2 norm of all residuals together (how much compression error is in flight)."""
         return float(sum(float(r.double().pow(2).sum()) for r in self._res.values()) ** 0.5)
+
+    def state_dict(self) -> dict[Hashable, torch.Tensor]:
+        """Every residual (key -> tensor, on the CPU): part of a checkpoint, or a resumed run would drop one
+        step's compression error and drift from the uninterrupted run."""
+        return {k: r.cpu().clone() for k, r in self._res.items()}
+
+    def load_state_dict(self, state: dict[Hashable, torch.Tensor]) -> None:
+        self._res = {k: r.detach().clone() for k, r in state.items()}
 
     def reset(self, key: Any = None) -> None:
         """Forget one residual, or all when ``key`` is None."""

@@ -99,6 +99,17 @@ class CompressionPolicy:
             codec = self._codecs[axis] = get_codec(spec)
         return codec
 
+    def state_dict(self) -> dict[str, Any]:
+        """The state of every stateful codec made so far, by axis (for checkpoints)."""
+        return {axis: st for axis, codec in self._codecs.items() if (st := codec.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for axis, st in state.items():
+            codec = self.codec_for(axis)
+            if codec is None:
+                raise ValueError(f"compression state for axis {axis!r}, which this policy leaves uncompressed")
+            codec.load_state_dict(st)
+
     def describe(self) -> dict[str, str]:
         """``{axis: codec}`` as text, for logs and benchmark tables."""
         out = {a: ("-" if getattr(self, a) is None else str(getattr(self, a))) for a in AXES}
@@ -136,6 +147,17 @@ class DPHook:
         out = allreduce(flat_bucket, comm, self.codec, error_feedback=self.error_feedback, key=bucket_index,
                         min_bytes=self.min_bytes, shapes=self.layouts.get(bucket_index))
         return out.div_(comm.size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Error-feedback residuals and the codec's state (PowerSGD's warm start): what a checkpoint keeps."""
+        return {"error_feedback": None if self.error_feedback is None else self.error_feedback.state_dict(),
+                "codec": None if self.codec is None else self.codec.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.error_feedback is not None and state.get("error_feedback") is not None:
+            self.error_feedback.load_state_dict(state["error_feedback"])
+        if self.codec is not None and state.get("codec"):
+            self.codec.load_state_dict(state["codec"])
 
     def __repr__(self) -> str:
         return f"DPHook(codec={self.codec!r}, error_feedback={self.error_feedback is not None})"

@@ -177,7 +177,9 @@ class HostPool(DeviceStore):
     wait for "stored", allocates the device buffer and copies back, recording a "ready" event; ``get`` makes the
     compute stream wait for "ready" (a device-side wait, the host never blocks). At most the chunks that were
     prefetched and not yet popped are resident: the FPDT loops prefetch one chunk ahead (double buffering).
-    Pinned buffers return to a per-size free list when their chunk is freed.
+    Pinned buffers return to a per-size free list when their chunk is freed, with the event of the last copy
+    that used them; reusing one makes the side stream wait for that event (a device-side wait: the host never
+    blocks on a chunk's copy).
 
     On CPU, ``put`` clones the chunk outside the tracker's view (the "host") and ``get`` clones it back
     inside it (the "device"), so the tracker sees exactly what a device would hold.
@@ -189,14 +191,17 @@ class HostPool(DeviceStore):
         self._cuda = self.device.type == "cuda"
         self._ready: dict[int, torch.Tensor] = {}
         self._events: dict[int, object] = {}
-        self._free_pinned: dict[int, list[torch.Tensor]] = {}
+        self._free_pinned: dict[int, list[tuple[torch.Tensor, object]]] = {}
         if self._cuda:
             self._stream = torch.cuda.Stream(self.device)
 
     def _pinned(self, nbytes: int) -> torch.Tensor:
         lst = self._free_pinned.get(nbytes)
         if lst:
-            return lst.pop()
+            buf, ev = lst.pop()
+            if ev is not None:  # the last copy out of (or into) this buffer completes before the next one
+                self._stream.wait_event(ev)
+            return buf
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def put(self, t: torch.Tensor) -> int:
@@ -260,10 +265,8 @@ class HostPool(DeviceStore):
         self._ready.pop(h, None)
         ev = self._events.pop(h, None)
         if host is not None and self._cuda:
-            if ev is not None:
-                ev.synchronize()  # the copy out of this buffer must finish before it is reused
             buf = host.view(-1).view(torch.uint8)
-            self._free_pinned.setdefault(buf.numel(), []).append(buf)
+            self._free_pinned.setdefault(buf.numel(), []).append((buf, ev))
 
     def replace(self, h: int, t: torch.Tensor) -> None:
         self.free(h)

@@ -155,18 +155,30 @@ def _mpiexec() -> str:
         raise TestbedUnavailable(str(exc)) from exc
 
 
+def _netns_inode(name: str) -> int | None:
+    try:
+        return os.stat(f"/run/netns/{name}").st_ino
+    except OSError:
+        return None
+
+
+def _in_netns(pid: int, inode: int | None) -> bool:
+    try:
+        return inode is not None and os.stat(f"/proc/{pid}/ns/net").st_ino == inode
+    except OSError:
+        return False
+
+
 def _kill_netns_pids(names: Sequence[str]) -> list[int]:
-    """SIGKILL every process inside the given namespaces; returns the pids killed."""
+    """SIGKILL every process inside the given namespaces; returns the pids killed. Each is signalled through a
+    pidfd after checking it is still inside that namespace (its pid may have been reused since the listing)."""
     killed = []
     for name in names:
+        inode = _netns_inode(name)
         proc = _run(["ip", "netns", "pids", name], check=False)
-        for tok in proc.stdout.split():
-            try:
-                pid = int(tok)
-                os.kill(pid, signal.SIGKILL)
+        for pid in (int(t) for t in proc.stdout.split() if t.isdigit()):
+            if _launch.signal_verified(pid, signal.SIGKILL, lambda p, i=inode: _in_netns(p, i)):
                 killed.append(pid)
-            except (ValueError, ProcessLookupError):
-                pass
     return killed
 
 
@@ -454,23 +466,26 @@ class Testbed:
         return pids
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (hydra's proxies start their own sessions, so killpg misses them)."""
-    children: dict[int, list[int]] = {}
+def _descendants(pid: int) -> list[tuple[int, int]]:
+    """Every live descendant of ``pid`` as ``(pid, start time)`` (hydra's proxies start their own sessions, so
+    killpg misses them); the start time tells it from a later process that reuses its pid."""
+    children: dict[int, list[tuple[int, int]]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                fields = f.read().rsplit(")", 1)[1].split()
+            ppid, started = int(fields[1]), int(fields[19])
         except (OSError, ValueError, IndexError):
             continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
+        children.setdefault(ppid, []).append((int(entry), started))
+    out: list[tuple[int, int]] = []
+    todo = [pid]
     while todo and len(out) < 10_000:
         for c in children.get(todo.pop(), []):
             out.append(c)
-            todo.append(c)
+            todo.append(c[0])
     return out
 
 
@@ -488,10 +503,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
-    for pid in family:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    for pid, started in family:  # gone by now unless they escaped the group; their pids may be reused
+        _launch.signal_verified(pid, signal.SIGKILL, lambda p, t=started: _launch.start_time(p) == t)
     if proc.poll() is None:
         print(f"loom testbed: launcher pid {proc.pid} survived SIGKILL", file=sys.stderr)

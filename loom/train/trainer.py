@@ -185,6 +185,7 @@ class Trainer:
         # and none is left waiting for a peer that has already exited.
         self.policy = None
         self.hook = None
+        self._stage_comm: Communicator | None = None  # this stage's ranks, its checkpoint writer first
         if cfg.compress.policy != "none":
             self.policy, self.hook = compression_hook(
                 cfg.compress.policy, None if cfg.compress.min_kb < 0 else int(cfg.compress.min_kb * 1024))
@@ -287,8 +288,33 @@ class Trainer:
                     if k in st:
                         st[k] = self._my_shard(n, st[k])
         self.opt.load_state_dict(optim)
+        self._restore_compression(state, step)
         ckpt.restore_rng(state["rng"])
         self.start_step = int(state["step"])
+
+    def _compression_states(self) -> dict[int, Any] | None:
+        """Every rank's compression state by world rank, gathered to its stage's checkpoint writer (``None`` on
+        the other ranks and without compression). Error-feedback residuals differ from rank to rank."""
+        if self.policy is None:
+            return None
+        writer = self.dp_rank == 0 and self.sp_rank == 0 and self.ep_rank == 0
+        if self._stage_comm is None:
+            self._stage_comm = self.comm.split(self.stage, 0 if writer else self.comm.rank + 1, name="stage")
+        mine = {"policy": self.policy.state_dict(), "hook": self.hook.state_dict() if self.hook else {}}
+        got = self._stage_comm.gather_object((self.comm.rank, mine), 0)
+        return dict(got) if writer and got is not None else None
+
+    def _restore_compression(self, state: dict[str, Any], step: int) -> None:
+        saved = state.get("compress")
+        if self.policy is None or saved is None:
+            return
+        mine = saved.get(self.comm.rank)
+        if mine is None:
+            raise ConfigError(f"checkpoint {self.ckpt_dir} step {step} has no compression state for rank "
+                              f"{self.comm.rank}; resume on the same mesh, or with compress.policy = 'none'")
+        self.policy.load_state_dict(mine["policy"])
+        if self.hook is not None and mine["hook"]:
+            self.hook.load_state_dict(mine["hook"])
 
     def _my_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This ep rank's experts of a full expert tensor (dim 0); other tensors unchanged."""
@@ -307,6 +333,7 @@ class Trainer:
         ep 0) rank; expert shards and their Adam moments are gathered over ``ep`` first, so the file holds
         the whole stage whatever the mesh."""
         path = None
+        compress = self._compression_states()
         if self.dp_rank == 0 and self.sp_rank == 0:
             named = dict(self.model.named_parameters())
             model = {n: self._gather(n, named[n]) for n in self.param_names}
@@ -325,6 +352,8 @@ class Trainer:
                     "stage": self.stage, "stages": self.stages, "params": list(self.param_names),
                     "model": model, "optim": optim, "rng": ckpt.capture_rng(),
                 }
+                if compress is not None:
+                    payload["compress"] = compress
                 path = ckpt.save(ckpt.stage_path(self.ckpt_dir, step, self.stage), payload)
         self.comm.barrier()  # every stage file exists before anyone prunes or moves on
         if self.comm.rank == 0:

@@ -173,6 +173,14 @@ def check_resume_equals_uninterrupted(comm):
         _resume_case(comm, {**MOE, "mesh": {"pp": 2, "ep": 2}, "data": {"micro_batches": 2}}, "pp-ep")
 
 
+def check_resume_equals_uninterrupted_compressed(comm):
+    """Bit-exact under lossy compression too: the checkpoint keeps every rank's error-feedback residuals and
+    codec state (hybrid: int4 + error feedback on dp; naive: zfp on every axis, no feedback)."""
+    for policy in ("hybrid", "naive"):
+        _resume_case(comm, {"mesh": {"dp": 2, "sp": comm.size // 2}, "compress": {"policy": policy, "min_kb": 0}},
+                     f"dp-{policy}")
+
+
 def check_cleanup(comm):
     comm.barrier()
     if comm.rank == 0 and _DIR:

@@ -4,6 +4,7 @@ reports of MPICH and Open MPI, and launcher/library pairing."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -87,3 +88,37 @@ def test_launcher_and_library_of_different_mpis_are_refused(monkeypatch):
 
 def test_this_mpi_pairs_with_its_launcher():
     assert launch.library_flavor() == launch.flavor() != launch.UNKNOWN
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_signal_verified_never_signals_a_process_that_is_not_the_one_meant():
+    proc = _sleeper()
+    try:
+        started = launch.start_time(proc.pid)
+        assert started is not None
+        # the recorded identity does not match (as for a pid reused since it was found): no signal
+        assert not launch.signal_verified(proc.pid, signal.SIGKILL, lambda p: launch.start_time(p) == started + 1)
+        assert proc.poll() is None
+        assert launch.signal_verified(proc.pid, signal.SIGKILL, lambda p: launch.start_time(p) == started)
+        assert proc.wait(timeout=20) == -signal.SIGKILL
+        assert not launch.signal_verified(proc.pid, signal.SIGKILL, lambda p: True)  # reaped: nothing to signal
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_testbed_kills_only_processes_still_inside_its_namespaces(monkeypatch):
+    """`ip netns pids` listed a pid that now belongs to a process outside the namespace: it is left alone."""
+    from loom.testbed import netns
+
+    proc = _sleeper()
+    try:
+        monkeypatch.setattr(netns, "_run", lambda args, **kw: subprocess.CompletedProcess(args, 0, f"{proc.pid}\n", ""))
+        assert netns._kill_netns_pids(["loomtb-no-such-namespace"]) == []
+        assert proc.poll() is None, "a process outside the namespace was killed"
+    finally:
+        proc.kill()
+        proc.wait()

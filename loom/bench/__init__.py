@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "alltoall": ("loom.bench.comm", "alltoall", "alltoall latency (osu_alltoall)"),
     "alltoallv": ("loom.bench.comm", "alltoallv", "alltoallv latency (osu_alltoallv); --skew for multi-path"),
     "seqlen": ("loom.bench.seqlen", "main", "longest trainable sequence: Ulysses vs FPDT at a memory budget"),
+    "memory": ("loom.bench.memory", "main", "loom train's dry-run memory model vs the measured peak per rank"),
     "hybrid": ("loom.bench.hybrid", "main", "step time: data parallel vs pipeline vs hybrid"),
     "compress-train": ("loom.bench.compress_train", "main", "data-parallel training with compression policies"),
     "moe": ("loom.bench.moe", "main", "MoE layer step time: direct vs multi-path dispatch"),

@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib
 import sys
 
-from . import settings
 from .cli_args import UsageError, pop_ranks
 
 __all__ = ["main", "COMMANDS", "pop_ranks"]

@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "compress": ("loom.compress.benchmark", "allreduce_main", "compressed vs uncompressed allreduce (--codec NAME)"),
     "multipath": ("loom.multipath.bench", "alltoallv_skew", "skewed alltoallv: multi-path vs direct (--skew)"),
     "seqlen": ("loom.bench.seqlen", "main", "longest trainable sequence: Ulysses vs FPDT at a memory budget"),
+    "memory": ("loom.bench.memory", "main", "loom train's dry-run memory model vs the measured peak per rank"),
     "hybrid": ("loom.bench.hybrid", "main", "step time: data parallel vs pipeline vs hybrid"),
     "compress-train": ("loom.bench.compress_train", "main", "data-parallel training with compression policies"),
     "moe": ("loom.bench.moe", "main", "MoE layer step time: direct vs multi-path dispatch"),

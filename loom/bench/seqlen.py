@@ -23,6 +23,7 @@ Then, at the Ulysses limit: time per token of both, the all-to-alls per layer an
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from typing import Any
 
@@ -84,6 +85,14 @@ def _config(step: str, args, seq: int, p: int) -> LlamaConfig:
 def _granule(args, p: int, step: str) -> int:
     """Search step: the chunked rows need whole chunks per rank; plain Ulysses is searched 16 tokens/rank fine."""
     return p * (16 if step == STEPS[0] else args.chunk)
+
+
+def equal_length(seq: int, args, p: int, steps: list[str]) -> int:
+    """The length at which ``steps`` are timed side by side: ``seq`` (Ulysses' longest) rounded down to a length
+    every configuration can lay out (a multiple of each one's search granule), at least one such unit; the
+    chunked rows need whole chunks per rank, which Ulysses' finer granule does not guarantee."""
+    unit = math.lcm(*(_granule(args, p, st) for st in steps))
+    return max(unit, seq // unit * unit)
 
 
 class _Runner:
@@ -212,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         results[st] = {"max_seq": seq, **m}
         prev = seq
     ratio = results[steps[-1]]["max_seq"] / results[steps[0]]["max_seq"]
-    seq_eq = results[steps[0]]["max_seq"]
+    seq_ul = results[steps[0]]["max_seq"]
+    seq_eq = equal_length(seq_ul, args, p, steps)
     times: dict[str, float] = {}
     counts: dict[str, dict[str, float]] = {}
     for st in (steps[0], steps[-1]):
@@ -225,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     fp = results[steps[-1]]
     if comm.rank == 0:
         tu, tf = times[steps[0]], times[steps[-1]]
-        print(f"# longest sequence: Ulysses {seq_eq}, FPDT {fp['max_seq']}: {ratio:.1f}x (goal >= 16x)")
+        print(f"# longest sequence: Ulysses {seq_ul}, FPDT {fp['max_seq']}: {ratio:.1f}x (goal >= 16x)")
         print(f"# equal length {seq_eq}: time/token Ulysses {tu / seq_eq * 1e6:.1f} us, "
               f"FPDT {tf / seq_eq * 1e6:.1f} us; "
               f"FPDT throughput = {tu / tf:.2f}x Ulysses (goal >= 0.8x)")

@@ -567,16 +567,27 @@ class Llama(nn.Module):
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tie_embeddings:  # one Parameter in two places: named_parameters() lists it once, as embed.weight
             self.head.weight = self.embed.weight
-        self._init_weights()
+        if not self.embed.weight.is_meta:  # on meta: loom.parallel.materialize calls init_parameter later
+            for name, p in self.named_parameters():
+                self.init_parameter(name, p)
 
-    def _init_weights(self) -> None:
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight") or ".ffn.moe." in name:  # MoE initialises its own (seeded per layer)
-                continue
-            g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
-            with torch.no_grad():
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * std)
+    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
+        """Fill ``tensor`` (shaped like parameter ``name``) with that parameter's initial values, in place.
+
+        The values depend only on the name (a generator seeded by it; norms are ones; MoE weights come from
+        their layer's ``MoE`` seed), so any subset of the parameters can be materialised alone, in any order
+        (:func:`loom.parallel.materialize`), and equals the same subset of a whole build.
+        """
+        with torch.no_grad():
+            if name.endswith("norm.weight"):
+                tensor.fill_(1.0)
+            elif ".ffn.moe." in name:
+                block, _, local = name.partition(".ffn.moe.")
+                self.get_submodule(block).ffn.moe.init_parameter(local, tensor)
+            else:
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                tensor.copy_(torch.randn(tensor.shape, generator=g, dtype=torch.float64) * std)
 
     @property
     def head_weight(self) -> torch.Tensor:

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..comm import Communicator, Mesh, world
 from .data import GradHook, GradReducer
+from .meta import check_initialisable, is_meta, materialize
 from .partition import Graph, capture, split_units
 from .pipeline import SCHEDULES, Stage, interleaved_schedule, schedule as make_schedule
 
@@ -113,10 +114,17 @@ class HybridParallel:
         bucket_mb: gradient bucket size in MiB.
         leaf_modules: module classes ``torch.fx`` calls as one layer instead of tracing into (for bodies
             with shape-dependent Python control flow, e.g. ``leaf_modules=(Block,)`` for loom's Llama).
+        init: for a model built on the meta device: ``init(name, tensor)`` filling one tensor in place
+            (default: the model's ``init_parameter``, else its modules' ``reset_parameters`` replayed in
+            order; see :func:`loom.parallel.materialize`). Only this rank's stage is materialised, so the
+            whole model never exists on one rank; its weights equal a plain build from the same seed.
+        device: where a meta model's stage is materialised.
+        dtype: the dtype a meta model's stage is cast to after initialisation (``None``: as built).
 
     Raises:
         ValueError: ``partitions x replicas`` differs from the ranks available, more partitions than layers,
-            a bad ``balance``/``schedule``, or compression of a 1F1B pipeline.
+            a bad ``balance``/``schedule``, compression of a 1F1B pipeline, or a meta-device model whose stage
+            holds a tensor nothing can initialise.
         TraceError: the model cannot be captured (the message says which construct and what to do).
     """
 
@@ -125,7 +133,8 @@ class HybridParallel:
                  mesh: Mesh | None = None, pp: Communicator | None = None, dp: Communicator | None = None,
                  grad_hook: GradHook | None = None, compression: Any = None,
                  sample_inputs: Any = None, bucket_mb: float = 25.0, leaf_modules: Sequence[type] = (),
-                 virtual_stages: int = 2):
+                 virtual_stages: int = 2, init: Callable[[str, torch.Tensor], None] | None = None,
+                 device: Any = "cpu", dtype: torch.dtype | None = None):
         self.config = HybridConfig(partitions=partitions, replicas=replicas, micro_batches=micro_batches,
                                    schedule=schedule, balance=balance, bucket_mb=bucket_mb,
                                    virtual_stages=virtual_stages)
@@ -143,6 +152,12 @@ class HybridParallel:
                                  "drop compression= or install loom with the compress extra") from exc
             codec = _pp_codec(compression) if self.partitions > 1 else None
         sample = _as_tuple(sample_inputs) if sample_inputs is not None else None
+        meta = isinstance(model, nn.Module) and is_meta(model)
+        if meta and balance == "time":
+            raise ValueError("balance='time' profiles real layers, but the model is on the meta device; use "
+                             "balance='params' or layer counts, or materialise the model first")
+        if meta:
+            check_initialisable(model, init)  # the whole model, so that every rank refuses alike
         self.graph: Graph = capture(model, leaf_modules=leaf_modules, sample=sample)
         costs = None
         if balance == "time":
@@ -155,6 +170,8 @@ class HybridParallel:
         # Interleaving needs a pipeline; on one stage it would only add self-messages.
         self.chunks = virtual_stages if (schedule == "interleaved" and self.partitions > 1) else 1
         self.counts = split_units(self.graph, self.partitions * self.chunks, balance, sample, costs)
+        if meta:
+            self._materialize_stage(leaf_modules, sample, init, device, dtype)
         pp_comm = self.pp.dup(name="pp") if self.partitions > 1 else None
         r, p = self.pp.rank, self.partitions
         self.local_stages = [Stage(self.graph, self.counts, pp_comm, codec=codec, index=k * p + r)
@@ -196,6 +213,21 @@ class HybridParallel:
         if cfg.replicas is not None and dp.size != cfg.replicas:
             raise ValueError(f"replicas={cfg.replicas} but the dp communicator has {dp.size} ranks")
         return pp, dp
+
+    def _materialize_stage(self, leaf_modules, sample, init, device, dtype) -> None:
+        """Give this rank's stage(s) of a meta-device model real, initialised tensors; recapture the graph
+        (its nodes hold the tensors, which materialisation replaces), keeping the split already chosen."""
+        r, p = self.pp.rank, self.partitions
+        ids = {id(t) for k in range(self.chunks) for n in self.graph.stage_nodes(self.counts, k * p + r)
+               for t in n.params}
+        named = dict(self.model.named_parameters())
+        named.update(dict(self.model.named_buffers()))
+        materialize(self.model, [name for name, t in named.items() if id(t) in ids], init=init, device=device,
+                    dtype=dtype)
+        counts = list(self.counts)
+        self.graph = capture(self.model, leaf_modules=leaf_modules, sample=sample)
+        if len(self.graph.units) != sum(counts):
+            raise RuntimeError(f"the recaptured graph has {len(self.graph.units)} layers, the split {sum(counts)}")
 
     def _check_shared(self) -> None:
         """A tensor read by two stages (tied weights across stages) would train as two copies: refuse it."""

@@ -13,7 +13,9 @@ replayed rather than invented. The initialiser is, in this order:
    tensor's values depend only on its name, so tensors that are not kept are never generated);
 3. otherwise every submodule's ``reset_parameters()``, in registration order, which is the order a plain
    construction ran them in, so torch's global random stream is consumed exactly as then: a module whose
-   tensors are not kept is still initialised (one module in flight), then handed back to meta.
+   tensors are not kept is still initialised (one module in flight), then handed back to meta. The replay
+   starts from the stream's current state, so seed (or draw nothing) between the meta build and this call
+   as a plain build would have found it: ``torch.manual_seed(s)``, build on meta, materialise.
 
 A tensor that must be kept and that none of these can initialise is a :class:`ValueError`.
 """
@@ -25,7 +27,7 @@ from typing import Any, Callable, Collection
 import torch
 from torch import nn
 
-__all__ = ["materialize", "meta_names", "is_meta"]
+__all__ = ["materialize", "meta_names", "is_meta", "check_initialisable"]
 
 Init = Callable[[str, torch.Tensor], None]
 
@@ -125,16 +127,28 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
+def check_initialisable(module: nn.Module, init: Init | None = None) -> None:
+    """Raise :class:`ValueError` if some meta tensor of ``module`` has no initialiser (see the module docstring).
+
+    Depends only on the model, so every rank of a job reaches the same verdict before any of them materialises.
+    """
+    if init is not None or callable(getattr(module, "init_parameter", None)):
+        return
+    named = _named(module)
+    owners = _owners(module)
+    uncovered = [n for n, t in named.items() if t.is_meta and not _reset_owner(owners[id(t)])]
+    if uncovered:
+        raise ValueError(
+            f"cannot initialise {uncovered[0]!r} ({len(uncovered)} tensor(s) in all) of a model on the meta device: "
+            f"its module has no reset_parameters() and the model no init_parameter(name, tensor); pass "
+            f"init=fn(name, tensor), give the model an init_parameter method, or build it on a real device")
+
+
 def _replay(module: nn.Module, named: dict[str, torch.Tensor], todo: set[str], owners, device: Any,
             dtype: torch.dtype | None) -> list[str]:
     """Run every submodule's ``reset_parameters`` in registration order on freshly allocated tensors."""
     name_of = {id(t): n for n, t in named.items()}
-    uncovered = [n for n in todo if not _reset_owner(owners[id(named[n])])]
-    if uncovered:
-        raise ValueError(
-            f"cannot initialise {uncovered[0]!r} (and {len(uncovered) - 1} more) of a model on the meta device: "
-            f"its module has no reset_parameters() and the model no init_parameter(name, tensor); pass "
-            f"init=fn(name, tensor) to materialize(), or build the model on a real device")
+    check_initialisable(module)
     done: list[str] = []
     for m in module.modules():
         mine = [t for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None and t.is_meta]

@@ -129,11 +129,21 @@ class MoE(torch.nn.Module):
             raise ValueError(f"experts={config.experts} does not divide by the ep size {p}; use a multiple of {p}")
         self.local = config.experts // p
         self.multipath = multipath
-        gate, w1, w2 = _init(config)
+        d, h, el = config.dim, config.hidden, self.local
+        self.gate = torch.nn.Parameter(torch.empty(config.experts, d, dtype=config.dtype))
+        self.w1 = torch.nn.Parameter(torch.empty(el, d, h, dtype=config.dtype))
+        self.w2 = torch.nn.Parameter(torch.empty(el, h, d, dtype=config.dtype))
+        if not self.gate.is_meta:  # on meta (loom.parallel.materialize): init_parameter fills them later
+            for name, p in self.named_parameters():
+                self.init_parameter(name, p)
+
+    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
+        """Fill ``tensor`` with parameter ``name``'s initial values (``gate``, or this rank's slice of ``w1``/``w2``
+        drawn from the seeded full-expert tensors), in place."""
+        values = dict(zip(("gate", "w1", "w2"), _init(self.config)))
         lo = self.comm.rank * self.local
-        self.gate = torch.nn.Parameter(gate)
-        self.w1 = torch.nn.Parameter(w1[lo:lo + self.local].clone())
-        self.w2 = torch.nn.Parameter(w2[lo:lo + self.local].clone())
+        with torch.no_grad():
+            tensor.copy_(values[name] if name == "gate" else values[name][lo:lo + self.local])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[tokens, dim]`` (this rank's tokens; any count, 0 included) -> ``[tokens, dim]``."""

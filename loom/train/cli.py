@@ -21,6 +21,7 @@ from pathlib import Path
 from .. import settings
 from .. import cli_args
 from .config import Config, ConfigError, config_to_dict, load_config
+from .memory import plan
 
 __all__ = ["main", "parser", "plan"]
 
@@ -48,88 +49,6 @@ def _defaults_epilog() -> str:
     lines = ["config keys and defaults:"]
     for section, values in config_to_dict(Config()).items():
         lines.append(f"  [{section}] " + ", ".join(f"{k}={v!r}" for k, v in values.items()))
-    return "\n".join(lines)
-
-
-def _fmt(n: float) -> str:
-    from .progress import fmt_bytes
-
-    return fmt_bytes(n)
-
-
-def param_count(cfg: Config) -> tuple[int, int, int]:
-    """(embedding+head params, params per block, total)."""
-    m = cfg.model
-    hd = m.head_dim
-    attn = m.hidden * m.heads * hd * 2 + m.hidden * m.kv_heads * hd * 2
-    ffn = m.hidden * m.ffn_hidden * (3 if m.ffn == "swiglu" else 2)
-    if m.ffn == "moe":
-        ffn = m.experts * m.hidden * m.ffn_hidden * 3 + m.hidden * m.experts
-    block = attn + ffn + 2 * m.hidden
-    outer = m.vocab * m.hidden * 2 + m.hidden
-    return outer, block, outer + block * m.layers
-
-
-def plan(cfg: Config, world_size: int | None = None) -> str:
-    """Human-readable plan: mesh, stage split, per-rank memory and bytes per step per axis."""
-    m, mesh, d = cfg.model, cfg.mesh, cfg.data
-    elem = {"float32": 4, "float64": 8, "bfloat16": 2}[cfg.train.dtype]
-    outer, block, total = param_count(cfg)
-    per = m.layers // mesh.pp
-    extra = m.layers % mesh.pp
-    stages = []
-    lo = 0
-    for i in range(mesh.pp):
-        n = per + (1 if i < extra else 0)
-        stages.append((lo, lo + n))
-        lo += n
-    stage_params = max(block * (hi - lo) + (outer if mesh.pp == 1 else outer // 2) for lo, hi in stages)
-    b_loc = d.batch // (mesh.dp * mesh.ep)
-    s_loc = d.seq_len // mesh.sp
-    # Activations kept for backward per block: ~ (34 elements per token x hidden) (Korthikanti et al. 2022,
-    # without recomputation), plus the attention matrix of the local heads over the full sequence.
-    act = (per + (1 if extra else 0)) * b_loc * (s_loc * m.hidden * 34 * elem
-                                                 + (m.heads // mesh.sp) * d.seq_len * d.seq_len * elem)
-    act += b_loc * s_loc * m.vocab * 4 * 2  # logits + their grad
-    state = stage_params * (elem * 2 + 8)  # params + grads (dtype) + Adam moments (fp32)
-    lines = [
-        f"loom train plan ({'world ' + str(world_size) + ' ranks' if world_size else 'not launched'})",
-        f"  model      {m.layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads} kv, ffn {m.ffn} "
-        f"{m.ffn_hidden}, vocab {m.vocab}: {total:,} parameters ({_fmt(total * elem)} in {cfg.train.dtype})",
-        f"  mesh       dp={mesh.dp} pp={mesh.pp} sp={mesh.sp} ep={mesh.ep} = {mesh.size} ranks",
-        "  stages     " + ", ".join(f"stage {i}: layers {a}..{b - 1}" for i, (a, b) in enumerate(stages))
-        + (" (even split; HybridParallel balances by parameters at start)" if mesh.pp > 1 else ""),
-        f"  sequence   {cfg.sequence.algorithm}, seq_len {d.seq_len} -> {s_loc} tokens per sp rank, "
-        f"chunks {cfg.sequence.chunks}, offload {cfg.sequence.offload}",
-        f"  batch      {d.batch} sequences/step global, {b_loc} per dp replica, "
-        f"{d.batch * d.seq_len:,} tokens/step",
-        f"  memory     ~{_fmt(state + act)} per rank (weights+grads+Adam {_fmt(state)}, activations ~{_fmt(act)})",
-        f"  data       {'Python stdlib sources' if not d.path else d.path}, max {d.max_bytes:,} bytes, "
-        f"held-out {d.heldout:.0%}",
-        f"  compress   policy {cfg.compress.policy!r} on dp, buckets of {cfg.compress.bucket_mb} MiB",
-        "  bytes per step per rank (uncompressed, bandwidth-optimal accounting):",
-    ]
-    if mesh.dp > 1:
-        n = stage_params * elem
-        lines.append(f"    dp  allreduce of gradients 2n(P-1)/P: {_fmt(2 * n * (mesh.dp - 1) / mesh.dp)}"
-                     + ("" if cfg.compress.policy == "none" else f" before compression ({cfg.compress.policy})"))
-    if mesh.sp > 1:
-        p = mesh.sp
-        kv = m.kv_heads if m.kv_heads % p == 0 else m.heads
-        per_layer = b_loc * s_loc * m.head_dim * (2 * m.heads + 2 * kv) * elem * (p - 1) / p
-        grads = stage_params * elem * 2 * (p - 1) / p
-        lines.append(f"    sp  Ulysses all-to-all (q,k,v,o fwd+bwd) {_fmt(2 * per_layer * per)} "
-                     f"+ gradient allreduce {_fmt(grads)}")
-    if mesh.ep > 1:
-        k = m.top_k
-        lines.append(f"    ep  MoE dispatch + combine all-to-allv (fwd+bwd) ~"
-                     f"{_fmt(4 * b_loc * s_loc * k * m.hidden * elem * (mesh.ep - 1) / mesh.ep * m.layers)} "
-                     f"(uniform routing)")
-    if mesh.pp > 1:
-        lines.append(f"    pp  activations + their grads between stages: "
-                     f"{_fmt(2 * b_loc * s_loc * m.hidden * elem)}")
-    if mesh.size == 1:
-        lines.append("    (one rank: no communication)")
     return "\n".join(lines)
 
 

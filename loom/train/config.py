@@ -255,6 +255,8 @@ class TrainConfig:
     """Write PNG plots at the end."""
     device: str = "cpu"
     """``cpu`` or ``cuda`` (each rank uses ``cuda:local_rank``)."""
+    device_memory: float = 0.0
+    """GiB of memory per rank; ``--dry-run`` then says whether the run fits and the longest sequence that does."""
 
     def __post_init__(self) -> None:
         _need(self.steps >= 1, f"train.steps = {self.steps} must be >= 1")
@@ -265,6 +267,7 @@ class TrainConfig:
         _need(self.progress in ("auto", "bar", "lines", "none"),
               f"train.progress = {self.progress!r}; valid: auto, bar, lines, none")
         _need(self.device in ("cpu", "cuda"), f"train.device = {self.device!r}; valid: cpu, cuda")
+        _need(self.device_memory >= 0, f"train.device_memory = {self.device_memory} must be >= 0 (GiB; 0 = unknown)")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -17,6 +17,7 @@ every rank and every stage split, so per-stage checkpoints merge into one model.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 from ..models.llama import Llama, LlamaConfig
 from .config import Config, ConfigError
 
-__all__ = ["Positions", "TrainModel", "build_model", "llama_config"]
+__all__ = ["Positions", "StageView", "TrainModel", "build_model", "llama_config"]
 
 
 class Positions:
@@ -74,6 +75,25 @@ class HeadStage(nn.Module):
         return self.head(self.norm(h))
 
 
+class StageView(nn.Sequential):
+    """``Llama`` as ``nn.Sequential(EmbedStage, BlockStage x layers, HeadStage)`` over the same parameters.
+
+    ``init_parameter`` maps this view's names (``1.block.attn.wq.weight``) to the model's
+    (``blocks.0.attn.wq.weight``), so a model built on the meta device can be materialised one pipeline stage
+    at a time through the view (:func:`loom.parallel.materialize`).
+    """
+
+    def __init__(self, module: Llama, pos: Positions):
+        super().__init__(EmbedStage(module.embed), *[BlockStage(b, pos) for b in module.blocks],
+                         HeadStage(module.norm, module.head))
+        names = {id(t): n for n, t in module.named_parameters()}
+        self.model_names = {n: names[id(t)] for n, t in self.named_parameters()}
+        self._init = module.init_parameter
+
+    def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
+        self._init(self.model_names[name], tensor)
+
+
 def _mean_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits = logits.reshape(-1, logits.shape[-1])
     if logits.dtype in (torch.bfloat16, torch.float16):
@@ -86,7 +106,7 @@ class TrainModel:
 
     Attributes:
         module: the :class:`~loom.models.llama.Llama`; its ``named_parameters()`` names go into checkpoints.
-        pipeline: an ``nn.Sequential`` over the same parameters (embedding, blocks, head) for HybridParallel.
+        pipeline: a :class:`StageView` over the same parameters (embedding, blocks, head) for HybridParallel.
         positions: the shared holder of this rank's global token positions (read by the pipeline view).
         sp_sum: ``loss()`` returns this rank's *share* of the sequence mean (sum over ``sp`` = the mean), so
             gradients are summed over ``sp``; otherwise it is the local mean and gradients are averaged.
@@ -117,16 +137,21 @@ def llama_config(cfg: Config, sp: int = 1) -> LlamaConfig:
 
 
 def build_model(cfg: Config, *, sp_comm=None, ep_comm=None, dtype: torch.dtype = torch.float32,
-                device: Any = "cpu") -> TrainModel:
+                device: Any = "cpu", meta: bool = False) -> TrainModel:
     """The model of this rank. ``sp_comm=None`` (or of size 1) builds the unsharded model (one rank,
-    generation); ``ep_comm`` holds the experts of an MoE model (``None``: the world, for one process)."""
+    generation); ``ep_comm`` holds the experts of an MoE model (``None``: the world, for one process).
+
+    ``meta=True`` builds it on the meta device, in the construction dtype, with no storage: the pipeline
+    (``HybridParallel(..., device=, dtype=)``) then materialises only this rank's stage through
+    :class:`StageView`. ``dtype`` and ``device`` apply to a real build only.
+    """
     sp = sp_comm.size if sp_comm is not None else 1
     try:
-        module = Llama(llama_config(cfg, sp), sp_comm if sp > 1 else None, ep_comm)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            module = Llama(llama_config(cfg, sp), sp_comm if sp > 1 else None, ep_comm)
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
-    module = module.to(device=device, dtype=dtype)
+    if not meta:
+        module = module.to(device=device, dtype=dtype)
     pos = Positions()
-    pipeline = nn.Sequential(EmbedStage(module.embed), *[BlockStage(b, pos) for b in module.blocks],
-                             HeadStage(module.norm, module.head))
-    return TrainModel(module, pipeline, pos, sp_sum=sp > 1)
+    return TrainModel(module, StageView(module, pos), pos, sp_sum=sp > 1)

@@ -214,7 +214,10 @@ class Trainer:
         sp_codec = self.policy.codec_for("sp") if self.policy is not None else None
         sp_min = self.policy.min_bytes if self.policy is not None else None
         sp_comm = TimedComm(self.sp, "sp", sp_codec, sp_min) if self.sp is not None else None
-        self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.dtype, device=self.device)
+        # Under a pipeline the model is built on the meta device and HybridParallel materialises only this
+        # rank's stage (the same weights as a whole build: each tensor's init depends only on its name).
+        self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.dtype, device=self.device,
+                              meta=self.pp is not None)
         self.model = self.tm.module
         self.positions = sp_layout(cfg.data.seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks).to(self.device)
         self.tm.positions.value = self.positions
@@ -249,7 +252,7 @@ class Trainer:
             return HybridParallel(self.tm.pipeline, partitions=cfg.mesh.pp, replicas=cfg.mesh.dp,
                                   micro_batches=cfg.data.micro_batches, schedule=schedule, balance="params",
                                   mesh=self.mesh, grad_hook=self.hook, compression=self.policy,
-                                  bucket_mb=cfg.compress.bucket_mb)
+                                  bucket_mb=cfg.compress.bucket_mb, device=self.device, dtype=self.dtype)
         except ValueError as exc:
             raise ConfigError(f"pipeline setup: {exc}") from None
 

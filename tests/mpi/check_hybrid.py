@@ -84,9 +84,20 @@ def keras_model():
     return keras.Model(inp, out)
 
 
-def make(kind: str, dtype: torch.dtype, g: torch.Generator):
-    """Two identical copies of a model (the one to parallelise, the reference) and their tensor lists."""
+def make(kind: str, dtype: torch.dtype, g: torch.Generator, meta: bool = False):
+    """Two identical copies of a model (the one to parallelise, the reference) and their tensor lists.
+
+    ``meta``: the first is built on the meta device from the same seed (HybridParallel materialises its stage).
+    """
     seed = int(torch.randint(0, 2**31, (1,), generator=g))
+    if meta:  # the replay consumes torch's global stream from where the meta build left it: the seed
+        cls = ResMLP if kind == "resmlp" else Branchy
+        torch.manual_seed(seed)
+        ref = cls().to(dtype)
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            m = cls()
+        return m, ref, list(ref.parameters())
     if kind == "keras":
         import keras
 
@@ -103,17 +114,21 @@ def make(kind: str, dtype: torch.dtype, g: torch.Generator):
     return m, ref, list(ref.parameters())
 
 
-def run_case(world_comm, kind, p, r, sched, mb, opt_name, dtype=torch.float64):
+def run_case(world_comm, kind, p, r, sched, mb, opt_name, dtype=torch.float64, meta=False):
     g = seeded(world_comm, 7)
     comm = _comm_for(world_comm, p, r)
-    model, ref, ref_params = make(kind, dtype, g)
+    model, ref, ref_params = make(kind, dtype, g, meta)
     n = ROWS * r
     x = torch.randn(n, 6, generator=g).to(dtype)
     z = torch.randn(n, 2, generator=g).to(dtype)
     y = torch.randn(n, 3, generator=g).to(dtype)
     inputs = (x, z) if kind == "branchy" else x
-    hp = HybridParallel(model, partitions=p, replicas=r, micro_batches=mb, schedule=sched, comm=comm)
+    hp = HybridParallel(model, partitions=p, replicas=r, micro_batches=mb, schedule=sched, comm=comm,
+                        dtype=dtype if meta else None)
     assert len(hp.stage.nodes) > 0
+    if meta:  # this rank holds its stage only
+        ids = {id(t) for t in hp.parameters()}
+        assert all(t.is_meta != (id(t) in ids) for t in model.parameters())
     make_opt = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) if opt_name == "sgd" else \
         (lambda ps: torch.optim.Adam(ps, lr=0.02))
     opt, ropt = make_opt(list(hp.parameters())), make_opt(ref_params)
@@ -173,6 +188,23 @@ def check_keras_functional_exact(comm):
     # float64 x float64 to float32), so the fp64 1e-10 check cannot hold for Keras itself.
     # Keras runs eagerly layer by layer (slow on a shared 2-core box): SGD with gpipe, Adam with 1f1b.
     _cases(comm, ["keras"], torch.float32, opts=())
+
+
+def check_meta_model_materialises_its_stage(comm):
+    """A model built on the meta device trains like the same model built whole from the same seed (1e-10)."""
+    for (p, r), sched in itertools.product(CONFIGS[comm.size], ("1f1b", "interleaved")):
+        if sched == "interleaved" and p == 1:
+            continue
+        run_case(comm, "resmlp", p, r, sched, 4, "adam", meta=True)
+    # Branchy's raw parameter has no initialiser: every rank refuses, whichever stage holds it.
+    with torch.device("meta"):
+        m = Branchy()
+    try:
+        HybridParallel(m, partitions=comm.size, replicas=1)
+    except ValueError as exc:
+        assert "cannot initialise 'scale'" in str(exc), str(exc)
+    else:
+        raise AssertionError("a meta model without an initialiser was accepted")
 
 
 def check_fp32(comm):

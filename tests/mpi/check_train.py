@@ -99,6 +99,8 @@ def check_meshes_match_one_rank(comm):
                 assert _close(r["eval_loss"], q["eval_loss"], 1e-9), (extra, r["eval_loss"], q["eval_loss"])
         mine = _params(tr)
         assert mine, "this rank trains no parameters"
+        if tr.hybrid is not None:  # built on meta: only this rank's stage was materialised
+            assert all(p.is_meta == (n not in mine) for n, p in tr.model.named_parameters()), extra
         for name, t in mine.items():
             err = float((t - tr._my_shard(name, ref_params[name])).abs().max())
             assert err < 1e-9, (extra, name, err)

@@ -116,3 +116,20 @@ def test_llama_config_validation_and_modes_agree(ffn):
     for loss, grad in losses[1:]:
         assert abs(loss - losses[0][0]) <= TOL
         assert (grad - losses[0][1]).abs().max() <= TOL
+
+
+def test_bench_seqlen_equal_length_fits_every_layout():
+    """Ulysses' longest length (searched 16 tokens per rank at a time) need not split into FPDT's chunks:
+    9792 tokens on 4 ranks is 2448 per rank, not whole 64-token chunks. The side-by-side timing runs at a
+    length both layouts take, so any shape finishes."""
+    from loom.bench.seqlen import STEPS, _config, equal_length, parser
+
+    args = parser().parse_args(["--layers", "2", "--hidden", "256", "--heads", "8", "--kv-heads", "8",
+                                "--vocab", "7936"])
+    for p, seq in [(4, 9792), (4, 64), (2, 1000), (3, 5000)]:
+        eq = equal_length(seq, args, p, [STEPS[0], STEPS[-1]])
+        assert eq <= max(seq, p * args.chunk) and eq % (p * args.chunk) == 0, (p, seq, eq)
+        for step in (STEPS[0], STEPS[-1]):
+            cfg = _config(step, args, eq, p)
+            s_local = eq // p
+            assert s_local % cfg.chunks == 0 and s_local % cfg.ffn_chunks == 0 and s_local % cfg.loss_chunks == 0

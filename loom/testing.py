@@ -1,11 +1,14 @@
 """The multi-rank test harness: launch real ranks under ``mpiexec`` with a timeout, run checks written once.
 
-Test side (pytest)::
+Test side (pytest): one table, ``tests/checks.py``, lists every check script with its rank counts; the
+integration test launches each (script, rank count) once and asserts that every check reported ``PASS``,
+and the one-rank count runs in-process, each check a test of its own::
 
-    from loom.testing import run_ranks
-    @pytest.mark.parametrize("n", [1, 2, 3, 4])
-    def test_comm(n):
-        run_ranks(n, "tests/mpi/check_comm.py")          # fails with every rank's output on error or hang
+    from loom.testing import assert_all_checks_passed, run_ranks
+    proc = run_ranks(2, "tests/mpi/check_comm.py")      # fails with every rank's output on error or hang
+    assert_all_checks_passed(proc, "tests/mpi/check_comm.py")
+
+Script paths are relative to the repository root (whatever the current directory).
 
 Rank side (``tests/mpi/check_comm.py``)::
 
@@ -24,12 +27,22 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Mapping
 
 from . import settings
 from .comm import launch
 
-__all__ = ["run_ranks", "mpi_checks", "seeded", "assert_all_checks_passed"]
+__all__ = ["run_ranks", "mpi_checks", "seeded", "assert_all_checks_passed", "load_checks", "ROOT"]
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root: relative script paths are resolved against it."""
+
+
+def _script(script: str | os.PathLike) -> str:
+    p = Path(script)
+    return str(p if p.is_absolute() else ROOT / p)
 
 
 def run_ranks(
@@ -45,18 +58,16 @@ def run_ranks(
     With ``expect_fail=True`` the job must exit non-zero instead (for abort/safety tests); the completed
     process is returned either way so the caller can inspect ``stdout``/``stderr``.
     """
-    full_env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    full_env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     if env:
         full_env.update(env)
-    t0 = time.monotonic()
     try:
-        proc = launch.run(n, [sys.executable, script, *args], timeout=timeout, env=full_env, capture=True)
+        proc = launch.run(n, [sys.executable, _script(script), *args], timeout=timeout, env=full_env, capture=True)
     except subprocess.TimeoutExpired as exc:
         raise AssertionError(
             f"{script} on {n} ranks did not finish within {timeout} s (hang?)\n"
             f"--- stdout\n{exc.output}\n--- stderr\n{exc.stderr}"
         ) from None
-    proc.elapsed = time.monotonic() - t0  # type: ignore[attr-defined]
     failed = proc.returncode != 0
     if failed != expect_fail:
         what = "succeeded but was expected to fail" if expect_fail else f"exited with {proc.returncode}"
@@ -102,7 +113,21 @@ def assert_all_checks_passed(proc: subprocess.CompletedProcess, script: str) -> 
     """Every ``def check_*`` in ``script`` reported ``PASS`` (a check silently skipped is a failure too)."""
     import re
 
-    with open(script) as f:
+    with open(_script(script)) as f:
         names = re.findall(r"^def (check_\w+)\(", f.read(), flags=re.M)
     missing = [n for n in names if f"PASS {n} " not in proc.stdout]
     assert names and not missing, f"{script}: checks that did not report PASS: {missing}\n{proc.stdout}"
+
+
+def load_checks(script: str | os.PathLike) -> tuple[ModuleType, list[tuple[str, Callable]]]:
+    """Import a check script as a module (its ``__main__`` block does not run) and list its ``check_*``
+    functions in file order, for running them in this process on a one-rank world."""
+    import importlib.util
+
+    path = _script(script)
+    name = "loom_checks_" + Path(path).stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    spec.loader.exec_module(module)
+    return module, [(k, v) for k, v in vars(module).items() if k.startswith("check_") and callable(v)]

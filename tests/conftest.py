@@ -1,10 +1,7 @@
 import os
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-os.chdir(ROOT)  # run_ranks paths are relative to the repository root
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 

@@ -12,17 +12,13 @@ import pytest
 pytest.importorskip("distributed")
 
 from loom.comm import launch  # noqa: E402
-from loom.testing import run_ranks  # noqa: E402
+from loom.testing import ROOT  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
-CLIENT = "tests/mpi/check_dask_client.py"
-ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED": "warning"}
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_backend_across_ranks(n):
-    run_ranks(n, "tests/mpi/check_dask.py", timeout=120)
+CLIENT = str(ROOT / "tests" / "mpi" / "check_dask_client.py")
+ENV = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+       "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED": "warning"}
 
 
 def _loom_dask_run(n: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:

@@ -114,6 +114,33 @@ def make(kind: str, dtype: torch.dtype, g: torch.Generator, meta: bool = False):
     return m, ref, list(ref.parameters())
 
 
+def train_against(hp, opt, my_inputs, my_targets, ref, ropt, inputs, targets, *, steps: int, tol: float,
+                  loss_fn=None, what=()) -> float:
+    """Train ``hp`` on this replica's batch and ``ref`` (one process) on the global batch, step by step,
+    asserting equal losses (``tol`` relative above 1); returns the last loss. The unit tests reuse it."""
+    loss_fn = loss_fn or nn.MSELoss()
+    for step in range(steps):
+        opt.zero_grad()
+        loss = hp.train_step(my_inputs, my_targets, loss_fn)
+        opt.step()
+        ropt.zero_grad()
+        ref_loss = loss_fn(ref(*inputs) if isinstance(inputs, tuple) else ref(inputs), targets)
+        ref_loss.backward()
+        ropt.step()
+        assert abs(loss - ref_loss.item()) <= tol * max(1.0, abs(ref_loss.item())), (*what, step, loss,
+                                                                                      ref_loss.item())
+    return loss
+
+
+def assert_all_close(got, want, tol: float, what=()) -> None:
+    """Same number of tensors (or arrays), each within ``tol`` of its peer."""
+    got, want = list(got), list(want)
+    assert len(got) == len(want), (*what, len(got), len(want))
+    for a, b in zip(got, want):
+        err = (torch.as_tensor(a).to(torch.float64) - torch.as_tensor(b).to(torch.float64)).abs().max().item()
+        assert err <= tol, (*what, err)
+
+
 def run_case(world_comm, kind, p, r, sched, mb, opt_name, dtype=torch.float64, meta=False):
     g = seeded(world_comm, 7)
     comm = _comm_for(world_comm, p, r)
@@ -137,24 +164,12 @@ def run_case(world_comm, kind, p, r, sched, mb, opt_name, dtype=torch.float64, m
     mine = slice(k * ROWS, (k + 1) * ROWS)
     my_inputs = (x[mine], z[mine]) if kind == "branchy" else x[mine]
     tol = 1e-10 if dtype == torch.float64 else 1e-5
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = hp.train_step(my_inputs, y[mine], loss_fn)
-        opt.step()
-        ropt.zero_grad()
-        ref_loss = loss_fn(ref(*inputs) if kind == "branchy" else ref(inputs), y)
-        ref_loss.backward()
-        ropt.step()
-        assert abs(loss - ref_loss.item()) <= tol * max(1.0, abs(ref_loss.item())), \
-            (kind, p, r, sched, mb, opt_name, step, loss, ref_loss.item())
+    what = (kind, p, r, sched, mb, opt_name)
+    loss = train_against(hp, opt, my_inputs, y[mine], ref, ropt, inputs, y, steps=STEPS, tol=tol, loss_fn=loss_fn,
+                         what=what)
     # every rank returned the same loss
     assert len(set(comm.allgather_object(loss))) == 1
-    got = list(hp.state_dict().values())
-    want = list(ref.state_dict().values())
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        err = (a.to(torch.float64) - b.to(torch.float64)).abs().max().item()
-        assert err <= tol, (kind, p, r, sched, mb, opt_name, err)
+    assert_all_close(hp.state_dict().values(), ref.state_dict().values(), tol, what)
     # eval_step: loss and outputs equal the reference forward
     with torch.no_grad():
         ref_out = ref(*inputs) if kind == "branchy" else ref(inputs)
@@ -313,17 +328,8 @@ def check_tuple_and_int_cross_the_cut(comm):
     g = seeded(comm, 1)
     x, y = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, 3, generator=g, dtype=torch.float64)
     opt, ropt = torch.optim.SGD(hp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    for _ in range(3):
-        opt.zero_grad()
-        loss = hp.train_step(x, y, nn.MSELoss())
-        opt.step()
-        ropt.zero_grad()
-        rl = nn.MSELoss()(ref(x), y)
-        rl.backward()
-        ropt.step()
-        assert abs(loss - rl.item()) < 1e-10
-    for a, b in zip(hp.state_dict().values(), ref.state_dict().values()):
-        assert (a - b).abs().max().item() < 1e-10
+    train_against(hp, opt, x, y, ref, ropt, x, y, steps=3, tol=1e-10)
+    assert_all_close(hp.state_dict().values(), ref.state_dict().values(), 1e-10)
 
 
 def check_mesh_composition(comm):

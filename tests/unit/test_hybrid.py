@@ -17,6 +17,9 @@ from torch import nn
 from loom.parallel import HybridParallel, TraceError, balance
 from loom.parallel.partition import capture, split_units
 from loom.parallel.pipeline import schedule
+from loom.testing import load_checks
+
+CHECKS, _ = load_checks("tests/mpi/check_hybrid.py")  # the multi-rank checks' train-and-compare helpers
 
 
 def brute_force(costs, parts):
@@ -161,17 +164,9 @@ def test_single_rank_microbatched_equals_plain_torch_and_time_balance():
     x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
     hp = HybridParallel(model, micro_batches=4, balance="time", sample_inputs=x[:2])
     opt, ropt = torch.optim.Adam(hp.parameters(), lr=0.05), torch.optim.Adam(ref.parameters(), lr=0.05)
-    for _ in range(5):
-        opt.zero_grad()
-        loss = hp.train_step(x, y, nn.MSELoss())
-        opt.step()
-        ropt.zero_grad()
-        rl = nn.MSELoss()(ref(x), y)
-        rl.backward()
-        ropt.step()
-        assert abs(loss - rl.item()) < 1e-12
-    for k, v in ref.state_dict().items():
-        assert (hp.state_dict()[k] - v).abs().max().item() < 1e-12
+    CHECKS.train_against(hp, opt, x, y, ref, ropt, x, y, steps=5, tol=1e-12)
+    want = ref.state_dict()
+    CHECKS.assert_all_close(hp.state_dict().values(), [want[k] for k in hp.state_dict()], 1e-12)
 
 
 def test_keras_sequential_single_rank():
@@ -191,17 +186,8 @@ def test_keras_sequential_single_rank():
     hp = HybridParallel(m, micro_batches=2, schedule="gpipe")
     opt = torch.optim.SGD(hp.parameters(), lr=0.1)
     ropt = torch.optim.SGD([v.value for v in ref.trainable_weights], lr=0.1)
-    for _ in range(5):
-        opt.zero_grad()
-        loss = hp.train_step(x, y, nn.MSELoss())
-        opt.step()
-        ropt.zero_grad()
-        rl = nn.MSELoss()(ref(x), y)
-        rl.backward()
-        ropt.step()
-        assert abs(loss - rl.item()) < 1e-5
-    for a, b in zip(m.get_weights(), ref.get_weights()):
-        assert abs(a - b).max() < 1e-5
+    CHECKS.train_against(hp, opt, x, y, ref, ropt, x, y, steps=5, tol=1e-5)
+    CHECKS.assert_all_close(m.get_weights(), ref.get_weights(), 1e-5)
 
 
 def test_fit_equals_manual_loop_and_validates():

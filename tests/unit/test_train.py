@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from loom.testing import ROOT
 from loom.train import checkpoint as ckpt
 from loom.train.config import Config, ConfigError, config_from_dict, config_to_dict, load_config, parse_overrides
 from loom.train.data import batch_windows, decode, encode, load_corpus
@@ -152,7 +153,7 @@ def test_checkpoint_save_failure_leaves_nothing(tmp_path):
 def test_dry_run_plan(capsys):
     from loom.train.cli import main
 
-    assert main(["--config", "configs/demo.toml", "--dry-run"]) == 0
+    assert main(["--config", str(ROOT / "configs" / "demo.toml"), "--dry-run"]) == 0
     out = capsys.readouterr().out
     for w in ("mesh", "stages", "memory", "bytes per step", "dp", "sp"):
         assert w in out
@@ -161,7 +162,7 @@ def test_dry_run_plan(capsys):
 def test_cli_bad_config_returns_2(capsys):
     from loom.train.cli import main
 
-    assert main(["--config", "configs/train-tiny.toml", "--model.nope=1"]) == 2
+    assert main(["--config", str(ROOT / "configs" / "train-tiny.toml"), "--model.nope=1"]) == 2
     assert "unknown key model.nope" in capsys.readouterr().err
 
 
@@ -171,7 +172,7 @@ def test_single_rank_run_writes_metrics_plots_checkpoint_and_generates(tmp_path,
     torch.set_num_threads(1)
     from loom.train.cli import main
 
-    rc = main(["--config", "configs/train-tiny.toml", f"--train.out={tmp_path}", "--train.steps=4",
+    rc = main(["--config", str(ROOT / "configs" / "train-tiny.toml"), f"--train.out={tmp_path}", "--train.steps=4",
                "--train.progress=lines"])
     assert rc == 0
     out = capsys.readouterr().out

@@ -4,12 +4,11 @@ from .hybrid import HybridConfig, HybridParallel
 from .partition import TraceError, balance
 from .offload import HostPool, MemoryTracker
 from .moe import MoE, MoEConfig, dispatch_alltoallv, moe_reference
+from .zero import ShardedDataParallel, ShardedOptimizer, reset_zero_stats, zero_stats
 from .sequence import fpdt_attention, gather_sequence, local_positions, shard_sequence, ulysses_attention
 
 __all__ = ["HybridConfig", "HybridParallel", "TraceError", "balance"]
 __all__ += ["HostPool", "MemoryTracker", "fpdt_attention", "gather_sequence", "local_positions", "shard_sequence",
             "ulysses_attention"]
 __all__ += ["MoE", "MoEConfig", "dispatch_alltoallv", "moe_reference"]
-from .zero import ShardedDataParallel, reset_zero_stats, zero_stats
-
-__all__ += ["ShardedDataParallel", "reset_zero_stats", "zero_stats"]
+__all__ += ["ShardedDataParallel", "ShardedOptimizer", "reset_zero_stats", "zero_stats"]

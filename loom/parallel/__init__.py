@@ -5,11 +5,11 @@ from .partition import TraceError, balance
 from .meta import is_meta, materialize, meta_names
 from .offload import HostPool, MemoryTracker
 from .moe import MoE, MoEConfig, dispatch_alltoallv, moe_reference
-from .zero import ShardedDataParallel, reset_zero_stats, zero_stats
+from .zero import ShardedDataParallel, ShardedOptimizer, reset_zero_stats, zero_stats
 from .sequence import fpdt_attention, gather_sequence, local_positions, shard_sequence, ulysses_attention
 
 __all__ = ["HybridConfig", "HybridParallel", "TraceError", "balance", "is_meta", "materialize", "meta_names"]
 __all__ += ["HostPool", "MemoryTracker", "fpdt_attention", "gather_sequence", "local_positions", "shard_sequence",
             "ulysses_attention"]
 __all__ += ["MoE", "MoEConfig", "dispatch_alltoallv", "moe_reference"]
-__all__ += ["ShardedDataParallel", "reset_zero_stats", "zero_stats"]
+__all__ += ["ShardedDataParallel", "ShardedOptimizer", "reset_zero_stats", "zero_stats"]

@@ -69,7 +69,7 @@ from torch import nn
 from ..comm import Communicator, Mesh, Request
 from .data import GradReducer
 
-__all__ = ["ShardedDataParallel", "zero_stats", "reset_zero_stats", "MANIFEST"]
+__all__ = ["ShardedDataParallel", "ShardedOptimizer", "zero_stats", "reset_zero_stats", "MANIFEST"]
 
 MAX_PENDING = 1  # outstanding gradient reduce-scatters (each holds a bucket's padded gradient)
 _STATS = {"exposed_comm_s": 0.0, "gathers": 0, "gather_waits": 0, "reduce_scatters": 0}
@@ -869,3 +869,125 @@ class _OldShards:
         if q not in self._cache:
             self._cache[q] = torch.load(self.dir / self.files[q], mmap=True, weights_only=False)
         return self._cache[q]
+
+
+class ShardedOptimizer:
+    """ZeRO stage 1 over gradients that are already reduced: each rank of ``comm`` keeps the optimizer state
+    of its block of every parameter group, steps it, and the blocks are all-gathered back into the parameters.
+
+    For training loops that reduce gradients themselves (``loom train``: its sp/dp/ep sync, compression and
+    pipeline stay as they are). Plan per :meth:`step`: per group, the parameters' gradients are flattened
+    (padded to ``P S``), this rank's block becomes its master's gradient, the wrapped optimizer steps the
+    masters (elementwise optimizers such as Adam(W) and SGD give exactly what they give unsharded), and one
+    ``allgather`` per group writes the updated blocks into every rank's parameters. :meth:`state_dict`
+    gathers the full state in the wrapped optimizer's own format, keyed by the parameters' order, so
+    checkpoints are those of the unsharded optimizer and load at any group size.
+
+    Args:
+        param_groups: ``[{"params": [...], **group options}, ...]`` as for any torch optimizer.
+        comm: the ranks that hold identical parameters and gradients (e.g. ``mesh[("dp", "sp")]``).
+        optimizer: the torch optimizer class; ``**defaults`` are its arguments.
+    """
+
+    def __init__(self, param_groups: list[dict[str, Any]], comm: Communicator,
+                 optimizer: type = torch.optim.AdamW, **defaults: Any):
+        self.comm = comm
+        self.params: list[list[torch.Tensor]] = []
+        inner_groups = []
+        size = comm.size
+        for g in param_groups:
+            ps = list(g["params"])
+            n = sum(p.numel() for p in ps)
+            master = nn.Parameter(self._block(ps, list(ps), -(-n // size)))
+            self.params.append(ps)
+            inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [master]})
+        self.inner = optimizer(inner_groups, **defaults)
+
+    @classmethod
+    def wrap(cls, optimizer: torch.optim.Optimizer, comm: Communicator) -> "ShardedOptimizer":
+        """The same optimizer (class, groups, options), its state sharded over ``comm``."""
+        if optimizer.state:
+            raise ValueError("ShardedOptimizer.wrap needs a fresh optimizer (its state is already built); wrap "
+                             "it before the first step, or load the state afterwards with load_state_dict")
+        groups = [dict(g) for g in optimizer.param_groups]
+        return cls(groups, comm, type(optimizer))  # every group carries all its options
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's groups (set ``lr`` here); their ``params`` are this rank's masters."""
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for ps in self.params:
+            for p in ps:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+    def _block(self, ps: list[torch.Tensor], tensors: list[torch.Tensor | None], n: int) -> torch.Tensor:
+        """This rank's block ``[r n, (r+1) n)`` of the padded concatenation of ``tensors`` (no full copy)."""
+        lo = self.comm.rank * n
+        out = torch.zeros(n, dtype=ps[0].dtype if ps else torch.float32)
+        off = 0
+        for p, t in zip(ps, tensors):
+            a, b = max(off, lo), min(off + p.numel(), lo + n)
+            if t is not None and a < b:
+                out[a - lo:b - lo] = t.detach().reshape(-1)[a - off:b - off]
+            off += p.numel()
+        return out
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for ps, g in zip(self.params, self.inner.param_groups):
+            master = g["params"][0]
+            n = master.numel()
+            # The parameters are the truth (a resume or load_state_dict may have changed them since the last
+            # step); copying this rank's block is exact, the values being the same on every rank.
+            master.copy_(self._block(ps, list(ps), n))
+            master.grad = self._block(ps, [p.grad for p in ps], n)
+        self.inner.step()
+        for ps, g in zip(self.params, self.inner.param_groups):
+            full = self.comm.allgather(g["params"][0].detach())
+            off = 0
+            for p in ps:
+                p.copy_(full[off:off + p.numel()].view_as(p))
+                off += p.numel()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The unsharded optimizer's state dict (collective over ``comm``)."""
+        sd = self.inner.state_dict()
+        state, idx, groups = {}, 0, []
+        for k, (ps, g) in enumerate(zip(self.params, sd["param_groups"])):
+            st = sd["state"].get(k, {})
+            full = {name: (self.comm.allgather(v.contiguous()) if isinstance(v, torch.Tensor) and v.dim() == 1
+                           else v) for name, v in st.items()}
+            off = 0
+            ids = []
+            for p in ps:
+                if full:
+                    state[idx] = {name: (v[off:off + p.numel()].view_as(p).clone()
+                                         if isinstance(v, torch.Tensor) and v.dim() == 1 else v)
+                                  for name, v in full.items()}
+                off += p.numel()
+                ids.append(idx)
+                idx += 1
+            groups.append({**g, "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Load an unsharded state dict (as :meth:`state_dict` or the unsharded optimizer writes it)."""
+        inner_state, groups, idx = {}, [], 0
+        for k, (ps, g) in enumerate(zip(self.params, sd["param_groups"])):
+            n = self.inner.param_groups[k]["params"][0].numel()
+            per = [sd["state"].get(idx + j, sd["state"].get(str(idx + j))) for j in range(len(ps))]
+            if per and all(st for st in per):
+                inner_state[k] = {}
+                for name, v in per[0].items():
+                    if isinstance(v, torch.Tensor) and v.shape == ps[0].shape and v.dim() >= 1:
+                        inner_state[k][name] = self._block(ps, [st[name] for st in per], n)
+                    else:
+                        inner_state[k][name] = v
+            idx += len(ps)
+            groups.append({**g, "params": [k]})
+        self.inner.load_state_dict({"state": inner_state, "param_groups": groups})

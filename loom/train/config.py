@@ -1,7 +1,7 @@
 """Configuration of a ``loom train`` run: one TOML file plus ``--section.key=value`` overrides.
 
 A run is a :class:`Config` made of sections (``[model]``, ``[mesh]``, ``[sequence]``, ``[compress]``,
-``[optim]``, ``[data]``, ``[train]``, ``[checkpoint]``); each section is a ``kw_only`` slots dataclass that
+``[optim]``, ``[data]``, ``[train]``, ``[checkpoint]``, ``[zero]``); each section is a ``kw_only`` slots dataclass that
 validates itself in ``__post_init__``, and :meth:`Config.validate_world` checks the cross-section rules
 (sizes that must divide, the mesh against the world size). Unknown sections or keys are errors that list the
 valid names, so a typo never silently trains the default.
@@ -30,6 +30,7 @@ __all__ = [
     "DataConfig",
     "TrainConfig",
     "CheckpointConfig",
+    "ZeroConfig",
     "Config",
     "load_config",
     "parse_overrides",
@@ -286,6 +287,29 @@ class CheckpointConfig:
         _need(self.keep >= 1, f"checkpoint.keep = {self.keep} must be >= 1")
 
 
+@dataclass(kw_only=True, slots=True)
+class ZeroConfig:
+    """Sharded data parallelism (ZeRO): which state is split over which mesh axes."""
+
+    stage: int = 0
+    """0: every rank keeps the whole optimizer state; 1: it is split over ``axes`` (loom.parallel
+    .ShardedOptimizer). Stages 2-3 (gradients, parameters) are ``loom.parallel.ShardedDataParallel``."""
+    axes: list = field(default_factory=lambda: ["dp"])
+    """Mesh axes whose ranks share the split: ``["dp"]`` or ``["dp", "sp"]`` (sp ranks hold the same weights)."""
+
+    def __post_init__(self) -> None:
+        _need(isinstance(self.stage, int) and not isinstance(self.stage, bool) and 0 <= self.stage <= 3,
+              f"zero.stage = {self.stage!r} must be 0, 1, 2 or 3")
+        if isinstance(self.axes, str):
+            self.axes = [a.strip() for a in self.axes.split(",") if a.strip()]
+        _need(isinstance(self.axes, list) and self.axes and all(a in ("dp", "sp") for a in self.axes),
+              f"zero.axes = {self.axes!r} must be a list of mesh axes among 'dp', 'sp' (e.g. [\"dp\"] or "
+              f"[\"dp\", \"sp\"]): the ranks that hold the same weights")
+        _need(self.stage < 2, f"zero.stage = {self.stage}: loom train shards the optimizer state (stage 1); "
+                              f"gradient and parameter sharding (stages 2-3) are in loom.parallel.ShardedDataParallel "
+                              f"and not wired into loom train yet; use zero.stage = 1")
+
+
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "mesh": MeshConfig,
@@ -295,6 +319,7 @@ _SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
+    "zero": ZeroConfig,
 }
 
 
@@ -310,6 +335,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
 
     def __post_init__(self) -> None:
         m, d, s, mesh = self.model, self.data, self.sequence, self.mesh
@@ -332,6 +358,9 @@ class Config:
               f"heads/sp heads: choose sp dividing {m.heads}")
         _need(mesh.pp <= m.layers,
               f"mesh.pp = {mesh.pp} exceeds model.layers = {m.layers}; every pipeline stage needs a layer")
+        _need(self.zero.stage == 0 or mesh.ep == 1,
+              f"zero.stage = {self.zero.stage} with mesh.ep = {mesh.ep}: expert weights differ across ep ranks and "
+              f"sharding the optimizer state over dp x ep is not wired yet; use zero.stage = 0 or mesh.ep = 1")
         if mesh.ep > 1:
             _need(m.ffn == "moe", f"mesh.ep = {mesh.ep} needs model.ffn = 'moe' (got {m.ffn!r})")
             _need(m.experts % mesh.ep == 0,

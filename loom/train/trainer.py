@@ -238,6 +238,10 @@ class Trainer:
             [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": o.weight_decay},
              {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}],
             lr=o.lr, betas=(o.beta1, o.beta2), foreach=False)
+        if cfg.zero.stage == 1:
+            from loom.parallel import ShardedOptimizer
+
+            self.opt = ShardedOptimizer.wrap(self.opt, self.mesh[cfg.zero.axes])
         self.start_step = 0
         self.resumed_from_nothing = False
         if resume:
@@ -337,10 +341,11 @@ class Trainer:
         the whole stage whatever the mesh."""
         path = None
         compress = self._compression_states()
+        sharded = self.opt.state_dict() if self.cfg.zero.stage else None  # collective over the zero axes
         if self.dp_rank == 0 and self.sp_rank == 0:
             named = dict(self.model.named_parameters())
             model = {n: self._gather(n, named[n]) for n in self.param_names}
-            optim = self.opt.state_dict()
+            optim = sharded if sharded is not None else self.opt.state_dict()
             if self.ep is not None:
                 order = [p for g in self.opt.param_groups for p in g["params"]]
                 name_of = {id(p): n for n, p in zip(self.param_names, self.params)}

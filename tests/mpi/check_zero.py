@@ -7,6 +7,7 @@ and loaded at P' ranks continue the same run; bad input is refused on every rank
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -278,6 +279,63 @@ def check_compressed_resume_is_bit_exact(comm):
         for k, v in runs[0][1].items():
             assert torch.equal(v, runs[1][1][k]), f"stage {stage}: resume changed {k}"
         assert all(abs(a - b) < 0.1 * abs(b) + 0.05 for a, b in zip(runs[0][0], want)), (runs[0][0], want)
+
+
+TRAIN = {"model": {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2},
+         "data": {"seq_len": 32, "batch": 12, "max_bytes": 60_000},
+         "train": {"steps": 4, "dtype": "float64", "eval_every": 0, "progress": "none", "plots": False},
+         "optim": {"warmup": 2, "lr": 1e-2}, "checkpoint": {"every": 2, "keep": 3}}
+TRAIN_MESHES = {1: [{"mesh": {"dp": 1}}], 2: [{"mesh": {"dp": 2}}, {"mesh": {"sp": 2}, "zero": {"axes": ["dp", "sp"]}}],
+                3: [{"mesh": {"dp": 3}}],
+                4: [{"mesh": {"dp": 2, "sp": 2}, "zero": {"axes": ["dp", "sp"]}},
+                    {"mesh": {"dp": 2, "pp": 2}, "data": {"micro_batches": 2}}]}
+
+
+def _train_cfg(*parts):
+    from loom.train.config import config_from_dict
+
+    data: dict = {}
+    for part in parts:
+        for sec, vals in part.items():
+            data.setdefault(sec, {}).update(vals)
+    return config_from_dict(data)
+
+
+def check_train_zero_stage1_matches_stage0_and_reshards_on_resume(comm):
+    """loom train with [zero] stage = 1 equals stage 0 on every mesh (1e-9), and a run resumed at dp = 1 from
+    its checkpoint continues the P-rank run (the optimizer state is saved unsharded and resharded)."""
+    import shutil
+
+    from loom.train.trainer import Trainer
+
+    root = comm.bcast_object(tempfile.mkdtemp(prefix="loom-zero-train-") if comm.rank == 0 else None)
+    for i, extra in enumerate(TRAIN_MESHES[comm.size]):
+        runs = {}
+        for stage in (0, 1):
+            zero = {"zero": {**extra.get("zero", {}), "stage": stage}}
+            tr = Trainer(_train_cfg(TRAIN, extra, zero), comm, out=f"{root}/m{i}s{stage}", quiet=True)
+            assert stage == 0 or type(tr.opt).__name__ == "ShardedOptimizer"
+            runs[stage] = (tr.run(), {n: p.detach().clone() for n, p in tr.model.named_parameters()})
+        for a, b in zip(runs[0][0], runs[1][0]):
+            assert abs(a["loss"] - b["loss"]) < 1e-9, (extra, a["loss"], b["loss"])
+        for n, t in runs[0][1].items():
+            assert (t - runs[1][1][n]).abs().max() < 1e-9, (extra, n)
+    if "pp" in TRAIN_MESHES[comm.size][0].get("mesh", {}):
+        return
+    # resume the first mesh's stage-1 run at dp = 1 from its step-2 checkpoint: steps 3-4 equal the P-rank run's
+    solo = comm.split(comm.rank, name="solo")
+    src = f"{root}/m0s1"
+    mine = f"{root}/solo{comm.rank}"
+    shutil.copytree(f"{src}/checkpoints", f"{mine}/checkpoints")
+    for f in Path(mine, "checkpoints").glob("step_000004*"):
+        f.unlink()
+    tr = Trainer(_train_cfg(TRAIN, {"zero": {"stage": 1}}), solo, out=mine, resume=True, quiet=True)
+    assert tr.start_step == 2, tr.start_step
+    recs = tr.run()
+    ref = Trainer(_train_cfg(TRAIN, TRAIN_MESHES[comm.size][0], {"zero": {"stage": 1}}), comm,
+                  out=f"{root}/again", quiet=True).run()
+    for a, b in zip(recs, ref[2:]):
+        assert abs(a["loss"] - b["loss"]) < 1e-9 * max(1.0, abs(b["loss"])), (a["loss"], b["loss"])
 
 
 def check_errors(comm):

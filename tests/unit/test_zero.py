@@ -43,3 +43,23 @@ def test_manifest_is_written_last_and_atomically(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json", "shard-00000-of-00001.pt"]
     with pytest.raises(ValueError, match="manifest"):
         sdp.load_sharded(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("zero, match", [
+    ({"stage": 5}, "zero.stage = 5"),
+    ({"stage": 1, "axes": ["tp"]}, "zero.axes"),
+    ({"stage": 3}, "stages 2-3"),
+])
+def test_zero_config_refuses_bad_input(zero, match):
+    from loom.train.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict({"zero": zero})
+
+
+def test_zero_config_with_experts_is_refused_and_axes_parse():
+    from loom.train.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match="mesh.ep"):
+        config_from_dict({"zero": {"stage": 1}, "mesh": {"ep": 2}, "model": {"ffn": "moe", "experts": 4}})
+    assert config_from_dict({"zero": {"stage": 1, "axes": "dp,sp"}}).zero.axes == ["dp", "sp"]

@@ -1,0 +1,36 @@
+"""``loom bench zero`` and ``loom bench hybrid`` run end to end on 2 ranks and report what they measured (small
+sizes; nothing is asserted about time)."""
+
+import json
+import sys
+
+import pytest
+
+from loom.comm import launch
+
+pytestmark = pytest.mark.mpi
+
+
+def _run(tmp_path, *argv):
+    out = tmp_path / "r.json"
+    proc = launch.run(2, [sys.executable, "-m", "loom.cli", "bench", *argv, "--json", str(out)], timeout=400,
+                      env={"LOOM_LAUNCHED": "1", "OMP_NUM_THREADS": "1"}, capture=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_bench_zero(tmp_path):
+    doc, text = _run(tmp_path, "zero", "--budget", "2M", "--width", "32", "--peer-width", "64", "--peer-depth", "2",
+                     "-i", "1", "-x", "1", "--rounds", "1")
+    assert "ZeRO Capacity" in text and "torch FSDP2" in text and "torch DDP" in text
+    cap = doc["capacity"]["results"]
+    assert cap["stage 3"]["blocks"] > cap["dp (stage 0)"]["blocks"]  # sharding fits a deeper model
+    assert all(r["peak"] <= 2 * 2**20 for r in cap.values())
+    assert [r["Mode"] for r in doc["fsdp2"]] == ["loom stage 3", "torch FSDP2"]
+
+
+def test_bench_hybrid_picks_micro_batches_and_runs_ddp(tmp_path):
+    doc, text = _run(tmp_path, "hybrid", "-w", "32", "-d", "2", "-i", "1", "-x", "1", "--rounds", "1")
+    modes = {r["Mode"]: r for r in doc["rows"]}
+    assert set(modes) == {"dp", "pipeline", "torch DDP"}
+    assert modes["dp"]["Micro"] in (1, 2, 4, 8) and modes["torch DDP"]["dpMB/step"] == "-"

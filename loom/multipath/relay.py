@@ -47,6 +47,8 @@ _MAX_MESSAGES = 32000
 _DUPS: "weakref.WeakKeyDictionary[Communicator, Communicator]" = weakref.WeakKeyDictionary()
 _CACHE: "OrderedDict[tuple, tuple[str, list[Message]]]" = OrderedDict()
 _CACHE_SIZE = 32
+# The last plan made per topology (by id; the planner ignores a previous plan of another topology object).
+_LAST: dict[int, Plan] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +102,7 @@ def schedule(counts: np.ndarray, plan: Plan, row_bytes: int, chunk_bytes: int) -
             splits.append((s, d, parts))
     chunk_rows = max(chunk_rows, math.ceil(relayed / (_MAX_MESSAGES // 2)))
     out: list[Message] = []
-    for s, d, parts in splits:
+    for _s, _d, parts in splits:
         off = 0
         for hops, r in parts:
             step = chunk_rows if len(hops) > 2 else r
@@ -265,7 +267,12 @@ def alltoallv(
            tuple(sorted((planner or {}).items())))
     hit = _CACHE.get(key)
     if hit is None:
-        pl = plan if plan is not None else make_plan(topology, demand, min_bytes=min_bytes, **(planner or {}))
+        if plan is None:
+            # Warm start from this topology's last plan: a job's counts move a little from step to step.
+            kw = {"previous": _LAST.get(id(topology)), **(planner or {})}
+            pl = _LAST[id(topology)] = make_plan(topology, demand, min_bytes=min_bytes, **kw)
+        else:
+            pl = plan
         msgs = schedule(counts, pl, row_bytes, chunk_bytes)
         hit = (pl.method, msgs)
         _CACHE[key] = hit
@@ -282,7 +289,7 @@ def alltoallv(
 
 def _execute(tensor: Buffer, counts: np.ndarray, msgs: list[Message], comm: Communicator, window: int,
              chunk_bytes: int, row_bytes: int) -> tuple[Buffer, list[int]]:
-    me, p = comm.rank, comm.size
+    me = comm.rank
     x = tensor
     if isinstance(x, torch.Tensor):
         x = x.detach()

@@ -238,6 +238,10 @@ class Trainer:
         sp_min = getattr(self.policy, "min_bytes", None)
         sp_comm = TimedComm(self.sp, "sp", sp_codec, sp_min) if self.sp is not None else None
         self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.dtype, device=self.device)
+        if cfg.multipath.enabled and ep_comm is not None:  # [multipath]: expert all-to-allv over planned paths
+            from ..parallel.moe import use_multipath
+
+            use_multipath(self.tm.module, ep_comm, topology=cfg.multipath.topology, min_bytes=cfg.multipath.min_bytes)
         self.model = self.tm.module
         self.positions = sp_layout(cfg.data.seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks).to(self.device)
         self.tm.positions.value = self.positions

@@ -33,7 +33,7 @@ def single_path(topology: Topology, demand: np.ndarray) -> Plan:
     """All bytes on the static route."""
     t0 = time.perf_counter()
     c = candidates(topology, demand)
-    f = np.zeros(len(c.paths))
+    f = np.zeros(len(c.pair_of))
     f[c.ptr[:-1]] = c.volume
     return plan_from_flows(c, f, "single-path", time.perf_counter() - t0)
 
@@ -42,7 +42,7 @@ def ecmp(topology: Topology, demand: np.ndarray) -> Plan:
     """One hashed path per pair between nodes (CRC32 of ``"s->d"``), static within a node."""
     t0 = time.perf_counter()
     c = candidates(topology, demand)
-    f = np.zeros(len(c.paths))
+    f = np.zeros(len(c.pair_of))
     inter = _inter(c)
     for i, (s, d) in enumerate(c.pairs.tolist()):
         k = int(c.ptr[i + 1] - c.ptr[i])
@@ -55,7 +55,7 @@ def stripe(topology: Topology, demand: np.ndarray) -> Plan:
     """Inter-node pairs split evenly over every rail path; intra-node pairs static."""
     t0 = time.perf_counter()
     c = candidates(topology, demand)
-    f = np.zeros(len(c.paths))
+    f = np.zeros(len(c.pair_of))
     inter = _inter(c)
     for i in range(len(c.volume)):
         a, b = int(c.ptr[i]), int(c.ptr[i + 1])
@@ -75,7 +75,7 @@ def lp_optimum(topology: Topology, demand: np.ndarray, *, max_paths: int = 200_0
     """
     t0 = time.perf_counter()
     c = candidates(topology, demand)
-    n = len(c.paths)
+    n = len(c.pair_of)
     if n > max_paths:
         raise ValueError(f"LP over {n} candidate paths exceeds max_paths={max_paths}; use fewer nodes for the "
                          f"LP or raise max_paths")

@@ -17,7 +17,8 @@ from ..comm import measure as omb
 from ..comm import world
 from .demand import demand_matrix, parse_skew
 from .relay import alltoallv as mp_alltoallv
-from .topology import PRESETS, Topology, preset
+from .detect import fit_preset
+from .topology import PRESETS, Topology
 
 __all__ = ["alltoallv_skew", "bench_topology"]
 
@@ -32,15 +33,7 @@ def bench_topology(name: str, size: int) -> Topology:
         d = None
     if d is not None:
         return Topology.from_dict(d, name="testbed")
-    if name == "testbed":
-        per = 2 if size % 2 == 0 and size > 1 else 1
-        return preset("testbed", nodes=max(size // per, 1), ranks_per_node=per, rails=per)
-    if name == "shm":
-        return preset("shm", nodes=1, ranks_per_node=size, rails=1)
-    t = preset(name)
-    if t.size != size:
-        raise ValueError(f"preset {name!r} has {t.size} ranks but the job has {size}; launch {t.size} ranks")
-    return t
+    return fit_preset(name, size)
 
 
 def alltoallv_skew(argv: list[str]) -> int:

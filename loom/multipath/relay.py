@@ -46,6 +46,8 @@ Buffer = torch.Tensor | np.ndarray
 _MAX_MESSAGES = 32000
 _CACHE: "OrderedDict[tuple, tuple[str, list[Message]]]" = OrderedDict()
 _CACHE_SIZE = 32
+# The last plan made per topology (by id; the planner ignores a previous plan of another topology object).
+_LAST: dict[int, Plan] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +261,12 @@ def alltoallv(
            tuple(sorted((planner or {}).items())))
     hit = _CACHE.get(key)
     if hit is None:
-        pl = plan if plan is not None else make_plan(topology, demand, min_bytes=min_bytes, **(planner or {}))
+        if plan is None:
+            # Warm start from this topology's last plan: a job's counts move a little from step to step.
+            kw = {"previous": _LAST.get(id(topology)), **(planner or {})}
+            pl = _LAST[id(topology)] = make_plan(topology, demand, min_bytes=min_bytes, **kw)
+        else:
+            pl = plan
         msgs = schedule(counts, pl, row_bytes, chunk_bytes, min(_MAX_MESSAGES, comm.tag_ub))
         hit = (pl.method, msgs)
         _CACHE[key] = hit

@@ -71,13 +71,16 @@ def simulate(plan: Plan, *, batch: float = 0.0, max_events: int = 100_000) -> Si
         raise ValueError(f"simulate: batch={batch} must be in [0, 1) (0 = exact, 0.01 = 1 % of flows per event)")
     c = plan.cands
     on = np.nonzero(plan.flows > 0)[0]
-    if not len(on):
+    # Pairs below the planner's threshold travel their static routes alongside the planned flows.
+    fixed = c.fixed_volume > 0
+    size = np.concatenate([plan.flows[on], c.fixed_volume[fixed]]).astype(np.float64)
+    if not len(size):
         return SimResult(0.0, 0, 0)
-    inc = c.incidence[on].tocsr()
-    left = plan.flows[on].astype(np.float64).copy()
+    inc = sp.vstack([c.incidence[on], c.fixed_incidence()[fixed]], format="csr")
+    left = size.copy()
     cap = plan.topology.capacity
     t = 0.0
-    alive = np.ones(len(on), dtype=bool)
+    alive = np.ones(len(size), dtype=bool)
     events = 0
     while alive.any():
         if events >= max_events:
@@ -95,8 +98,8 @@ def simulate(plan: Plan, *, batch: float = 0.0, max_events: int = 100_000) -> Si
             raise RuntimeError("simulate: a flow gets no bandwidth (a link of zero capacity?)")
         t += dt
         left[idx] -= np.where(np.isfinite(rate), rate * dt, left[idx])
-        done = left[idx] <= 1e-9 * np.maximum(plan.flows[on][idx], 1.0)
+        done = left[idx] <= 1e-9 * np.maximum(size[idx], 1.0)
         done |= ttf <= dt * (1 + 1e-12)
         alive[idx[done]] = False
         events += 1
-    return SimResult(t, len(on), events)
+    return SimResult(t, len(size), events)

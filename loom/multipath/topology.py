@@ -113,6 +113,8 @@ class Topology:
     _first: dict[tuple[int, int], int] = field(init=False)
     _rankv: dict[str, int] = field(init=False)
     _railv: frozenset = field(init=False)
+    _cache: dict[str, Any] = field(init=False, repr=False, compare=False)
+    """Per-topology planner state (:func:`loom.multipath.paths.path_table`)."""
 
     def __post_init__(self) -> None:
         n = len(self.node_of)
@@ -146,6 +148,7 @@ class Topology:
             self._first[(self.node_of[g], self.rail_of[g])] = g
         self._rankv = {f"r{g}": g for g in range(n)}
         self._railv = frozenset(v for v, k in self.switches.items() if k in ("rail", "nic"))
+        self._cache = {}
 
     # ------------------------------------------------------------------ construction
     @classmethod

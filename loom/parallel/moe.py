@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..comm import Communicator, world
 
-__all__ = ["MoEConfig", "MoE", "moe_reference", "dispatch_alltoallv"]
+__all__ = ["MoEConfig", "MoE", "moe_reference", "dispatch_alltoallv", "use_multipath"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -194,3 +194,21 @@ def moe_reference(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: tor
         if len(tok):
             y = y.index_add(0, tok, weight[tok, slot].unsqueeze(1) * (F.gelu(x[tok] @ w1[e]) @ w2[e]))
     return y
+
+
+def use_multipath(module: torch.nn.Module, comm: Communicator, *, topology: str = "auto",
+                  min_bytes: int = 1 << 20) -> int:
+    """Route every :class:`MoE` layer inside ``module`` over ``comm`` through the multi-path planner: each
+    forward plans from that step's counts matrix (warm-started from the previous plan) and the dispatch and
+    combine go through :func:`loom.multipath.alltoallv`. ``topology`` is ``auto``, a preset or a TOML file
+    (:func:`loom.multipath.detect.resolve`). Collective over ``comm`` for ``auto``. Returns the layers
+    switched (none on one rank, where there is nothing to route)."""
+    if comm.size == 1:
+        return 0
+    from ..multipath.detect import resolve
+
+    topo = resolve(topology, comm)
+    layers = [m for m in module.modules() if isinstance(m, MoE)]
+    for m in layers:
+        m.multipath = {"topology": topo, "min_bytes": int(min_bytes)}
+    return len(layers)

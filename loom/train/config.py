@@ -1,8 +1,8 @@
 """Configuration of a ``loom train`` run: one TOML file plus ``--section.key=value`` overrides.
 
 A run is a :class:`Config` made of sections (``[model]``, ``[mesh]``, ``[sequence]``, ``[compress]``,
-``[optim]``, ``[data]``, ``[train]``, ``[checkpoint]``, ``[zero]``); each section is a ``kw_only`` slots dataclass that
-validates itself in ``__post_init__``, and :meth:`Config.validate_world` checks the cross-section rules
+``[optim]``, ``[data]``, ``[train]``, ``[checkpoint]``, ``[zero]``, ``[multipath]``); each section is a ``kw_only``
+slots dataclass that validates itself in ``__post_init__``, and :meth:`Config.validate_world` checks the cross-section rules
 (sizes that must divide, the mesh against the world size). Unknown sections or keys are errors that list the
 valid names, so a typo never silently trains the default.
 
@@ -31,6 +31,7 @@ __all__ = [
     "TrainConfig",
     "CheckpointConfig",
     "ZeroConfig",
+    "MultipathConfig",
     "Config",
     "load_config",
     "parse_overrides",
@@ -310,6 +311,24 @@ class ZeroConfig:
                               f"and not wired into loom train yet; use zero.stage = 1")
 
 
+@dataclass(kw_only=True, slots=True)
+class MultipathConfig:
+    """Multi-path routing of the MoE dispatch and combine (:mod:`loom.multipath`): each step plans from that
+    step's expert counts and relays the heavy pairs' rows over the idle paths."""
+
+    enabled: bool = False
+    """Route the ``ep`` all-to-allv through the planner (off: one direct all-to-allv)."""
+    topology: str = "auto"
+    """``auto`` (found from the machine), a preset (``testbed``, ``h100``, ``mesh``, ``shm``) or a TOML file."""
+    min_bytes: int = 1 << 20
+    """Pairs sending fewer bytes stay on their direct route (splitting small messages costs more than it saves)."""
+
+    def __post_init__(self) -> None:
+        _need(isinstance(self.topology, str) and bool(self.topology),
+              f"multipath.topology = {self.topology!r}; give 'auto', a preset name or a TOML file")
+        _need(self.min_bytes >= 0, f"multipath.min_bytes = {self.min_bytes} must be >= 0")
+
+
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "mesh": MeshConfig,
@@ -320,6 +339,7 @@ _SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "checkpoint": CheckpointConfig,
     "zero": ZeroConfig,
+    "multipath": MultipathConfig,
 }
 
 
@@ -336,6 +356,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
+    multipath: MultipathConfig = field(default_factory=MultipathConfig)
 
     def __post_init__(self) -> None:
         m, d, s, mesh = self.model, self.data, self.sequence, self.mesh

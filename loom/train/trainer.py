@@ -218,6 +218,11 @@ class Trainer:
         # rank's stage (the same weights as a whole build: each tensor's init depends only on its name).
         self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.dtype, device=self.device,
                               meta=self.pp is not None)
+        if cfg.multipath.enabled and ep_comm is not None:  # [multipath]: expert all-to-allv over planned paths
+            from ..parallel.moe import use_multipath
+
+            use_multipath(self.tm.module, ep_comm, topology=cfg.multipath.topology,
+                          min_bytes=cfg.multipath.min_bytes)
         self.model = self.tm.module
         self.positions = sp_layout(cfg.data.seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks).to(self.device)
         self.tm.positions.value = self.positions

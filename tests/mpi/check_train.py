@@ -34,7 +34,8 @@ MESHES = {
         {**MOE, "mesh": {"ep": 2}},
         {"mesh": {"sp": 2}},
         {"mesh": {"pp": 2}, "data": {"micro_batches": 2}},
-        {**MOE, "mesh": {"pp": 2}, "data": {"micro_batches": 2}}],
+        {**MOE, "mesh": {"pp": 2}, "data": {"micro_batches": 2}},
+        {**MOE, "mesh": {"ep": 2}, "multipath": {"enabled": True, "topology": "shm", "min_bytes": 0}}],
     4: [{"mesh": {"dp": 2, "sp": 2}},
         {"mesh": {"pp": 2, "sp": 2}, "data": {"micro_batches": 2},
          "sequence": {"algorithm": "fpdt", "chunks": 2}},
@@ -43,7 +44,9 @@ MESHES = {
         {**MOE, "mesh": {"dp": 2, "ep": 2}},
         {**MOE, "mesh": {"ep": 2, "sp": 2}},
         {**MOE, "mesh": {"ep": 2, "sp": 2}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}},
-        {**MOE, "mesh": {"pp": 2, "ep": 2}, "data": {"micro_batches": 2}}],
+        {**MOE, "mesh": {"pp": 2, "ep": 2}, "data": {"micro_batches": 2}},
+        # Expert all-to-allv through the planner on the 2 x 2 two-rail testbed shape: relays forced.
+        {**MOE, "mesh": {"ep": 4}, "multipath": {"enabled": True, "topology": "testbed", "min_bytes": 0}}],
 }
 
 _DIR: list[str] = []

@@ -1,0 +1,255 @@
+"""The planner's rounds compiled with numba (the method is in :mod:`loom.multipath.planner`'s docstring).
+
+Arrays: ``links`` ``(paths, l_max)`` int32 directed-link indices, -1 padded; ``ptr`` ``(pairs + 1,)`` path
+offsets per pair; ``x`` ``(paths,)`` bytes per path; ``base`` bytes per link from pairs not being planned;
+``inv_c`` ``1 / capacity`` per link (0 for unlimited links). One round costs O(paths x l_max); the loops run
+in the same order on every rank, so equal inputs give bit-identical plans.
+
+Compiled on first use and cached on disk next to this file (numba ``cache=True``), so a job pays the
+compilation once per machine, not once per rank and run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+__all__ = ["loads", "rounds"]
+
+# Terms of the potential more than this many e-folds below its largest term change no float64 result.
+_NEGLIGIBLE = 40.0
+
+
+@njit(cache=True)
+def loads(links, x, base, out):
+    """``out = base + sum_p x_p [e in p]``."""
+    out[:] = base
+    for p in range(links.shape[0]):
+        f = x[p]
+        if f != 0.0:
+            for j in range(links.shape[1]):
+                e = links[p, j]
+                if e < 0:
+                    break
+                out[e] += f
+
+
+@njit(cache=True)
+def _max_util(L, inv_c):
+    m = 0.0
+    for e in range(L.size):
+        v = L[e] * inv_c[e]
+        if v > m:
+            m = v
+    return m
+
+
+@njit(cache=True)
+def _slope(a, b, k, g, eta, top):
+    """The potential's first and second derivative in ``g`` (scaled by ``exp(-eta top)``)."""
+    s1 = 0.0
+    s2 = 0.0
+    for i in range(k):
+        v = b[i] * math.exp(eta * (a[i] + g * b[i] - top))
+        s1 += v
+        s2 += b[i] * v
+    return s1, eta * s2
+
+
+@njit(cache=True)
+def _line_search(L0, L1, inv_c, eta, lam, a, b):
+    """``argmin_{g in [0,1]} sum_e exp(eta ((1-g) L0 + g L1)_e / (c_e lam))``: convex in ``g``, so Newton on
+    its derivative inside a shrinking bracket (bisection when Newton leaves it), to float precision.
+    ``a``, ``b``: scratch."""
+    m = 0
+    top = -np.inf
+    for e in range(L0.size):
+        be = (L1[e] - L0[e]) * inv_c[e] / lam
+        if be != 0.0:
+            ae = L0[e] * inv_c[e] / lam
+            a[m] = ae
+            b[m] = be
+            m += 1
+            top = max(top, ae, ae + be)
+    if m == 0:
+        return 0.0
+    k = 0
+    cut = top - _NEGLIGIBLE / eta
+    for i in range(m):
+        if max(a[i], a[i] + b[i]) >= cut:
+            a[k] = a[i]
+            b[k] = b[i]
+            k += 1
+    if _slope(a, b, k, 0.0, eta, top)[0] >= 0.0:
+        return 0.0
+    if _slope(a, b, k, 1.0, eta, top)[0] <= 0.0:
+        return 1.0
+    lo, hi, g = 0.0, 1.0, 0.5
+    for _ in range(64):
+        s1, s2 = _slope(a, b, k, g, eta, top)
+        if s1 < 0.0:
+            lo = g
+        else:
+            hi = g
+        nxt = g - s1 / s2 if s2 > 0.0 else 0.5 * (lo + hi)
+        if not lo < nxt < hi:
+            nxt = 0.5 * (lo + hi)
+        done = abs(nxt - g) <= 1e-13 or hi - lo <= 1e-13
+        g = nxt
+        if done:
+            break
+    return g
+
+
+@njit(cache=True)
+def _path_costs(links, w, g1, bott, grad):
+    """Per path: bottleneck (max link weight) and the potential's gradient (sum); returns the largest."""
+    gmax = 0.0
+    for p in range(links.shape[0]):
+        bm = 0.0
+        s = 0.0
+        for j in range(links.shape[1]):
+            e = links[p, j]
+            if e < 0:
+                break
+            if w[e] > bm:
+                bm = w[e]
+            s += g1[e]
+        bott[p] = bm
+        grad[p] = s
+        if s > gmax:
+            gmax = s
+    return gmax
+
+
+@njit(cache=True)
+def _sym_diff(links, p, q, g2, mark, stamp):
+    """``sum g2`` over the links in exactly one of paths ``p`` and ``q`` (the Newton step's curvature);
+    ``mark``: per-link scratch, ``stamp``: a value not yet in it."""
+    s = 0.0
+    for j in range(links.shape[1]):
+        e = links[q, j]
+        if e < 0:
+            break
+        mark[e] = stamp
+        s += g2[e]
+    for j in range(links.shape[1]):
+        e = links[p, j]
+        if e < 0:
+            break
+        if mark[e] == stamp:
+            s -= g2[e]  # on both paths: no change of load
+        else:
+            s += g2[e]
+    return s
+
+
+@njit(cache=True)
+def _directions(links, ptr, x, bott, grad, gmax, g2, by_gradient, best, worst, t, mark):
+    """Per pair: the cheapest path, the costliest used path and the Newton shift between them.
+    Returns whether any pair moves."""
+    any_move = False
+    norm = 1e-9 / max(gmax, 1e-300)
+    for i in range(ptr.size - 1):
+        a, b = ptr[i], ptr[i + 1]
+        t[i] = 0.0
+        if b - a < 2:
+            continue
+        bi, bc = a, np.inf
+        wi, wc = a, -np.inf
+        for p in range(a, b):
+            c = grad[p] if by_gradient else bott[p] + norm * grad[p]
+            if c < bc:
+                bc, bi = c, p
+            if x[p] > 0.0 and grad[p] > wc:
+                wc, wi = grad[p], p
+        d1 = grad[bi] - grad[wi]
+        if bi == wi or not d1 < 0.0:
+            continue
+        mark[0] += 1
+        d2 = max(_sym_diff(links, bi, wi, g2, mark[1:], mark[0]), 0.0)
+        step = min(-d1 / max(d2, 1e-300), x[wi])
+        if step > 0.0:
+            best[i], worst[i], t[i] = bi, wi, step
+            any_move = True
+    return any_move
+
+
+@njit(cache=True)
+def _shifted(links, L, best, worst, t, out):
+    out[:] = L
+    for i in range(t.size):
+        if t[i] > 0.0:
+            for side in range(2):
+                p = best[i] if side == 0 else worst[i]
+                sign = t[i] if side == 0 else -t[i]
+                for j in range(links.shape[1]):
+                    e = links[p, j]
+                    if e < 0:
+                        break
+                    out[e] += sign
+
+
+@njit(cache=True)
+def rounds(links, ptr, x, base, inv_c, increments, epsilon, sharp, patience, gain):
+    """Run up to ``increments`` rounds from the flows ``x`` (modified); return ``(best flows, their
+    congestion, rounds run)``. ``sharp``: start at the target steepness (a warm start near the optimum).
+    ``patience``: stop after that many rounds without a relative ``gain`` in congestion (0: never)."""
+    n_links = base.size
+    n_pairs = ptr.size - 1
+    log_m = math.log(max(n_links, 2))
+    L = np.empty(n_links)
+    loads(links, x, base, L)
+    best_lam = _max_util(L, inv_c)
+    best_x = x.copy()
+    Ly = np.empty(n_links)
+    w, g1, g2 = np.empty(n_links), np.empty(n_links), np.empty(n_links)
+    sa, sb = np.empty(n_links), np.empty(n_links)
+    bott, grad = np.empty(links.shape[0]), np.empty(links.shape[0])
+    best, worst = np.zeros(n_pairs, np.int64), np.zeros(n_pairs, np.int64)
+    t = np.zeros(n_pairs)
+    mark = np.zeros(n_links + 1, np.int64)  # [0]: the last stamp used
+    done = 0
+    since = 0
+    for it in range(increments):
+        done = it + 1
+        frac = 1.0 if sharp else min(1.0, 2.0 * (it + 1) / max(increments, 1))
+        eta = log_m / epsilon ** frac
+        lam = _max_util(L, inv_c)
+        if lam <= 0.0:
+            break
+        for e in range(n_links):
+            scale = eta * inv_c[e] / lam
+            wexp = math.exp(eta * (L[e] * inv_c[e] / lam - 1.0))
+            w[e] = wexp * inv_c[e]
+            g1[e] = scale * wexp
+            g2[e] = scale * scale * wexp
+        gmax = _path_costs(links, w, g1, bott, grad)
+        g = 0.0
+        for by_gradient in (False, True):
+            if not _directions(links, ptr, x, bott, grad, gmax, g2, by_gradient, best, worst, t, mark):
+                continue
+            _shifted(links, L, best, worst, t, Ly)
+            g = _line_search(L, Ly, inv_c, eta, lam, sa, sb)
+            if g > 0.0:
+                break
+        if g <= 0.0:
+            break
+        for i in range(n_pairs):
+            if t[i] > 0.0:
+                x[worst[i]] = max(x[worst[i]] - g * t[i], 0.0)
+                x[best[i]] += g * t[i]
+        for e in range(n_links):
+            L[e] += g * (Ly[e] - L[e])
+        lam_x = _max_util(L, inv_c)
+        since += 1
+        if lam_x < best_lam:
+            if lam_x < best_lam * (1.0 - gain):
+                since = 0
+            best_lam = lam_x
+            best_x[:] = x
+        if patience > 0 and since >= patience:
+            break
+    return best_x, best_lam, done

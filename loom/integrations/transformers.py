@@ -53,7 +53,8 @@ from torch import nn
 from ..models.llama import chunked_ffn, chunked_lm_loss
 from ..parallel.sequence import check_sizes, fpdt_attention, gather_sequence, shard_sequence, ulysses_attention
 
-__all__ = ["FAMILIES", "MODES", "SequenceParallel", "SPBatch", "register", "attention_name", "check_model"]
+__all__ = ["FAMILIES", "MODES", "SequenceParallel", "SPBatch", "register", "attention_name", "check_model",
+           "decoder_graph", "is_transformers_decoder", "shift_labels", "lm_loss"]
 
 FAMILIES = ("llama", "mistral", "qwen2")
 """``config.model_type`` values this integration is tested on."""
@@ -218,8 +219,7 @@ class SequenceParallel:
         if labels is not None:
             if tuple(labels.shape) != (b, n):
                 raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {(b, n)}")
-            shift = torch.full_like(labels, self.ignore_index)
-            shift[:, :-1] = labels[:, 1:]
+            shift = shift_labels(labels, self.ignore_index)
             num = int((shift != self.ignore_index).sum())
         local_pos = shard_sequence(position_ids, self.comm, chunks=u)
         self._docs = (local_pos, None if docs is None else shard_sequence(docs, self.comm, chunks=u))
@@ -260,6 +260,16 @@ class SequenceParallel:
         w = self.model.get_output_embeddings().weight
         total = chunked_lm_loss(h, w, batch.shift_labels, self.loss_chunks, self.ignore_index)
         return total / max(batch.num_items, 1)
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A ``HybridParallel`` ``loss_fn`` for sharded micro-batches: this rank's share of the micro-batch mean
+        (summed token losses over the non-ignored targets of the whole sequence; one allreduce of the count)."""
+        total = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                  ignore_index=self.ignore_index, reduction="sum")
+        count = (targets != self.ignore_index).sum().reshape(1).to(torch.float64)
+        if self.comm.size > 1:
+            count = self.comm.allreduce(count)
+        return total / count.clamp(min=1).to(total.dtype)
 
     def reduce_gradients(self) -> None:
         """Sum every parameter gradient over ``comm`` (one allreduce per dtype): each rank saw its tokens only."""
@@ -305,3 +315,83 @@ def _chunk_mlp(mlp: nn.Module, chunks: int) -> None:
         return chunked_ffn(plain, x, chunks, params)
 
     mlp.forward = forward
+
+
+# ---------------------------------------------------------------------------------------------- losses
+def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Next-token targets ``[B, n]`` of transformers-style ``labels`` (the last position gets ``ignore_index``)."""
+    out = torch.full_like(labels, ignore_index)
+    out[:, :-1] = labels[:, 1:]
+    return out
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of ``logits [B, n, V]`` against next-token ``targets [B, n]``, in the logits' dtype
+    (transformers' own loss upcasts to fp32 only: this keeps fp64 models exact)."""
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                             ignore_index=ignore_index)
+
+
+# ---------------------------------------------------------------------------------------------- pipeline
+def is_transformers_decoder(model: Any) -> bool:
+    """Whether ``model`` is a transformers causal LM that :func:`decoder_graph` can split."""
+    return (isinstance(model, nn.Module) and type(model).__module__.startswith("transformers.")
+            and callable(getattr(model, "get_decoder", None)))
+
+
+def decoder_graph(model: nn.Module):
+    """A :class:`loom.parallel.partition.Graph` of a transformers decoder for pipeline stages (decoder-aware:
+    no tracing of transformers' forward, whose mask and cache logic ``torch.fx`` cannot follow).
+
+    Inputs: ``(input_ids, position_ids)``, both ``[batch, seq]`` (every stage reads the position ids, so they
+    are never sent between stages). Units: the token embedding; one per decoder layer (each computes its rotary
+    embedding and its attention mask from the position ids, as the model's forward does); the final norm with
+    the LM head. The output is the logits. Tied input/output embeddings put the same weight into the first
+    and the last unit; :class:`~loom.parallel.hybrid.HybridParallel` keeps one copy per stage that reads it and
+    sums their gradients.
+    """
+    from ..parallel.partition import Graph, Node, Ref
+
+    decoder = check_model(model)
+    rotary = decoder.rotary_emb
+    rope = tuple(rotary.buffers())
+    nodes = [Node(name="embed", fn=decoder.embed_tokens, args=(Ref("input_ids"),),
+                  params=tuple(decoder.embed_tokens.parameters()), label="embed_tokens")]
+    prev = "embed"
+    for i, layer in enumerate(decoder.layers):
+        name = f"layer{i}"
+        params = tuple(layer.parameters()) + tuple(layer.buffers()) + rope
+        call = _LayerCall(layer, rotary, model.config, i)
+        nodes.append(Node(name=name, fn=call, args=(Ref(prev), Ref("position_ids")), params=params,
+                          label=f"layers.{i}: {type(layer).__name__}"))
+        prev = name
+    nodes.append(Node(name="norm", fn=decoder.norm, args=(Ref(prev),), params=tuple(decoder.norm.parameters()),
+                      label="norm"))
+    head = model.get_output_embeddings()
+    nodes.append(Node(name="logits", fn=head, args=(Ref("norm"),), params=tuple(head.parameters()),
+                      label="lm_head"))
+    n = len(nodes)
+    units = [(i, i + 1) for i in range(n - 2)] + [(n - 2, n)]
+    return Graph(inputs=["input_ids", "position_ids"], nodes=nodes, units=units, output=Ref("logits"),
+                 kind="transformers")
+
+
+class _LayerCall:
+    """One decoder layer as the model's forward calls it: rotary embedding and mask from the position ids."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config: Any, index: int):
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        self.layer, self.rotary, self.config = layer, rotary, config
+        types = getattr(config, "layer_types", None)
+        sliding = (types[index] == "sliding_attention") if types else config.model_type == "mistral"
+        if sliding and getattr(config, "sliding_window", None) is not None:
+            self.mask = create_sliding_window_causal_mask
+        else:
+            self.mask = create_causal_mask
+
+    def __call__(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        mask = self.mask(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                         position_ids=pos)
+        return self.layer(h, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(h, pos),
+                          use_cache=False)

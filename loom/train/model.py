@@ -344,7 +344,15 @@ def model_source() -> str:
 def build_model(cfg: Config, *, sp_comm=None, ep_comm=None, dtype: torch.dtype = torch.float32, device: Any = "cpu",
                 impl: str | None = None) -> TrainModel:
     """The model for this rank: ``loom.models.llama`` when available (or when ``impl`` names it), else the
-    reference :class:`Llama`. ``sp_comm=None`` builds the unsharded model (one rank, generation)."""
+    reference :class:`Llama`. ``sp_comm=None`` builds the unsharded model (one rank, generation).
+    ``model.hf`` / ``model.hf_config``: a transformers model (loom.integrations.transformers)."""
+    if cfg.model.hf or cfg.model.hf_config or impl == "transformers":
+        from ..integrations.transformers import build_train_model
+
+        try:
+            return build_train_model(cfg, sp_comm=sp_comm, dtype=dtype, device=device)  # type: ignore[return-value]
+        except ValueError as exc:
+            raise ConfigError(f"model: {exc}") from None
     ext = _external_llama()
     # loom.models.llama has no MoE FFN: MoE models use the reference Llama with loom.parallel.moe.
     want = impl or ("loom.models.llama" if ext is not None and cfg.model.ffn != "moe" else "loom.train.model")

@@ -239,6 +239,8 @@ class Trainer:
         sp_comm = TimedComm(self.sp, "sp", sp_codec, sp_min) if self.sp is not None else None
         self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.dtype, device=self.device)
         self.model = self.tm.module
+        if hasattr(self.tm, "tokenize_corpus"):  # a transformers checkpoint's own tokenizer
+            self.corpus = self.tm.tokenize_corpus(self.corpus)
         self.positions = sp_layout(cfg.data.seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks).to(self.device)
         self.tm.positions.value = self.positions
         self.hybrid = None
@@ -360,6 +362,13 @@ class Trainer:
         self.comm.barrier()  # every stage file exists before anyone prunes or moves on
         if self.comm.rank == 0:
             ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep, self.stages)
+            if hasattr(self.tm, "save_pretrained"):  # transformers models: also the save_pretrained layout
+                merged = None
+                if self.stages > 1:
+                    merged = {}
+                    for s in range(self.stages):
+                        merged.update(ckpt.load(ckpt.stage_path(self.ckpt_dir, step, s))["model"])
+                self.tm.save_pretrained(self.ckpt_dir / "hf", merged)
         return path
 
     # ------------------------------------------------------------------ pieces of a step

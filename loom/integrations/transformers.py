@@ -53,7 +53,9 @@ from torch import nn
 from ..models.llama import chunked_ffn, chunked_lm_loss
 from ..parallel.sequence import check_sizes, fpdt_attention, gather_sequence, shard_sequence, ulysses_attention
 
-__all__ = ["FAMILIES", "MODES", "SequenceParallel", "SPBatch", "register", "attention_name", "check_model"]
+__all__ = ["FAMILIES", "MODES", "SequenceParallel", "SPBatch", "register", "attention_name", "check_model",
+           "decoder_graph", "is_transformers_decoder", "shift_labels", "lm_loss", "PositionHolder",
+           "fill_model_config", "load_model", "build_train_model", "HFTrainModel", "generate_text"]
 
 FAMILIES = ("llama", "mistral", "qwen2")
 """``config.model_type`` values this integration is tested on."""
@@ -218,8 +220,7 @@ class SequenceParallel:
         if labels is not None:
             if tuple(labels.shape) != (b, n):
                 raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {(b, n)}")
-            shift = torch.full_like(labels, self.ignore_index)
-            shift[:, :-1] = labels[:, 1:]
+            shift = shift_labels(labels, self.ignore_index)
             num = int((shift != self.ignore_index).sum())
         local_pos = shard_sequence(position_ids, self.comm, chunks=u)
         self._docs = (local_pos, None if docs is None else shard_sequence(docs, self.comm, chunks=u))
@@ -260,6 +261,16 @@ class SequenceParallel:
         w = self.model.get_output_embeddings().weight
         total = chunked_lm_loss(h, w, batch.shift_labels, self.loss_chunks, self.ignore_index)
         return total / max(batch.num_items, 1)
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A ``HybridParallel`` ``loss_fn`` for sharded micro-batches: this rank's share of the micro-batch mean
+        (summed token losses over the non-ignored targets of the whole sequence; one allreduce of the count)."""
+        total = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                  ignore_index=self.ignore_index, reduction="sum")
+        count = (targets != self.ignore_index).sum().reshape(1).to(torch.float64)
+        if self.comm.size > 1:
+            count = self.comm.allreduce(count)
+        return total / count.clamp(min=1).to(total.dtype)
 
     def reduce_gradients(self) -> None:
         """Sum every parameter gradient over ``comm`` (one allreduce per dtype): each rank saw its tokens only."""
@@ -305,3 +316,306 @@ def _chunk_mlp(mlp: nn.Module, chunks: int) -> None:
         return chunked_ffn(plain, x, chunks, params)
 
     mlp.forward = forward
+
+
+# ---------------------------------------------------------------------------------------------- losses
+def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Next-token targets ``[B, n]`` of transformers-style ``labels`` (the last position gets ``ignore_index``)."""
+    out = torch.full_like(labels, ignore_index)
+    out[:, :-1] = labels[:, 1:]
+    return out
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of ``logits [B, n, V]`` against next-token ``targets [B, n]``, in the logits' dtype
+    (transformers' own loss upcasts to fp32 only: this keeps fp64 models exact)."""
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                             ignore_index=ignore_index)
+
+
+# ---------------------------------------------------------------------------------------------- pipeline
+# Models whose pipeline graph reads positions from a holder (``loom train``) instead of a graph input.
+_PIPELINE_POSITIONS: "weakref.WeakKeyDictionary[nn.Module, PositionHolder]" = weakref.WeakKeyDictionary()
+
+
+class PositionHolder:
+    """This rank's global token positions, set once per sequence layout (``loom train``'s ``positions``).
+
+    :meth:`ids` returns the same ``[1, s]`` tensor until ``value`` changes, so every layer of a forward pass
+    (and every micro-batch) hands :class:`SequenceParallel` one tensor and its document ids are found once.
+    """
+
+    __slots__ = ("_value", "_ids")
+
+    def __init__(self) -> None:
+        self._value: torch.Tensor | None = None
+        self._ids: torch.Tensor | None = None
+
+    @property
+    def value(self) -> torch.Tensor | None:
+        return self._value
+
+    @value.setter
+    def value(self, v: torch.Tensor | None) -> None:
+        self._value, self._ids = v, None
+
+    def ids(self, s: int, device: Any) -> torch.Tensor:
+        """``[1, s]`` positions: the set layout, or ``0..s-1`` when none is set."""
+        if self._ids is None or self._ids.shape[1] != s:
+            v = self._value if self._value is not None and self._value.numel() == s else torch.arange(s)
+            self._ids = v.reshape(1, s).to(device)
+        return self._ids
+
+
+def is_transformers_decoder(model: Any) -> bool:
+    """Whether ``model`` is a transformers causal LM that :func:`decoder_graph` can split."""
+    return (isinstance(model, nn.Module) and type(model).__module__.startswith("transformers.")
+            and callable(getattr(model, "get_decoder", None)))
+
+
+def decoder_graph(model: nn.Module):
+    """A :class:`loom.parallel.partition.Graph` of a transformers decoder for pipeline stages (decoder-aware:
+    no tracing of transformers' forward, whose mask and cache logic ``torch.fx`` cannot follow).
+
+    Inputs: ``(input_ids, position_ids)``, both ``[batch, seq]`` (every stage reads the position ids, so they
+    are never sent between stages). Units: the token embedding; one per decoder layer (each computes its rotary
+    embedding and its attention mask from the position ids, as the model's forward does); the final norm with
+    the LM head. The output is the logits. Tied input/output embeddings put the same weight into the first
+    and the last unit; :class:`~loom.parallel.hybrid.HybridParallel` keeps one copy per stage that reads it and
+    sums their gradients.
+    """
+    from ..parallel.partition import Graph, Node, Ref
+
+    decoder = check_model(model)
+    holder = _PIPELINE_POSITIONS.get(model)
+    pos_arg = () if holder is not None else (Ref("position_ids"),)
+    rotary = decoder.rotary_emb
+    rope = tuple(rotary.buffers())
+    nodes = [Node(name="embed", fn=decoder.embed_tokens, args=(Ref("input_ids"),),
+                  params=tuple(decoder.embed_tokens.parameters()), label="embed_tokens")]
+    prev = "embed"
+    for i, layer in enumerate(decoder.layers):
+        name = f"layer{i}"
+        params = tuple(layer.parameters()) + tuple(layer.buffers()) + rope
+        call = _LayerCall(layer, rotary, model.config, i, holder)
+        nodes.append(Node(name=name, fn=call, args=(Ref(prev), *pos_arg), params=params,
+                          label=f"layers.{i}: {type(layer).__name__}"))
+        prev = name
+    nodes.append(Node(name="norm", fn=decoder.norm, args=(Ref(prev),), params=tuple(decoder.norm.parameters()),
+                      label="norm"))
+    head = model.get_output_embeddings()
+    nodes.append(Node(name="logits", fn=head, args=(Ref("norm"),), params=tuple(head.parameters()),
+                      label="lm_head"))
+    n = len(nodes)
+    units = [(i, i + 1) for i in range(n - 2)] + [(n - 2, n)]
+    inputs = ["input_ids"] if holder is not None else ["input_ids", "position_ids"]
+    return Graph(inputs=inputs, nodes=nodes, units=units, output=Ref("logits"), kind="transformers")
+
+
+class _LayerCall:
+    """One decoder layer as the model's forward calls it: rotary embedding and mask from the position ids."""
+
+    def __init__(self, layer: nn.Module, rotary: nn.Module, config: Any, index: int,
+                 holder: "PositionHolder | None" = None):
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        self.layer, self.rotary, self.config, self.holder = layer, rotary, config, holder
+        types = getattr(config, "layer_types", None)
+        sliding = (types[index] == "sliding_attention") if types else config.model_type == "mistral"
+        if sliding and getattr(config, "sliding_window", None) is not None:
+            self.mask = create_sliding_window_causal_mask
+        else:
+            self.mask = create_causal_mask
+
+    def __call__(self, h: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        if pos is None:
+            pos = self.holder.ids(h.shape[1], h.device)
+        mask = self.mask(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                         position_ids=pos)
+        return self.layer(h, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(h, pos),
+                          use_cache=False)
+
+
+# ---------------------------------------------------------------------------------------------- loom train
+def _read_config(model_cfg: Any):
+    """The transformers config named by ``model.hf`` (a checkpoint directory) or ``model.hf_config`` (a
+    directory with ``config.json`` or a JSON file); local files only."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    src = model_cfg.hf or model_cfg.hf_config
+    p = Path(src)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ValueError(f"{src!r} has no config.json; point model.hf / model.hf_config at a transformers "
+                             f"checkpoint or config directory")
+        return AutoConfig.from_pretrained(str(p), local_files_only=True)
+    if not p.is_file():
+        raise ValueError(f"model.hf_config = {src!r} is neither a directory nor a JSON file")
+    data = json.loads(p.read_text())
+    kind = data.pop("model_type", None)
+    if kind not in FAMILIES:
+        raise ValueError(f"{src}: model_type {kind!r} is not one of {', '.join(FAMILIES)}")
+    return AutoConfig.for_model(kind, **data)
+
+
+def _tokenizer(model_cfg: Any):
+    """The tokenizer saved with ``model.hf`` (``None``: none there, or ``hf_config``: byte-level data)."""
+    from pathlib import Path
+
+    if not model_cfg.hf or not any((Path(model_cfg.hf) / f).is_file()
+                                   for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_cfg.hf, local_files_only=True)
+
+
+def fill_model_config(model_cfg: Any) -> None:
+    """Copy the shape of the transformers config into loom's ``[model]`` section (layers, hidden, heads,
+    kv_heads, vocab, rope_theta, norm_eps), so that the rest of the run (mesh checks, data) sees the real model.
+
+    Raises:
+        ValueError: both or neither source given, unreadable config, an unsupported family, or a vocabulary
+            too small for loom's byte-level data when the checkpoint brings no tokenizer.
+    """
+    if bool(model_cfg.hf) == bool(model_cfg.hf_config):
+        raise ValueError("give one of model.hf (a checkpoint directory) or model.hf_config (a config), not both")
+    cfg = _read_config(model_cfg)
+    if cfg.model_type not in FAMILIES:
+        raise ValueError(f"model_type {cfg.model_type!r} is not one of {', '.join(FAMILIES)}")
+    model_cfg.layers, model_cfg.hidden = cfg.num_hidden_layers, cfg.hidden_size
+    model_cfg.heads, model_cfg.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    model_cfg.vocab, model_cfg.norm_eps = cfg.vocab_size, cfg.rms_norm_eps
+    theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
+    if theta:
+        model_cfg.rope_theta = float(theta)
+    if cfg.vocab_size < 256 and _tokenizer(model_cfg) is None:
+        raise ValueError(f"vocab_size {cfg.vocab_size} < 256: loom's byte-level data needs 256 token ids; use a "
+                         f"config with vocab_size >= 256 or a checkpoint directory with its tokenizer")
+
+
+def load_model(model_cfg: Any, *, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> nn.Module:
+    """``model.hf``: ``AutoModelForCausalLM.from_pretrained`` (local files); ``model.hf_config``: random
+    initialisation from the config with torch's global generator (seed it identically on every rank)."""
+    from transformers import AutoModelForCausalLM
+
+    if model_cfg.hf:
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.hf, local_files_only=True, dtype=dtype,
+                                                     attn_implementation="sdpa")
+    else:
+        cfg = _read_config(model_cfg)
+        cfg._attn_implementation = "sdpa"
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    check_model(model)
+    return model.to(device)
+
+
+class HFTrainModel:
+    """What ``loom train`` drives (the interface of ``loom.train.model.TrainModel``) for a transformers model.
+
+    Attributes:
+        module: the transformers model (its parameter names go into loom's checkpoints).
+        pipeline: the same model; ``HybridParallel`` splits it with :func:`decoder_graph`, positions from
+            ``positions``.
+        positions: a :class:`PositionHolder` the trainer sets to this rank's global positions.
+        sp_sum: with ``sp``, :meth:`loss` is this rank's share of the sequence mean (gradients summed over sp).
+        sp: the :class:`SequenceParallel` wrapper, or ``None``.
+        tokenizer: the checkpoint's tokenizer, or ``None`` (byte-level data).
+    """
+
+    impl = "transformers"
+
+    def __init__(self, model: nn.Module, sp: SequenceParallel | None, tokenizer: Any = None):
+        self.module = self.pipeline = model
+        self.sp, self.tokenizer = sp, tokenizer
+        self.sp_sum = sp is not None
+        self.positions = PositionHolder()
+        _PIPELINE_POSITIONS[model] = self.positions
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Summed token losses over the target count of the whole sequence (the mean without ``sp``)."""
+        pos = self.positions.ids(x.shape[1], x.device)
+        h = self.module.get_decoder()(input_ids=x, position_ids=pos, use_cache=False).last_hidden_state
+        chunks = self.sp.loss_chunks if self.sp is not None else 1
+        total = chunked_lm_loss(h, self.module.get_output_embeddings().weight, y, chunks)
+        return total / (y.numel() * (self.sp.comm.size if self.sp is not None else 1))  # loom's data ignores none
+
+    @staticmethod
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Pipeline loss on the last stage's logits: the mean over the micro-batch's local tokens."""
+        return lm_loss(logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits, y)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(input_ids=x, position_ids=self.positions.ids(x.shape[1], x.device), use_cache=False).logits
+
+    def tokenize_corpus(self, corpus: Any) -> Any:
+        """The corpus re-encoded with the checkpoint's tokenizer (unchanged without one)."""
+        if self.tokenizer is None:
+            return corpus
+        from dataclasses import replace
+
+        def enc(stream: torch.Tensor) -> torch.Tensor:
+            text = bytes(stream.tolist()).decode("utf-8", errors="replace")
+            return torch.tensor(self.tokenizer(text)["input_ids"], dtype=torch.long)
+
+        return replace(corpus, train=enc(corpus.train), heldout=enc(corpus.heldout))
+
+    def save_pretrained(self, directory: Any, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Write ``directory`` in transformers' ``save_pretrained`` layout (config, safetensors, tokenizer).
+
+        ``state``: the whole model's tensors when this process holds only a pipeline stage (loaded into a
+        fresh model first); ``None`` saves this process's model as it is.
+        """
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one line per shard on the job's stderr otherwise
+        model = self.module
+        if state is not None:
+            model = AutoModelForCausalLM.from_config(self.module.config, dtype=self.module.dtype)
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+                raise ValueError(f"stage files do not make up the model: missing {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]}")
+        attn = model.config._attn_implementation
+        model.config._attn_implementation = "sdpa"  # loom's attention names exist only where loom registered them
+        try:
+            model.save_pretrained(str(directory))
+        finally:
+            model.config._attn_implementation = attn
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(directory))
+
+
+def build_train_model(cfg: Any, *, sp_comm: Any = None, dtype: torch.dtype = torch.float32,
+                      device: Any = "cpu") -> HFTrainModel:
+    """The :class:`HFTrainModel` of a ``loom train`` config whose ``[model]`` names ``hf`` or ``hf_config``."""
+    if cfg.sequence.recompute:
+        raise ValueError("sequence.recompute is not supported for transformers models; set it to false")
+    model = load_model(cfg.model, dtype=dtype, device=device)
+    sp = None
+    if sp_comm is not None and sp_comm.size > 1:
+        s = cfg.sequence
+        fpdt = s.algorithm == "fpdt"
+        sp = SequenceParallel(model, sp_comm, mode=s.algorithm, chunks=s.chunks if fpdt else 1,
+                              offload=s.offload and fpdt)
+    return HFTrainModel(model, sp, _tokenizer(cfg.model))
+
+
+@torch.no_grad()
+def generate_text(model: nn.Module, model_cfg: Any, prompt: str, *, tokens: int, temperature: float, top_k: int,
+                  seed: int) -> str:
+    """Continue ``prompt`` with the model's own ``generate`` (its tokenizer, or loom's bytes without one)."""
+    from ..train.data import decode, encode
+
+    tok = _tokenizer(model_cfg)
+    ids = tok(prompt, return_tensors="pt")["input_ids"] if tok is not None else encode(prompt or "\n")[None]
+    torch.manual_seed(seed)
+    sample = temperature > 0
+    extra = {"temperature": temperature, "top_k": top_k or None} if sample else {}
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=sample,
+                         pad_token_id=model.config.pad_token_id or 0, **extra)[0]
+    return tok.decode(out, skip_special_tokens=True) if tok is not None else decode(out.tolist())

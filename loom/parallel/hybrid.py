@@ -178,7 +178,7 @@ class HybridParallel:
                              for k in range(self.chunks)]
         self.stage = self.local_stages[0]
         self._params = [t for t in self._tensors() if t.requires_grad]
-        self._check_shared()
+        self._tie_shared()
         self.reducer: GradReducer | None = None
         if self.replicas > 1:
             with torch.no_grad():
@@ -229,19 +229,42 @@ class HybridParallel:
         if len(self.graph.units) != sum(counts):
             raise RuntimeError(f"the recaptured graph has {len(self.graph.units)} layers, the split {sum(counts)}")
 
-    def _check_shared(self) -> None:
-        """A tensor read by two stages (tied weights across stages) would train as two copies: refuse it."""
+    def _tie_shared(self) -> None:
+        """Tensors read by several stages (tied embeddings): each stage trains its own copy, and after every
+        step the copies' gradients are summed over the stages that read them (one allreduce per group of
+        stages, as Megatron-LM does for its embedding group), so the copies stay equal."""
+        self._shared: list[tuple[Communicator, list[torch.Tensor]]] = []
         if self.partitions == 1:
             return
         mine = {id(t) for t in self._tensors()}
         owners = self.pp.allgather_object(sorted(self._keys(mine)))
-        seen: dict[str, int] = {}
+        stages: dict[str, list[int]] = {}
         for s, keys in enumerate(owners):
             for k in keys:
-                if k in seen and seen[k] != s:
-                    raise ValueError(f"model tensor {k!r} is read by stages {seen[k]} and {s} (weights shared across "
-                                     f"stages); pass balance=[...] layer counts that keep its users in one stage")
-                seen[k] = s
+                stages.setdefault(k, []).append(s)
+        groups: dict[tuple[int, ...], list[str]] = {}
+        for k, ss in sorted(stages.items()):
+            if len(ss) > 1:
+                groups.setdefault(tuple(ss), []).append(k)
+        named = self._named()
+        for ss, keys in sorted(groups.items()):  # the same order on every rank: split is collective
+            sub = self.pp.split(1 if self.pp.rank in ss else 0, name="pp-shared")
+            if self.pp.rank in ss:
+                ts = {id(named[k]): named[k] for k in keys if named[k].requires_grad}  # one tensor, many names
+                self._shared.append((sub, list(ts.values())))
+
+    def _sync_shared(self, before: list[torch.Tensor | None]) -> None:
+        """Sum this step's gradient of every cross-stage shared tensor over the stages that read it."""
+        i = 0
+        for sub, ts in self._shared:
+            for t in ts:
+                g0 = before[i]
+                i += 1
+                if t.grad is None:
+                    t.grad = torch.zeros_like(t)
+                step = t.grad if g0 is None else t.grad - g0
+                total = sub.allreduce(step.contiguous())
+                t.grad.copy_(total if g0 is None else g0 + total)
 
     def _keys(self, ids: set[int]) -> set[str]:
         out = set()
@@ -310,7 +333,7 @@ class HybridParallel:
 
     def _mode(self, training: bool) -> None:
         """torch modules: ``train()``/``eval()`` (Dropout, BatchNorm); Keras layers get ``training=`` per call."""
-        if self.graph.kind in ("fx", "sequential", "export") and self.model.training != training:
+        if self.graph.kind in ("fx", "sequential", "export", "transformers") and self.model.training != training:
             self.model.train(training)
 
     def _key(self, mb: tuple) -> tuple:
@@ -330,6 +353,7 @@ class HybridParallel:
         if self.reducer is not None:
             self.reducer.start(m)
         slots: dict[tuple[int, int], Any] = {}
+        before = [None if t.grad is None else t.grad.clone() for _, ts in self._shared for t in ts]
         total = torch.zeros(1, dtype=torch.float64)
         for op, k, i in self._ops():
             st = self.local_stages[k]
@@ -347,6 +371,8 @@ class HybridParallel:
             self.reducer.finish()
         for st in self.local_stages:
             st.wait()
+        if self._shared:
+            self._sync_shared(before)
         return self._mean_loss(total / m)
 
     def _mean_loss(self, local: torch.Tensor) -> float:

@@ -269,6 +269,10 @@ def capture(model: Any, *, leaf_modules: Sequence[type] = (), sample: Sequence[A
     """
     if _is_keras(model):
         return _from_keras(model)
+    from ..integrations.transformers import decoder_graph, is_transformers_decoder
+
+    if is_transformers_decoder(model):  # a decoder-aware split: fx cannot trace transformers' mask/cache logic
+        return decoder_graph(model)
     if isinstance(model, nn.Sequential):
         return _from_sequential(model)
     if isinstance(model, nn.Module):

@@ -1,8 +1,9 @@
 """Configuration of a ``loom train`` run: one TOML file plus ``--section.key=value`` overrides.
 
 A run is a :class:`Config` made of sections (``[model]``, ``[mesh]``, ``[sequence]``, ``[compress]``,
-``[optim]``, ``[data]``, ``[train]``, ``[checkpoint]``, ``[zero]``, ``[multipath]``); each section is a ``kw_only``
-slots dataclass that validates itself in ``__post_init__``, and :meth:`Config.validate_world` checks the cross-section rules
+``[optim]``, ``[data]``, ``[train]``, ``[checkpoint]``, ``[zero]``, ``[multipath]``); each section is a
+``kw_only`` slots dataclass that validates itself in ``__post_init__``, and :meth:`Config.validate_world` checks
+the cross-section rules
 (sizes that must divide, the mesh against the world size). Unknown sections or keys are errors that list the
 valid names, so a typo never silently trains the default.
 
@@ -75,8 +76,21 @@ class ModelConfig:
     """Rotary embedding base."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
+    hf: str = ""
+    """A local transformers checkpoint directory (config.json, safetensors, tokenizer) to train; the shape
+    fields above are then taken from its config (loom.integrations.transformers)."""
+    hf_config: str = ""
+    """A transformers config (directory with config.json, or a JSON file) to random-initialise and train."""
 
     def __post_init__(self) -> None:
+        if self.hf or self.hf_config:  # the transformers config is the authority on the shape
+            from ..integrations.transformers import fill_model_config
+
+            try:
+                fill_model_config(self)
+            except (ValueError, OSError, ImportError) as exc:
+                raise ConfigError(f"model.hf / model.hf_config: {exc}") from None
+            return
         for k in ("layers", "hidden", "heads", "kv_heads", "vocab", "experts", "top_k"):
             v = getattr(self, k)
             _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1,

@@ -37,6 +37,9 @@ def load_model(path: str):
     dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}[cfg.train.dtype]
     model = build_model(cfg, dtype=dtype).module
     missing, unexpected = model.load_state_dict(state, strict=False)
+    held = model.state_dict(keep_vars=True)
+    loaded = {id(held[k]) for k in state if k in held}
+    missing = [k for k in missing if id(held[k]) not in loaded]  # a tied alias of a loaded tensor is loaded
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match its config: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}")
@@ -82,8 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, ConfigError) as exc:
         print(f"loom generate: error: {exc}", file=sys.stderr)
         return 2
-    text = sample(model, args.prompt, tokens=args.tokens, temperature=args.temperature, top_k=args.top_k,
-                  context=args.context or cfg.data.seq_len, seed=args.seed)
+    if cfg.model.hf or cfg.model.hf_config:  # a transformers model samples with its own generate
+        from ..integrations.transformers import generate_text
+
+        text = generate_text(model, cfg.model, args.prompt, tokens=args.tokens, temperature=args.temperature,
+                             top_k=args.top_k, seed=args.seed)
+    else:
+        text = sample(model, args.prompt, tokens=args.tokens, temperature=args.temperature, top_k=args.top_k,
+                      context=args.context or cfg.data.seq_len, seed=args.seed)
     print(f"# checkpoint {args.checkpoint} (step {step}); prompt {args.prompt!r}", file=sys.stderr)
     print(text)
     return 0

@@ -143,8 +143,16 @@ def build_model(cfg: Config, *, sp_comm=None, ep_comm=None, dtype: torch.dtype =
 
     ``meta=True`` builds it on the meta device, in the construction dtype, with no storage: the pipeline
     (``HybridParallel(..., device=, dtype=)``) then materialises only this rank's stage through
-    :class:`StageView`. ``dtype`` and ``device`` apply to a real build only.
+    :class:`StageView`. ``dtype`` and ``device`` apply to a real build only. ``model.hf`` /
+    ``model.hf_config``: a transformers model (:mod:`loom.integrations.transformers`).
     """
+    if cfg.model.hf or cfg.model.hf_config:
+        from ..integrations.transformers import build_train_model
+
+        try:
+            return build_train_model(cfg, sp_comm=sp_comm, dtype=dtype, device=device)  # type: ignore[return-value]
+        except ValueError as exc:
+            raise ConfigError(f"model: {exc}") from None
     sp = sp_comm.size if sp_comm is not None else 1
     try:
         with torch.device("meta") if meta else contextlib.nullcontext():

@@ -224,6 +224,8 @@ class Trainer:
             use_multipath(self.tm.module, ep_comm, topology=cfg.multipath.topology,
                           min_bytes=cfg.multipath.min_bytes)
         self.model = self.tm.module
+        if hasattr(self.tm, "tokenize_corpus"):  # a transformers checkpoint's own tokenizer
+            self.corpus = self.tm.tokenize_corpus(self.corpus)
         self.positions = sp_layout(cfg.data.seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks).to(self.device)
         self.tm.positions.value = self.positions
         self.hybrid = None
@@ -371,6 +373,13 @@ class Trainer:
         self.comm.barrier()  # every stage file exists before anyone prunes or moves on
         if self.comm.rank == 0:
             ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep, self.stages, current=step)
+            if hasattr(self.tm, "save_pretrained"):  # transformers models: also the save_pretrained layout
+                merged = None
+                if self.stages > 1:
+                    merged = {}
+                    for s in range(self.stages):
+                        merged.update(ckpt.load(ckpt.stage_path(self.ckpt_dir, step, s))["model"])
+                self.tm.save_pretrained(self.ckpt_dir / "hf", merged)
         return path
 
     # ------------------------------------------------------------------ pieces of a step

@@ -130,5 +130,87 @@ def check_bad_input_names_the_fix(comm):
     sp.remove()
 
 
+def _steps(comm, model, ref, hp, shard, loss_fn, *, what: str, after=None) -> None:
+    """Three AdamW steps of ``hp`` (a HybridParallel) against one process on the whole batch: the losses and
+    every tensor this rank trains (both copies of a tied weight) must agree."""
+    from loom.integrations.transformers import lm_loss, shift_labels
+
+    g = seeded(comm, 7)
+    opt = torch.optim.AdamW(hp.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    dp, m = hp.replicas, hp.micro_batches
+    mine = {id(t) for t in hp.parameters()}
+    for step in range(3):
+        ids, labels, pos = batch(g, packed=False, b=4)
+        rows = slice(hp.replica_index * 4 // dp, (hp.replica_index + 1) * 4 // dp)
+        opt.zero_grad()
+        loss = hp.train_step(*shard(ids[rows], labels[rows], pos[rows]), loss_fn)
+        if after is not None:
+            loss = after(loss)
+        ref_opt.zero_grad()
+        tgt = shift_labels(labels)
+        parts = [lm_loss(ref(input_ids=i, position_ids=p, use_cache=False).logits, t)
+                 for i, p, t in zip(ids.chunk(dp * m), pos.chunk(dp * m), tgt.chunk(dp * m))]
+        ref_loss = torch.stack(parts).mean()
+        ref_loss.backward()
+        close(f"loss step {step}", torch.tensor(loss, dtype=torch.float64), ref_loss.detach(), what)
+        ref_params = dict(ref.named_parameters())
+        for k, t in model.named_parameters():  # AdamW's update hides gradient scale errors: check them here
+            if id(t) in mine:
+                close(f"grad {k} step {step}", t.grad, ref_params[k].grad, what)
+        opt.step()
+        ref_opt.step()
+    want = ref.state_dict()
+    for k, t in model.state_dict(keep_vars=True).items():
+        if id(t) in mine:
+            close(f"param {k}", t.detach(), want[k], what)
+
+
+def _seed_model(comm, tie: bool, layers: int = 2):
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=seeded(comm))))
+    model = tiny("llama", 2, tie=tie, layers=layers)
+    return model, copy.deepcopy(model)
+
+
+def check_pipeline_two_stages(comm):
+    """A 2-stage pipeline (x dp where the ranks allow) of a transformers Llama, untied and tied embeddings."""
+    from loom.integrations.transformers import lm_loss, shift_labels
+    from loom.parallel.hybrid import HybridParallel
+
+    pp = 2 if comm.size % 2 == 0 else 1
+    for tie in (False, True):
+        model, ref = _seed_model(comm, tie, layers=3)
+        hp = HybridParallel(model, partitions=pp, micro_batches=2, comm=comm)
+        if pp > 1:
+            assert hp.named_layers()[0] == "embed_tokens" if hp.stage_index == 0 else "lm_head" in hp.named_layers()
+        _steps(comm, model, ref, hp, lambda i, lab, p: ((i, p), shift_labels(lab)), lm_loss,
+               what=f"pipeline pp={pp} dp={hp.replicas} tie={tie}")
+
+
+def check_dp_x_sp_adamw(comm):
+    """dp x sp (Ulysses and FPDT) training through HybridParallel for a few AdamW steps equals one process."""
+    from loom.comm import Mesh
+    from loom.integrations.transformers import SequenceParallel
+    from loom.parallel.hybrid import HybridParallel
+
+    sp_size = 2 if comm.size % 2 == 0 else 1
+    mesh = Mesh(pp=1, dp=comm.size // sp_size, sp=sp_size, comm=comm)
+    for mode, chunks in (("ulysses", 1), ("fpdt", 3)):
+        model, ref = _seed_model(comm, tie=mode == "fpdt")
+        sp = SequenceParallel(model, mesh["sp"], mode=mode, chunks=chunks)
+        hp = HybridParallel(model, partitions=1, mesh=mesh, micro_batches=2)
+
+        def shard(ids, labels, pos, sp=sp):
+            b = sp.shard(ids, labels=labels, position_ids=pos)
+            return (b.input_ids, b.position_ids), b.shift_labels
+
+        def after(loss, sp=sp):  # gradients: summed over sp once the dp average is done; loss shares summed too
+            sp.reduce_gradients()
+            return float(mesh["sp"].allreduce_object(loss))
+
+        _steps(comm, model, ref, hp, shard, sp.loss_fn, after=after,
+               what=f"dp={hp.replicas} x sp={sp_size} {mode}")
+
+
 if __name__ == "__main__":
     mpi_checks(globals())

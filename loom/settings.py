@@ -89,6 +89,12 @@ class Setting:
     #: set by loom for the processes it starts (read there, not meant to be set by hand)
     internal: bool = False
 
+    def __post_init__(self) -> None:
+        if self.kind not in _PARSERS:
+            raise ValueError(f"setting {self.name!r}: kind {self.kind!r}; valid: {', '.join(_PARSERS)}")
+        if self.choices and self.default not in self.choices:
+            raise ValueError(f"setting {self.name!r}: default {self.default!r} is not one of {self.choices}")
+
     @property
     def env(self) -> str:
         return "LOOM_" + self.name.upper()

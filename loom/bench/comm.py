@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -60,27 +60,58 @@ def _run_pair(size: int, args, comm: Communicator, mk_loom: Callable,
     return best_l, (best_r if fr is not None else None)
 
 
-def _latency_table(title: str, args, comm: Communicator, sizes: list[int], mk_loom, mk_raw, *, reduce: str) -> int:
-    cols = ["Size", "Latency (us)"]
-    if args.vs == "raw":
-        cols += ["raw mpi4py (us)", "loom/raw"]
+def _table(title: str, column: str, args, comm: Communicator, mk_loom: Callable, mk_raw: Callable, sizes: list[int],
+           value: Callable[[int, float], float], *, average: bool = False, **meta: Any) -> int:
+    """Print one benchmark's table, loom against raw mpi4py (``--vs raw``) interleaved.
+
+    ``mk_loom(size)``/``mk_raw(size)`` build the call to time; ``value(size, seconds)`` turns a mean time into
+    the column's unit, and ``loom/raw`` is the ratio of the two values. ``average``: the mean over ranks, as OMB
+    reports collectives (a ping-pong reports rank 0's time).
+    """
+    unit = column[column.index("("):]
+    cols = ["Size", column] + ([f"raw mpi4py {unit}", "loom/raw"] if args.vs == "raw" else [])
     table = omb.Table(title, cols, rank=comm.rank,
-                      meta={"ranks": comm.size, "buffer": args.buffer, "peer": args.vs})
+                      meta={"ranks": comm.size, "buffer": args.buffer, "peer": args.vs, **meta})
     table.header()
     for size in sizes:
-        tl, tr = _run_pair(size, args, comm, mk_loom, mk_raw if args.vs == "raw" else None)
-        # OMB reports the average over ranks for collectives, rank 0's half round trip for ping-pong.
-        tl = comm.allreduce_object(tl, "sum") / comm.size if reduce == "avg" else tl
-        if tr is not None:
-            tr = comm.allreduce_object(tr, "sum") / comm.size if reduce == "avg" else tr
-            table.add(size, tl * 1e6, tr * 1e6, tl / tr)
+        times = _run_pair(size, args, comm, mk_loom, mk_raw if args.vs == "raw" else None)
+        if average:
+            times = tuple(None if t is None else comm.allreduce_object(t, "sum") / comm.size for t in times)
+        vl, vr = (None if t is None else value(size, t) for t in times)
+        if vr is None:
+            table.add(size, vl)
         else:
-            table.add(size, tl * 1e6)
+            table.add(size, vl, vr, vl / vr)
     table.write_json(args.json)
     return 0
 
 
 # ------------------------------------------------------------------------------------------ point-to-point
+class _P2P(NamedTuple):
+    """The point-to-point calls of one side, ``(buffer, peer, tag)`` each: one benchmark body runs on loom's
+    calls and on raw mpi4py's, so the two sides time the same pattern."""
+
+    send: Callable
+    recv: Callable
+    isend: Callable
+    irecv: Callable
+    waitall: Callable
+
+    @classmethod
+    def of_loom(cls, comm: Communicator) -> "_P2P":
+        return cls(comm.send, comm.recv, comm.isend, comm.irecv, wait_all)
+
+    @classmethod
+    def of_raw(cls) -> "_P2P":
+        MPI = _raw()
+        raw = MPI.COMM_WORLD
+        return cls(raw.Send, raw.Recv, raw.Isend, raw.Irecv, MPI.Request.Waitall)
+
+
+def _idle() -> None:
+    """What a rank other than 0 and 1 times in a point-to-point benchmark."""
+
+
 def latency(argv: list[str]) -> int:
     """osu_latency: ping-pong between ranks 0 and 1; half the round trip."""
     args, comm = _setup("latency", "point-to-point latency (ping-pong between ranks 0 and 1)", argv, min_size=0)
@@ -88,50 +119,27 @@ def latency(argv: list[str]) -> int:
         print("loom bench latency needs 2 ranks: loom bench latency --ranks 2", file=sys.stderr)
         return 2
     r = comm.rank
-    MPI = _raw()
-    raw = MPI.COMM_WORLD
 
-    def mk_loom(size):
-        b = _buf(args.buffer, size)
-        if r == 0:
-            def f():
-                comm.send(b, 1)
-                comm.recv(b, 1)
-        elif r == 1:
-            def f():
-                comm.recv(b, 0)
-                comm.send(b, 0)
-        else:
-            def f():
-                pass
-        return f
+    def pingpong(ops: _P2P) -> Callable:
+        send, recv = ops.send, ops.recv
 
-    def mk_raw(size):
-        b = _buf(args.buffer, size)
-        if r == 0:
-            def f():
-                raw.Send(b, 1, 0)
-                raw.Recv(b, 1, 0)
-        elif r == 1:
-            def f():
-                raw.Recv(b, 0, 0)
-                raw.Send(b, 0, 0)
-        else:
-            def f():
-                pass
-        return f
+        def make(size):
+            b = _buf(args.buffer, size)
+            if r == 0:
+                def f():
+                    send(b, 1, 0)
+                    recv(b, 1, 0)
+            elif r == 1:
+                def f():
+                    recv(b, 0, 0)
+                    send(b, 0, 0)
+            else:
+                f = _idle
+            return f
+        return make
 
-    cols = ["Size", "Latency (us)"] + (["raw mpi4py (us)", "loom/raw"] if args.vs == "raw" else [])
-    table = omb.Table("Latency Test", cols, rank=r, meta={"ranks": comm.size, "buffer": args.buffer, "peer": args.vs})
-    table.header()
-    for size in omb.sizes(args.min_size, args.max_size):
-        tl, tr = _run_pair(size, args, comm, mk_loom, mk_raw if args.vs == "raw" else None)
-        if tr is not None:
-            table.add(size, tl / 2 * 1e6, tr / 2 * 1e6, tl / tr)
-        else:
-            table.add(size, tl / 2 * 1e6)
-    table.write_json(args.json)
-    return 0
+    return _table("Latency Test", "Latency (us)", args, comm, pingpong(_P2P.of_loom(comm)),
+                  pingpong(_P2P.of_raw()), omb.sizes(args.min_size, args.max_size), lambda size, t: t / 2 * 1e6)
 
 
 def _bw(argv: list[str], bidirectional: bool) -> int:
@@ -142,70 +150,39 @@ def _bw(argv: list[str], bidirectional: bool) -> int:
         print(f"loom bench {name} needs 2 ranks: loom bench {name} --ranks 2", file=sys.stderr)
         return 2
     r = comm.rank
-    MPI = _raw()
-    raw = MPI.COMM_WORLD
     ack = np.zeros(1, np.uint8)
 
-    def mk_loom(size):
-        # One send and one receive buffer reused across the window, as osu_bw does (bounded memory at 64 MiB).
-        sb, rb = _buf(args.buffer, size), _buf(args.buffer, size)
-        bufs, rbufs = [sb] * WINDOW, [rb] * WINDOW
-        if r == 0:
-            def f():
-                reqs = [comm.isend(b, 1, 1) for b in bufs]
-                if bidirectional:
-                    reqs += [comm.irecv(b, 1, 1) for b in rbufs]
-                wait_all(reqs)
-                comm.recv(ack, 1, 2)
-        elif r == 1:
-            def f():
-                reqs = [comm.irecv(b, 0, 1) for b in rbufs]
-                if bidirectional:
-                    reqs += [comm.isend(b, 0, 1) for b in bufs]
-                wait_all(reqs)
-                comm.send(ack, 0, 2)
-        else:
-            def f():
-                pass
-        return f
+    def window(ops: _P2P) -> Callable:
+        send, recv, isend, irecv, waitall = ops
 
-    def mk_raw(size):
-        sb, rb = _buf(args.buffer, size), _buf(args.buffer, size)
-        bufs, rbufs = [sb] * WINDOW, [rb] * WINDOW
-        if r == 0:
-            def f():
-                reqs = [raw.Isend(b, 1, 1) for b in bufs]
-                if bidirectional:
-                    reqs += [raw.Irecv(b, 1, 1) for b in rbufs]
-                MPI.Request.Waitall(reqs)
-                raw.Recv(ack, 1, 2)
-        elif r == 1:
-            def f():
-                reqs = [raw.Irecv(b, 0, 1) for b in rbufs]
-                if bidirectional:
-                    reqs += [raw.Isend(b, 0, 1) for b in bufs]
-                MPI.Request.Waitall(reqs)
-                raw.Send(ack, 0, 2)
-        else:
-            def f():
-                pass
-        return f
+        def make(size):
+            # One send and one receive buffer reused across the window, as osu_bw does (bounded memory at 64 MiB).
+            sb, rb = _buf(args.buffer, size), _buf(args.buffer, size)
+            bufs, rbufs = [sb] * WINDOW, [rb] * WINDOW
+            if r == 0:
+                def f():
+                    reqs = [isend(b, 1, 1) for b in bufs]
+                    if bidirectional:
+                        reqs += [irecv(b, 1, 1) for b in rbufs]
+                    waitall(reqs)
+                    recv(ack, 1, 2)
+            elif r == 1:
+                def f():
+                    reqs = [irecv(b, 0, 1) for b in rbufs]
+                    if bidirectional:
+                        reqs += [isend(b, 0, 1) for b in bufs]
+                    waitall(reqs)
+                    send(ack, 0, 2)
+            else:
+                f = _idle
+            return f
+        return make
 
-    cols = ["Size", "Bandwidth (MB/s)"] + (["raw mpi4py (MB/s)", "loom/raw"] if args.vs == "raw" else [])
     title = "Bi-Directional Bandwidth Test" if bidirectional else "Bandwidth Test"
-    table = omb.Table(title, cols, rank=r, meta={"ranks": comm.size, "buffer": args.buffer, "peer": args.vs,
-                                                  "window": WINDOW})
-    table.header()
     factor = 2 if bidirectional else 1
-    for size in omb.sizes(max(args.min_size, 1), args.max_size):
-        tl, tr = _run_pair(size, args, comm, mk_loom, mk_raw if args.vs == "raw" else None)
-        mb = size * WINDOW * factor / 1e6
-        if tr is not None:
-            table.add(size, mb / tl, mb / tr, tr / tl)
-        else:
-            table.add(size, mb / tl)
-    table.write_json(args.json)
-    return 0
+    return _table(title, "Bandwidth (MB/s)", args, comm, window(_P2P.of_loom(comm)), window(_P2P.of_raw()),
+                  omb.sizes(max(args.min_size, 1), args.max_size), lambda size, t: size * WINDOW * factor / 1e6 / t,
+                  window=WINDOW)
 
 
 def bw(argv: list[str]) -> int:
@@ -219,66 +196,51 @@ def bibw(argv: list[str]) -> int:
 
 
 # ------------------------------------------------------------------------------------------ collectives
+def _collective_table(title: str, args, comm: Communicator, min_size: int, nbytes: Callable, loom_op: Callable,
+                      raw_op: Callable, *, dtype=np.uint8) -> int:
+    """The latency table of one collective, loom against raw mpi4py.
+
+    At each size, ``nbytes(size)`` gives the send and receive buffer bytes; each side gets fresh buffers and
+    ``op(x, out, size)`` returns the call to time (so per-size set-up such as counts stays out of the loop).
+    """
+    def maker(op: Callable) -> Callable:
+        def make(size: int) -> Callable:
+            send, recv = nbytes(size)
+            return op(_buf(args.buffer, send, dtype), _buf(args.buffer, recv, dtype), size)
+        return make
+
+    return _table(title, "Latency (us)", args, comm, maker(loom_op), maker(raw_op),
+                  omb.sizes(max(args.min_size, min_size), args.max_size), lambda size, t: t * 1e6, average=True)
+
+
 def allreduce(argv: list[str]) -> int:
     """osu_allreduce: float32 sum over all ranks; average latency over ranks (compressed: ``loom bench compress``)."""
     args, comm = _setup("allreduce", "allreduce latency (float32 sum)", argv, min_size=4, max_size=1 << 22)
     MPI = _raw()
     raw = MPI.COMM_WORLD
-
-    def mk_loom(size):
-        x = _buf(args.buffer, size, np.float32)
-        out = _buf(args.buffer, size, np.float32)
-        return lambda: comm.allreduce(x, out=out)
-
-    def mk_raw(size):
-        x = _buf(args.buffer, size, np.float32)
-        out = _buf(args.buffer, size, np.float32)
-        return lambda: raw.Allreduce(x, out, MPI.SUM)
-
-    return _latency_table("Allreduce Latency Test", args, comm, omb.sizes(max(args.min_size, 4), args.max_size),
-                          mk_loom, mk_raw, reduce="avg")
+    return _collective_table("Allreduce Latency Test", args, comm, 4, lambda size: (size, size),
+                             lambda x, out, size: lambda: comm.allreduce(x, out=out),
+                             lambda x, out, size: lambda: raw.Allreduce(x, out, MPI.SUM), dtype=np.float32)
 
 
 def allgather(argv: list[str]) -> int:
     """osu_allgather: each rank contributes ``size`` bytes."""
     args, comm = _setup("allgather", "allgather latency", argv, min_size=1, max_size=1 << 20)
-    MPI = _raw()
-    raw = MPI.COMM_WORLD
+    raw = _raw().COMM_WORLD
     p = comm.size
-
-    def mk_loom(size):
-        x = _buf(args.buffer, size)
-        out = _buf(args.buffer, size * p)
-        return lambda: comm.allgather(x, out=out)
-
-    def mk_raw(size):
-        x = _buf(args.buffer, size)
-        out = _buf(args.buffer, size * p)
-        return lambda: raw.Allgather(x, out)
-
-    return _latency_table("Allgather Latency Test", args, comm, omb.sizes(max(args.min_size, 1), args.max_size),
-                          mk_loom, mk_raw, reduce="avg")
+    return _collective_table("Allgather Latency Test", args, comm, 1, lambda size: (size, size * p),
+                             lambda x, out, size: lambda: comm.allgather(x, out=out),
+                             lambda x, out, size: lambda: raw.Allgather(x, out))
 
 
 def alltoall(argv: list[str]) -> int:
     """osu_alltoall: ``size`` bytes to every rank."""
     args, comm = _setup("alltoall", "alltoall latency", argv, min_size=1, max_size=1 << 20)
-    MPI = _raw()
-    raw = MPI.COMM_WORLD
+    raw = _raw().COMM_WORLD
     p = comm.size
-
-    def mk_loom(size):
-        x = _buf(args.buffer, size * p)
-        out = _buf(args.buffer, size * p)
-        return lambda: comm.alltoall(x, out=out)
-
-    def mk_raw(size):
-        x = _buf(args.buffer, size * p)
-        out = _buf(args.buffer, size * p)
-        return lambda: raw.Alltoall(x, out)
-
-    return _latency_table("All-to-All Latency Test", args, comm, omb.sizes(max(args.min_size, 1), args.max_size),
-                          mk_loom, mk_raw, reduce="avg")
+    return _collective_table("All-to-All Latency Test", args, comm, 1, lambda size: (size * p, size * p),
+                             lambda x, out, size: lambda: comm.alltoall(x, out=out),
+                             lambda x, out, size: lambda: raw.Alltoall(x, out))
 
 
 def alltoallv(argv: list[str]) -> int:
@@ -291,20 +253,16 @@ def alltoallv(argv: list[str]) -> int:
     raw = MPI.COMM_WORLD
     p = comm.size
 
-    def mk_loom(size):
-        x = _buf(args.buffer, size * p)
+    def loom_op(x, out, size):
         counts = [size] * p
         return lambda: comm.alltoallv(x, counts, counts)
 
-    def mk_raw(size):
-        x = _buf(args.buffer, size * p)
-        out = _buf(args.buffer, size * p)
-        counts = [size] * p
-        displs = [i * size for i in range(p)]
+    def raw_op(x, out, size):
+        counts, displs = [size] * p, [i * size for i in range(p)]
         return lambda: raw.Alltoallv([x, counts, displs, MPI.BYTE], [out, counts, displs, MPI.BYTE])
 
-    return _latency_table("All-to-Allv Latency Test", args, comm, omb.sizes(max(args.min_size, 1), args.max_size),
-                          mk_loom, mk_raw, reduce="avg")
+    return _collective_table("All-to-Allv Latency Test", args, comm, 1, lambda size: (size * p, size * p),
+                             loom_op, raw_op)
 
 
 def tour(argv: list[str] | None = None) -> int:

@@ -161,3 +161,10 @@ def test_the_read_finder_can_fail(tmp_path):
         'import os\nA = os.environ.get("LOOM_X")\nB = os.environ["LOOM_Y"]\nC = "LOOM_Z" in os.environ\n'
         'D = os.getenv("LOOM_W")\nos.environ["LOOM_SET"] = "1"\n')
     assert _measures().env_reads_outside_settings(tmp_path) == [f"loom/bad.py:{n}" for n in (2, 3, 4, 5)]
+
+
+def test_a_declaration_is_checked():
+    with pytest.raises(ValueError, match="kind 'path'; valid: bool, int"):
+        settings.Setting("x", "path", None, "a file")
+    with pytest.raises(ValueError, match="default 'fast' is not one of"):
+        settings.Setting("x", "str", "fast", "a mode", choices=("auto", "slow"))

@@ -90,13 +90,13 @@ def _desc(x: Any) -> tuple:
 
 
 def _sig_reduce(name):
-    def sig(self, tensor, op="sum"):
+    def sig(self, tensor, op="sum", **_):  # out= does not change the signature
         return (name, op, *_desc(tensor)), None
     return sig
 
 
 def _sig_gather(name, trailing_only: bool):
-    def sig(self, tensor):
+    def sig(self, tensor, **_):  # out= does not change the signature
         dt, shape = _desc(tensor)
         if not shape:
             return (name, dt, shape), f"{name} needs at least one dim, got a scalar"

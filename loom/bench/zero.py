@@ -182,7 +182,8 @@ def _deepest(comm, stage: int, args) -> tuple[int, int, int]:
 def _capacity(comm, args) -> dict[str, Any]:
     table = omb.Table("ZeRO Capacity (largest model within a per-rank budget)",
                       ["Mode", "Blocks", "Params(M)", "Peak(MiB)", "x-dp", "Probes"], rank=comm.rank)
-    table.meta = {"model": f"residual MLP blocks of width {args.width} (fp32, Adam foreach=False), global batch {args.batch}",
+    table.meta = {"model": f"residual MLP blocks of width {args.width} (fp32, Adam foreach=False), "
+                           f"global batch {args.batch}",
                   "budget": f"{args.budget / 2**20:.1f} MiB per rank (CPU live-storage tracker, max over ranks)",
                   "ranks": f"{comm.size}; one forward + backward + optimizer step after a warm-up step"}
     table.header()

@@ -169,7 +169,7 @@ _SIGNATURES: dict[str, Callable] = {
     "reduce_scatter": _sig_reduce("reduce_scatter"),
     "ireduce_scatter": _sig_reduce("reduce_scatter"),
     "allgather": _sig_gather("allgather", trailing_only=False, result_rows=lambda c, n: n * c.size),
-    "iallgather": _sig_gather("allgather", trailing_only=False),
+    "iallgather": _sig_gather("allgather", trailing_only=False, result_rows=lambda c, n: n * c.size),
     "allgatherv": _sig_gather("allgatherv", trailing_only=True),
     "alltoall": _sig_gather("alltoall", trailing_only=False),
     "bcast": _sig_bcast,

@@ -338,6 +338,28 @@ def check_train_zero_stage1_matches_stage0_and_reshards_on_resume(comm):
         assert abs(a["loss"] - b["loss"]) < 1e-9 * max(1.0, abs(b["loss"])), (a["loss"], b["loss"])
 
 
+def check_comm_nonblocking_ops_it_relies_on(comm):
+    """ireduce_scatter, and iallreduce / iallgather in place (out=), against their blocking forms."""
+    p, r = comm.size, comm.rank
+    x = torch.arange(6 * p, dtype=torch.float64) * (r + 1)
+    want = comm.reduce_scatter(x.clone())
+    assert torch.equal(comm.ireduce_scatter(x.clone()).wait(), want)
+    assert torch.allclose(comm.ireduce_scatter(x.clone(), op="avg").wait(), want / p)
+    buf = x.clone()
+    ptr = buf.data_ptr()
+    out = comm.iallreduce(buf, op="avg", out=buf).wait()
+    assert out is buf and buf.data_ptr() == ptr and torch.allclose(buf, comm.allreduce(x, op="avg"))
+    full = torch.full((3 * p,), -1.0, dtype=torch.float64)
+    got = comm.iallgather(torch.full((3,), float(r), dtype=torch.float64), out=full).wait()
+    assert got is full and torch.equal(full, torch.arange(p, dtype=torch.float64).repeat_interleave(3))
+    try:
+        comm.ireduce_scatter(torch.zeros(6 * p + 1))
+    except ValueError as exc:
+        assert "does not divide" in str(exc) or p == 1
+    else:
+        assert p == 1, "an indivisible ireduce_scatter was accepted"
+
+
 def check_errors(comm):
     m = _model(1)
     for bad, kw in [(4, {}), (-1, {}), (True, {})]:

@@ -504,7 +504,9 @@ def load_model(model_cfg: Any, *, dtype: torch.dtype = torch.float32, device: An
     """``model.hf``: ``AutoModelForCausalLM.from_pretrained`` (local files); ``model.hf_config``: random
     initialisation from the config with torch's global generator (seed it identically on every rank)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # every rank would draw one on the job's stderr
     if model_cfg.hf:
         model = AutoModelForCausalLM.from_pretrained(model_cfg.hf, local_files_only=True, dtype=dtype,
                                                      attn_implementation="sdpa")

@@ -60,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed steps at the equal length (best kept)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every probe")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--hf-config", metavar="PATH", help="a transformers config (directory or JSON; Llama, Qwen2, "
+                   "Mistral): compare transformers' own sdpa attention (whole sequence per rank), loom Ulysses and "
+                   "loom FPDT on it instead of loom's model (the shape flags are then ignored)")
     return p
 
 
@@ -111,18 +114,24 @@ class _Runner:
         tgt = torch.randint(0, args.vocab, (args.batch, seq), generator=g)
         tok = shard_sequence(tok, comm, chunks=cfg.layout_chunks).to(self.device)
         tgt = shard_sequence(tgt, comm, chunks=cfg.layout_chunks).to(self.device)
+        return self._measure(lambda: model.loss(tok, tgt).backward(), [*model.parameters(), tok, tgt], measure)
+
+    def _measure(self, run, track: list[torch.Tensor], measure: bool) -> dict[str, float]:
+        """Run ``run()`` (forward + backward) once; peak bytes (max over ranks, ``track`` counted as live),
+        seconds (max over ranks), all-to-alls and host<->device bytes."""
+        comm = self.comm
         reset_alltoall_stats()
         reset_transfer_stats()
         comm.barrier()
         t0 = time.perf_counter()
+        peak = 0
         if measure:
             with MemoryTracker(self.device) as mem:
-                mem.track(*model.parameters(), tok, tgt)
-                model.loss(tok, tgt).backward()
+                mem.track(*track)
+                run()
             peak = mem.peak
         else:
-            model.loss(tok, tgt).backward()
-            peak = 0
+            run()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         secs = time.perf_counter() - t0
@@ -185,11 +194,121 @@ class _Runner:
         return lo, seen[lo], len(seen)
 
 
+HF_STEPS = ("transformers sdpa", "loom ulysses", "loom fpdt")
+
+
+class _HFRunner(_Runner):
+    """The same search on an unmodified transformers model: sdpa on the whole sequence (no sequence
+    parallelism: every rank holds it), then loom's Ulysses, then FPDT (attention chunks with offload, chunked
+    MLP and LM head + loss) through :class:`loom.integrations.transformers.SequenceParallel`. No activation
+    checkpointing in any row."""
+
+    def __init__(self, args, comm):
+        super().__init__(args, comm)
+        from ..integrations.transformers import read_config
+
+        self.hf = read_config(args.hf_config)
+        self.models: dict[str, Any] = {}
+
+    def _model(self, step: str, seq: int):
+        from transformers import AutoModelForCausalLM
+
+        from ..integrations.transformers import SequenceParallel
+
+        p = self.comm.size
+        s_local = seq // p
+        u_small = max(1, s_local // self.args.chunk)
+        want = max(1, s_local // self.args.attn_chunk)
+        u_attn = min(d for d in range(want, u_small + 1) if u_small % d == 0) if want <= u_small else u_small
+        key = (step, u_attn, u_small)
+        if key not in self.models:
+            self.models.clear()  # one model alive at a time: the budget counts its parameters
+            torch.manual_seed(0)
+            cfg = type(self.hf).from_dict(self.hf.to_dict())
+            cfg._attn_implementation = "sdpa"
+            model = AutoModelForCausalLM.from_config(cfg, dtype=self.dtype).to(self.device)
+            sp = None
+            if step == HF_STEPS[1]:
+                sp = SequenceParallel(model, self.comm, mode="ulysses")
+            elif step == HF_STEPS[2]:
+                sp = SequenceParallel(model, self.comm, mode="fpdt", chunks=u_attn, offload=True,
+                                      ffn_chunks=u_small, loss_chunks=u_small)
+            self.models[key] = (model, sp)
+        return self.models[key]
+
+    def step(self, step: str, seq: int, *, measure: bool = True) -> dict[str, float]:
+        from ..integrations.transformers import lm_loss, shift_labels
+
+        vocab = self.hf.vocab_size
+        model, sp = self._model(step, seq)
+        g = torch.Generator().manual_seed(seq)
+        tok = torch.randint(0, vocab, (self.args.batch, seq), generator=g)
+        if sp is not None:
+            b = sp.shard(tok, labels=tok)
+            ins = [b.input_ids.to(self.device), b.position_ids.to(self.device), b.shift_labels.to(self.device)]
+            b.input_ids, b.position_ids, b.shift_labels = ins
+
+            def run():
+                sp.loss(b).backward()
+        else:
+            ins = [tok.to(self.device), shift_labels(tok).to(self.device)]
+
+            def run():
+                lm_loss(model(input_ids=ins[0], use_cache=False).logits, ins[1]).backward()
+        model.zero_grad(set_to_none=True)
+        out = self._measure(run, [*model.parameters(), *ins], measure)
+        model.zero_grad(set_to_none=True)
+        return out
+
+
+def _main_hf(args, comm) -> int:
+    """``--hf-config``: the longest sequence of each row, then the time per token of each at the sdpa limit."""
+    run = _HFRunner(args, comm)
+    h = run.hf
+    model = (f"{h.model_type} layers={h.num_hidden_layers} hidden={h.hidden_size} heads={h.num_attention_heads} "
+             f"kv_heads={h.num_key_value_heads} ffn={h.intermediate_size} vocab={h.vocab_size} {args.dtype} "
+             f"batch={args.batch} (transformers {_hf_version()})")
+    chunks = (f"FPDT: FFN/loss chunk {args.chunk} tokens/rank, attention chunk {args.attn_chunk} tokens/rank, "
+              f"offload on; time per token at the sdpa limit, best of {max(1, args.repeats)}")
+    ranks = f"{comm.size} (sp={comm.size} for the loom rows; sdpa holds the whole sequence on every rank)"
+    table = Table("Longest Trainable Sequence, transformers model (forward + backward)",
+                  ["Mode", "Max seq", "Peak MiB", "x sdpa", "us/token", "Probes"], rank=comm.rank)
+    table.meta = {"model": model, "ranks": ranks, "budget": _budget_note(args, run.device), "chunks": chunks}
+    table.widths = [20, 10, 11, 9, 10, 8]
+    table.header()
+    results: dict[str, Any] = {}
+    for st in HF_STEPS:
+        seq, m, probes = run.longest(st)
+        results[st] = {"max_seq": seq, "probes": probes, **m}
+    seq_eq = results[HF_STEPS[0]]["max_seq"]  # a multiple of sp x chunk: every row can run it
+    for st in HF_STEPS:
+        best = min(run.step(st, seq_eq, measure=False)["secs"] for _ in range(max(1, args.repeats)))
+        r = results[st]
+        r["us_per_token"] = best / max(seq_eq, 1) * 1e6
+        table.add(st, r["max_seq"], r["peak"] / 2**20, f"{r['max_seq'] / results[HF_STEPS[0]]['max_seq']:.2f}x",
+                  f"{r['us_per_token']:.1f}", r["probes"])
+    table.write_json(args.json, results=results, equal_length=seq_eq)
+    return 0
+
+
+def _budget_note(args, device: torch.device) -> str:
+    how = "CUDA allocator" if device.type == "cuda" else "CPU live-storage tracker"
+    return f"{args.budget / 2**20:.2f} MiB per rank ({how})"
+
+
+def _hf_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     torch.set_num_threads(1)
     comm = world()
     p = comm.size
+    if args.hf_config:
+        return _main_hf(args, comm)
     if args.heads % p:
         raise SystemExit(f"loom bench seqlen: --heads {args.heads} is not divisible by {p} ranks; "
                          f"use a multiple of {p}")
@@ -205,8 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"vocab={args.vocab} ({args.vocab / args.hidden:.1f}x hidden) ffn={args.ffn} {args.dtype} "
                  f"batch={args.batch}; Ulysses rows checkpoint every block",
         "ranks": f"{p} (sp={p})",
-        "budget": f"{args.budget / 2**20:.2f} MiB per rank "
-                  f"({'CUDA allocator' if run.device.type == 'cuda' else 'CPU live-storage tracker'})",
+        "budget": _budget_note(args, run.device),
         "chunks": f"FFN/loss chunk {args.chunk} tokens/rank, attention chunk {args.attn_chunk} tokens/rank",
     }
     table.widths = [24, 10, 11, 11, 11, 8]

@@ -55,7 +55,7 @@ from ..parallel.sequence import check_sizes, fpdt_attention, gather_sequence, sh
 
 __all__ = ["FAMILIES", "MODES", "SequenceParallel", "SPBatch", "register", "attention_name", "check_model",
            "decoder_graph", "is_transformers_decoder", "shift_labels", "lm_loss", "PositionHolder",
-           "fill_model_config", "load_model", "build_train_model", "HFTrainModel", "generate_text"]
+           "fill_model_config", "read_config", "load_model", "build_train_model", "HFTrainModel", "generate_text"]
 
 FAMILIES = ("llama", "mistral", "qwen2")
 """``config.model_type`` values this integration is tested on."""
@@ -438,14 +438,17 @@ class _LayerCall:
 
 # ---------------------------------------------------------------------------------------------- loom train
 def _read_config(model_cfg: Any):
-    """The transformers config named by ``model.hf`` (a checkpoint directory) or ``model.hf_config`` (a
-    directory with ``config.json`` or a JSON file); local files only."""
+    """The transformers config named by ``model.hf`` (a checkpoint directory) or ``model.hf_config``."""
+    return read_config(model_cfg.hf or model_cfg.hf_config)
+
+
+def read_config(src: str):
+    """A transformers config from a directory with ``config.json`` or from a JSON file (local files only)."""
     import json
     from pathlib import Path
 
     from transformers import AutoConfig
 
-    src = model_cfg.hf or model_cfg.hf_config
     p = Path(src)
     if p.is_dir():
         if not (p / "config.json").is_file():
@@ -501,7 +504,9 @@ def load_model(model_cfg: Any, *, dtype: torch.dtype = torch.float32, device: An
     """``model.hf``: ``AutoModelForCausalLM.from_pretrained`` (local files); ``model.hf_config``: random
     initialisation from the config with torch's global generator (seed it identically on every rank)."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # every rank would draw one on the job's stderr
     if model_cfg.hf:
         model = AutoModelForCausalLM.from_pretrained(model_cfg.hf, local_files_only=True, dtype=dtype,
                                                      attn_implementation="sdpa")

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loom plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("-t", "--topology", default="testbed",
-                   help=f"preset ({', '.join(PRESETS)}) or a TOML file")
+                   help=f"preset ({', '.join(PRESETS)}), a TOML file, or auto (found from the machine)")
     p.add_argument("-n", "--nodes", type=int, default=None, help="nodes (preset default when omitted)")
     p.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (preset default)")
     p.add_argument("--rails", type=int, default=None, help="rails (preset default)")
@@ -55,7 +55,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _detected() -> Topology:
+    """``--topology auto``: the machine's topology (:func:`loom.multipath.detect.detect`), printed."""
+    from ..comm import world
+    from .detect import detect
+
+    comm = world()
+    topo = detect(comm)
+    if comm.rank == 0:
+        print(f"# detected: {topo.describe()}")
+        for g in range(topo.size):
+            caps = {topo.links[i].name: topo.links[i].capacity for i in range(len(topo.links))
+                    if topo.links[i].name.startswith(f"r{g}>")}
+            shown = ", ".join(f"{k.split('>')[1]} {'unlimited' if v == float('inf') else f'{v * 8 / 1e9:g} Gbit/s'}"
+                              for k, v in sorted(caps.items()))
+            print(f"#   rank {g}: node {topo.node_of[g]}, rail {topo.rail_of[g]}; links to {shown}")
+    return topo
+
+
 def _topology(args) -> Topology:
+    if args.topology == "auto":
+        return _detected()
     if args.topology.endswith(".toml"):
         return Topology.from_toml(args.topology)
     kw = {k: v for k, v in (("nodes", args.nodes), ("ranks_per_node", args.ranks_per_node),

@@ -169,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"loom plan: {exc}", file=sys.stderr)
         return 2
+    if args.topology == "auto":
+        from ..comm import world
+
+        if world().rank != 0:  # the other ranks of a job only took part in the detection
+            return 0
     demand = demand_matrix(topo.size, args.skew, args.size, seed=args.seed)
     t0 = time.perf_counter()
     rows = compare(topo, demand, epsilon=args.epsilon, increments=args.increments, min_bytes=args.min_bytes,

@@ -34,7 +34,7 @@ RELAUNCH = False  # pure planning: never re-launched under mpiexec
 def build_parser() -> argparse.ArgumentParser:
     p = cli_args.ArgumentParser(prog="loom plan", description=__doc__.split("\n\n")[0])
     cli_args.add_topology(p, nodes=None, per=None, rails=None, topology="testbed",
-                          presets=f"{', '.join(PRESETS)}, or a TOML file")
+                          presets=f"{', '.join(PRESETS)}, a TOML file, or auto (found from the machine)")
     p.add_argument("--skew", default="hot-pair", help="balanced | hot-pair | zipf-pairs:A | zipf-dest:A")
     p.add_argument("--size", type=parse_size, default=16 << 20, help="balanced bytes per ordered pair")
     p.add_argument("--seed", type=int, default=0, help="seed of the zipf rankings")
@@ -52,7 +52,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _detected() -> Topology:
+    """``--topology auto``: the machine's topology (:func:`loom.multipath.detect.detect`), printed."""
+    from ..comm import world
+    from .detect import detect
+
+    comm = world()
+    topo = detect(comm)
+    if comm.rank == 0:
+        print(f"# detected: {topo.describe()}")
+        for g in range(topo.size):
+            caps = {topo.links[i].name: topo.links[i].capacity for i in range(len(topo.links))
+                    if topo.links[i].name.startswith(f"r{g}>")}
+            shown = ", ".join(f"{k.split('>')[1]} {'unlimited' if v == float('inf') else f'{v * 8 / 1e9:g} Gbit/s'}"
+                              for k, v in sorted(caps.items()))
+            print(f"#   rank {g}: node {topo.node_of[g]}, rail {topo.rail_of[g]}; links to {shown}")
+    return topo
+
+
 def _topology(args) -> Topology:
+    if args.topology == "auto":
+        return _detected()
     if args.topology.endswith(".toml"):
         return Topology.from_toml(args.topology)
     kw = {k: v for k, v in (("nodes", args.nodes), ("ranks_per_node", args.ranks_per_node),
@@ -146,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"loom plan: {exc}", file=sys.stderr)
         return 2
+    if args.topology == "auto":
+        from ..comm import world
+
+        if world().rank != 0:  # the other ranks of a job only took part in the detection
+            return 0
     demand = demand_matrix(topo.size, args.skew, args.size, seed=args.seed)
     t0 = time.perf_counter()
     rows = compare(topo, demand, epsilon=args.epsilon, increments=args.increments, min_bytes=args.min_bytes,

@@ -99,6 +99,11 @@ def preflight(*, probe: bool = False) -> None:
                                      f"needs CAP_NET_ADMIN and CAP_SYS_ADMIN (a privileged container or a VM)")
 
 
+def node_hostname(node: int) -> str:
+    """The host name the ranks of emulated node ``node`` see."""
+    return f"{NAME_PREFIX}node{node}"
+
+
 def rank_env(spec: TestbedSpec, rank: int, topology_file: str | None = None) -> dict[str, str]:
     """The environment one rank runs with: MPICH over OFI/TCP on its rail NIC, plus where it sits."""
     info = ranks(spec)[rank]
@@ -384,7 +389,10 @@ class Testbed:
             if info.rank:
                 cmd.append(":")
             rank_vars = {**self.env(info.rank), **(env or {})}
-            cmd += ["-n", "1", "ip", "netns", "exec", self.rank_ns(info.rank), "env"]
+            # Each emulated node gets its own host name (a UTS namespace), so a rank learns its node the way
+            # it would on a cluster: from gethostname() (loom.multipath.detect).
+            cmd += ["-n", "1", "ip", "netns", "exec", self.rank_ns(info.rank), "unshare", "--uts", "sh", "-c",
+                    'hostname "$0" && exec "$@"', node_hostname(info.node), "env"]
             cmd += [f"{k}={v}" for k, v in rank_vars.items()]
             cmd += list(argv)
         return cmd

@@ -49,6 +49,29 @@ def _moved(comm, src, dst):
     return comm.allgather_object(delta)
 
 
+def check_detected_topology_equals_built(comm):
+    """loom.multipath.detect finds the testbed from host names and NICs alone (no environment variable): the
+    same ranks, nodes, rails, links and capacities as the description the testbed was built from."""
+    from loom.multipath import Topology
+    from loom.multipath.detect import detect
+
+    saved = os.environ.pop("LOOM_TESTBED_TOPOLOGY", None)
+    try:
+        got = detect(comm)
+    finally:
+        if saved is not None:
+            os.environ["LOOM_TESTBED_TOPOLOGY"] = saved
+    built = Topology.from_dict(_topology())
+    assert got.node_of == built.node_of and got.rail_of == built.rail_of, (got.node_of, got.rail_of)
+    assert [lk.name for lk in got.links] == [lk.name for lk in built.links], (got.describe(), built.describe())
+    # tc prints rates rounded to its units (200Mbit): equal to a millionth.
+    np.testing.assert_allclose(got.capacity, built.capacity, rtol=1e-6)
+    for s in range(comm.size):
+        for d in range(comm.size):
+            if s != d:
+                assert got.static_route(s, d) == built.static_route(s, d), (s, d)
+
+
 def check_placement(comm):
     topo = _topology()
     assert comm.size == len(topo["ranks"])

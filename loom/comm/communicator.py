@@ -26,6 +26,7 @@ alltoall(v)         bytes addressed to other ranks
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any, Sequence
 
@@ -487,6 +488,19 @@ class Communicator:
     def free(self) -> None:
         if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.mpi != MPI.COMM_NULL:
             self.mpi.Free()
+
+    @property
+    def tag_ub(self) -> int:
+        """The largest tag this MPI accepts (``MPI_TAG_UB``; the standard guarantees >= 32767), lowered to
+        ``LOOM_TAG_UB`` when that is set (to run under another MPI's ceiling, e.g. 2**23 - 1 under UCX)."""
+        ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        ub = int(ub) if ub is not None else 32767
+        forced = os.environ.get("LOOM_TAG_UB", "").strip()
+        if forced:
+            if not forced.isdigit() or int(forced) < 1:
+                raise ValueError(f"LOOM_TAG_UB={forced!r} must be a positive integer (a tag ceiling, e.g. 32767)")
+            ub = min(ub, int(forced))
+        return ub
 
     def abort(self, code: int = 1) -> None:
         """Take the whole job down (every rank of every communicator)."""

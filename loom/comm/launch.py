@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Mapping, Sequence
 
-__all__ = ["mpiexec", "mpiexec_argv", "run", "is_openmpi", "pid_alive"]
+__all__ = ["mpiexec", "mpiexec_argv", "run", "is_openmpi", "pid_alive", "survivor_flags"]
 
 
 def mpiexec() -> str:
@@ -41,6 +41,22 @@ def is_openmpi(launcher: str) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return "Open MPI" in out or "OpenRTE" in out
+
+
+def survivor_flags(launcher: str | None = None) -> list[str]:
+    """Options that make ``launcher`` keep the other ranks running when one rank dies, or ``[]`` where it
+    cannot (then a dead rank ends the job, as by default).
+
+    MPICH's hydra: ``-disable-auto-cleanup`` (it then sends the survivors ``SIGUSR1``, which they must catch;
+    see :func:`loom.dask.liveness.ignore_launcher_signal`). Open MPI keeps survivors only when built with
+    ULFM and run with ``--with-ft ulfm``; that is not assumed here.
+    """
+    launcher = launcher or mpiexec()
+    try:
+        out = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return ["-disable-auto-cleanup"] if "HYDRA" in out else []
 
 
 def mpiexec_argv(n: int, argv: Sequence[str], *, extra: Sequence[str] = ()) -> list[str]:

@@ -37,6 +37,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("-n", "--np", type=int, default=None, dest="np",
                      help="outside an MPI job: launch this many ranks with mpiexec and name a worker that dies")
     run.add_argument("--timeout", type=float, default=None, help="with -n: kill the job after this many seconds")
+    run.add_argument("--fail-fast", action="store_true",
+                     help="with -n: end the whole job when any rank dies, instead of carrying on without a "
+                          "lost worker where the MPI allows it")
     run.add_argument("--dry-run", action="store_true", help="check the arguments and exit without communicating")
     return p
 
@@ -68,20 +71,59 @@ def _inside_mpi() -> bool:
 
 
 _PID = re.compile(r"PID (\d+) RUNNING AT")
+_KILLED = re.compile(r"loom dask: MPI rank \d+ \(pid (\d+)\) was killed by signal (\d+)")  # loom/dask/rank.py
 _CODE = re.compile(r"EXIT CODE: (\d+)")
 
 
-def _launch(n: int, argv: list[str], timeout: float | None) -> int:
+def _watch_exits(roles_path: str, done, gone: dict[str, float]) -> None:
+    """Record when each rank's process exits (``gone``: pid -> time), by pidfd, once rank 0 wrote the
+    pid -> role map. MPICH's report names *a* pid of the torn-down job, not necessarily the one that died
+    first, and it kills the others within milliseconds; pidfds make the kernel tell each exit as it happens."""
+    import json
+    import select
+    import time
+
+    pids: list[str] = []
+    while not pids and not done.wait(0.02):
+        if os.path.exists(roles_path):
+            try:
+                with open(roles_path) as f:
+                    pids = list(json.load(f))
+            except (OSError, ValueError):
+                pids = []
+    poll = select.poll()
+    fds: dict[int, str] = {}
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(int(pid))
+        except (OSError, AttributeError):
+            continue
+        fds[fd] = pid
+        poll.register(fd, select.POLLIN)
+    try:
+        while fds and not done.is_set():
+            for fd, _ in poll.poll(100):
+                pid = fds.pop(fd)
+                gone.setdefault(pid, time.monotonic())
+                poll.unregister(fd)
+                os.close(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _launch(n: int, argv: list[str], timeout: float | None, fail_fast: bool = False) -> int:
     """Run this command on ``n`` ranks; forward the output; if a rank died, say which role it had.
 
-    MPICH's launcher reports a dead process by pid ("BAD TERMINATION ... PID 1234"); rank 0 saved the
+    The launcher is asked to keep the other ranks running when one dies (:func:`loom.comm.launch.survivor_flags`):
+    a lost worker is then survived (the client's exit code, which rank 1 writes next to the role map, is the
+    job's). MPICH's launcher reports a dead process by pid ("BAD TERMINATION ... PID 1234"); rank 0 saved the
     pid -> rank -> role map (``LOOM_DASK_ROLES``), so the last line can name the worker.
     """
     import json
     import subprocess
     import tempfile
     import threading
-    import time
 
     from loom.comm import launch
 
@@ -89,49 +131,18 @@ def _launch(n: int, argv: list[str], timeout: float | None) -> int:
         roles_path = os.path.join(tmp, "roles.json")
         env = {**os.environ, "LOOM_LAUNCHED": "1", "LOOM_DASK_ROLES": roles_path, "PYTHONUNBUFFERED": "1"}
         env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = launch.mpiexec_argv(n, [sys.executable, "-m", "loom.cli", "dask", *argv])
+        survive = [] if fail_fast else launch.survivor_flags()
+        rank_cmd = [sys.executable, "-m", "loom.cli", "dask", *argv]
+        if survive:  # each rank under a small parent (by path: importing loom.dask would start MPI there)
+            rank_cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank.py"),
+                        *rank_cmd]
+        cmd = launch.mpiexec_argv(n, rank_cmd, extra=survive)
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
         dead: list[tuple[str, str | None]] = []
         gone: dict[str, float] = {}  # pid -> when it was first seen gone (or a zombie)
         done = threading.Event()
-
-        def watch() -> None:
-            # MPICH's report names *a* pid of the torn-down job, not necessarily the one that died first, and
-            # it kills the others within milliseconds; pidfds make the kernel tell us each exit as it happens.
-            pids: list[str] = []
-            while not pids and not done.wait(0.02):
-                if os.path.exists(roles_path):
-                    try:
-                        with open(roles_path) as f:
-                            pids = list(json.load(f))
-                    except (OSError, ValueError):
-                        pids = []
-            if not pids:
-                return
-            import select
-
-            poll = select.poll()
-            fds: dict[int, str] = {}
-            for pid in pids:
-                try:
-                    fd = os.pidfd_open(int(pid))
-                except (OSError, AttributeError):
-                    continue
-                fds[fd] = pid
-                poll.register(fd, select.POLLIN)
-            try:
-                while fds and not done.is_set():
-                    for fd, _ in poll.poll(100):
-                        pid = fds.pop(fd)
-                        gone.setdefault(pid, time.monotonic())
-                        poll.unregister(fd)
-                        os.close(fd)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-
-        watcher = threading.Thread(target=watch, daemon=True)
+        watcher = threading.Thread(target=_watch_exits, args=(roles_path, done, gone), daemon=True)
         watcher.start()
         timer = None
         if timeout is not None:
@@ -142,7 +153,9 @@ def _launch(n: int, argv: list[str], timeout: float | None) -> int:
         try:
             for line in proc.stdout:
                 sys.stdout.write(line)
-                if m := _PID.search(line):
+                if m := _KILLED.search(line):
+                    dead.append((m.group(1), m.group(2)))
+                elif m := _PID.search(line):
                     dead.append((m.group(1), None))
                 elif (m := _CODE.search(line)) and dead:
                     dead[-1] = (dead[-1][0], m.group(1))
@@ -156,15 +169,37 @@ def _launch(n: int, argv: list[str], timeout: float | None) -> int:
         if os.path.exists(roles_path):
             with open(roles_path) as f:
                 roles = json.load(f)
-    if dead and gone:
+        client_rc = _read_client_rc(roles_path)
+    return _report(rc, dead, gone, roles, client_rc, bool(survive))
+
+
+def _read_client_rc(roles_path: str) -> int | None:
+    try:
+        with open(roles_path + ".rc") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _report(rc: int, dead: list, gone: dict, roles: dict, client_rc: int | None, survive: bool) -> int:
+    """Name each rank that died; the job's exit code: the client's when only workers died and it finished."""
+    if dead and gone and not survive:
         first = min(gone, key=gone.get)
         dead = [(first, dead[0][1] if dead[0][0] == first else None)]
+    only_workers = bool(dead) and all(roles.get(pid, {}).get("role", "").startswith("worker") for pid, _ in dead)
+    survived = survive and only_workers and client_rc is not None
     for pid, code in dead:
         who = roles.get(pid)
         what = f"{who['role']} (MPI rank {who['rank']}, pid {pid})" if who else f"pid {pid}"
         how = (f"exit code {code}" + (" = killed by signal 9" if code == "9" else "")) if code else "it vanished first"
-        print(f"loom dask: {what} died ({how}); MPICH ended the whole job. Rerun the job: a Dask cluster over "
-              f"MPI cannot outlive one of its ranks under MPICH", file=sys.stderr, flush=True)
+        if survived:
+            print(f"loom dask: {what} died ({how}); the cluster carried on without it", file=sys.stderr, flush=True)
+        else:
+            print(f"loom dask: {what} died ({how}); the launcher ended the whole job. Rerun the job: this MPI's "
+                  f"launcher does not keep the other ranks running (see the README's Dask section)",
+                  file=sys.stderr, flush=True)
+    if survived:
+        return client_rc
     return rc if rc else (1 if dead else 0)
 
 
@@ -184,8 +219,8 @@ def main(argv: list[str]) -> int:
         print(f"loom dask: would run {args.script} {' '.join(args.args)} as the client on rank 1")
         return 0
     if args.np is not None and not _inside_mpi():
-        return _launch(args.np, argv, args.timeout)
-    from .launcher import initialize, shutdown
+        return _launch(args.np, argv, args.timeout, args.fail_fast)
+    from .launcher import initialize, set_exit_code, shutdown
 
     memory_limit = None if str(args.memory_limit).lower() == "none" else args.memory_limit
     is_client = initialize(nthreads=args.nthreads, memory_limit=memory_limit,
@@ -193,6 +228,12 @@ def main(argv: list[str]) -> int:
     if not is_client:
         return 0
     try:
-        return _run_script(args.script, args.args)
+        rc = _run_script(args.script, args.args)
     finally:
         shutdown()
+    set_exit_code(rc)
+    roles_path = os.environ.get("LOOM_DASK_ROLES")
+    if roles_path:  # for `loom dask run -n`: the job's exit code when a lost worker makes mpiexec's non-zero
+        with open(roles_path + ".rc", "w") as f:
+            f.write(str(rc))
+    return rc

@@ -11,12 +11,17 @@ Plan of :func:`initialize` (every rank calls it):
    exception, or by ``sys.exit``), an ``atexit`` hook (or :func:`shutdown`) closes the scheduler, which
    closes the workers, so every rank leaves its loop and exits 0.
 
-Reliability: a worker rank that dies (killed, segfault) is reported by MPICH's launcher, which then ends the
-whole job with a non-zero exit code (MPICH 5's fault-tolerance mode does not start here, so the other ranks
-cannot outlive it); the rank -> role -> pid map printed at start-up and the worker names (``rank-K``) say
-which worker it was, and ``loom dask run -n N`` names it in its final error line. The scheduler's ``worker-ttl`` is shortened
-(:data:`WORKER_TTL`) so that, under a launcher that keeps the other ranks alive, a silent worker is dropped
-and its tasks are recomputed on the others.
+Reliability: a worker rank that dies (killed, segfault) is survivable when the launcher keeps the other
+ranks running (MPICH's hydra with ``-disable-auto-cleanup``, which ``loom dask run -n N`` adds; see
+docs/readme/45-dask.md for which MPIs can). Every rank ignores hydra's ``SIGUSR1`` notice of the death
+(:func:`loom.dask.liveness.ignore_launcher_signal`), and every rank's mpi:// engine watches every rank of
+this host from the start (pids and host keys are exchanged in the one ``allgather`` below), so the comms to
+the dead rank close at once as over TCP: the scheduler drops the worker (rank 0 prints a ``lost worker``
+line) and recomputes its keys on the others, and the job ends normally when the client finishes. Under a
+launcher that ends the whole job instead, the rank -> role -> pid map printed at start-up and the worker
+names (``rank-K``) say which worker it was, and ``loom dask run -n N`` names it in its final line. The
+scheduler's ``worker-ttl`` is shortened (:data:`WORKER_TTL`) so that a silent worker on another host (not
+watched by pid) is dropped as well.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ __all__ = ["initialize", "serve", "shutdown", "Roles", "WORKER_TTL"]
 logger = logging.getLogger(__name__)
 
 #: scheduler's ``distributed.scheduler.worker-ttl`` inside an MPI job (Dask's default is 5 minutes)
-WORKER_TTL = "10s"
+WORKER_TTL = "60s"
 
 SCHEDULER_RANK = 0
 CLIENT_RANK = 1
@@ -85,11 +90,57 @@ def _host_kwargs(protocol: str) -> dict:
     return {"host": "127.0.0.1"} if protocol in ("tcp", "tls") else {}
 
 
+class _LostWorkers:
+    """Scheduler plugin: one line on stderr for each worker lost while the job runs (its comm closed without
+    the worker saying goodbye, or its heartbeats stopped); workers that close normally are not reported."""
+
+    name = "loom-lost-workers"
+    _LOST = ("handle-worker-cleanup", "check-worker-ttl")  # Dask's stimulus ids for these two removals
+
+    def __init__(self) -> None:
+        self.names: dict[str, str] = {}
+        self.closing = False
+
+    async def before_close(self) -> None:
+        self.closing = True  # the scheduler closes its workers now: not losses
+
+    def add_worker(self, scheduler, worker: str) -> None:
+        self.names[worker] = str(scheduler.workers[worker].name)
+
+    def remove_worker(self, scheduler, worker: str, *, stimulus_id: str = "", **kwargs) -> None:
+        name = self.names.pop(worker, worker)
+        if stimulus_id.startswith(self._LOST) and not self.closing:
+            print(f"loom dask: scheduler lost worker {name} ({worker}); its tasks go to the other workers",
+                  file=sys.stderr, flush=True)
+
+
+def _close_when_client_dies(scheduler) -> None:
+    """Without its client rank the job has nothing left to do: close the scheduler (which closes the workers)
+    when rank 1's process exits. Harmless at a normal end, where the client has closed it already. A dead
+    scheduler needs no rule: each worker closes itself when its comm to the scheduler closes."""
+    from .backend import engine
+
+    loop = asyncio.get_running_loop()
+
+    def died(rank: int) -> None:  # on the liveness thread
+        if rank == CLIENT_RANK:
+            try:
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(scheduler.close(reason="client rank died")))
+            except RuntimeError:  # the loop is closed: the scheduler is gone already
+                pass
+
+    engine().liveness.add_callback(died)
+
+
 async def _run_scheduler(comm, roles: Roles, dashboard: bool, protocol: str = "mpi") -> None:
     from distributed import Scheduler
+    from distributed.diagnostics.plugin import SchedulerPlugin
 
+    plugin = type("LostWorkers", (_LostWorkers, SchedulerPlugin), {})()
     async with Scheduler(protocol=protocol, dashboard=dashboard, dashboard_address=":0" if dashboard else None,
                          **_host_kwargs(protocol)) as scheduler:
+        scheduler.add_plugin(plugin)
+        _close_when_client_dies(scheduler)
         address = scheduler.address
         comm.bcast_object(address, SCHEDULER_RANK)
         if os.environ.get("LOOM_DASK_VERBOSE"):
@@ -132,11 +183,10 @@ def initialize(*, nthreads: int = 1, memory_limit: str | int | None = "auto", lo
         raise ValueError(f"nthreads={nthreads} must be >= 1")
     comm = world()
     roles = Roles(size=comm.size)
-    pids = comm.allgather_object(os.getpid())
+    pids = _watch_all(comm)
     if comm.rank == SCHEDULER_RANK:
         _announce(roles, pids)
     dask.config.set(_dask_config())
-    import loom.dask.backend  # noqa: F401 - the entry point resolves it too; import early for clear errors
 
     if comm.rank == SCHEDULER_RANK:
         asyncio.run(_run_scheduler(comm, roles, dashboard))
@@ -168,6 +218,7 @@ def serve(*, protocol: str = "mpi", nthreads: int = 1, memory_limit: str | int |
 
     comm = world()
     roles = Roles(size=comm.size)
+    _watch_all(comm)
     with dask.config.set(_dask_config()):
         if comm.rank == SCHEDULER_RANK:
             asyncio.run(_run_scheduler(comm, roles, False, protocol))
@@ -178,6 +229,42 @@ def serve(*, protocol: str = "mpi", nthreads: int = 1, memory_limit: str | int |
             return address
         asyncio.run(_run_worker(comm, address, nthreads, memory_limit, local_directory, protocol))
         return None
+
+
+def _watch_all(comm) -> list[int]:
+    """Every rank: survive the launcher's notice of a dead rank, start the mpi:// engine and let it watch
+    every rank of this host from now on (one ``allgather`` of pid and host key). Returns the ranks' pids."""
+    from . import liveness
+    from .backend import engine
+
+    liveness.ignore_launcher_signal()
+    atexit.register(_exit_after_loss)  # before the engine exists: runs after its exit flush (atexit is LIFO)
+    eng = engine()
+    peers = comm.allgather_object((eng.pid, eng.host_key))
+    for rank, (pid, key) in enumerate(peers):
+        eng.learn_peer(rank, pid, key)
+    return [pid for pid, _ in peers]
+
+
+def _exit_after_loss() -> None:
+    """Last at exit: when a peer rank died, leave without ``MPI_Finalize``. MPICH's finalize waits in a
+    launcher barrier for every rank, the dead one included, so a survivor would hang there; the engine's
+    flush has already completed or dropped every message, and the exit code is the one :func:`set_exit_code`
+    recorded (0 unless told)."""
+    from . import backend
+
+    eng = backend._ENGINE
+    if eng is None or not eng.liveness.dead:
+        return
+    eng._flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_STATE.get("exit_code", 0))
+
+
+def set_exit_code(code: int) -> None:
+    """The exit code this rank leaves with when a peer died (see :func:`_exit_after_loss`)."""
+    _STATE["exit_code"] = int(code)
 
 
 def _announce(roles: Roles, pids: list[int]) -> None:

@@ -6,6 +6,12 @@ Rank 0 runs the scheduler, rank 1 runs ``SCRIPT`` as ``__main__`` (with ``sys.ar
 plain ``Client()`` connects to the scheduler), ranks 2.. are workers. When the script returns, the cluster
 is shut down and every rank exits 0; an exception in the script is printed and the job exits 1 (a
 ``sys.exit(code)`` exits with ``code``).
+
+    loom dask run -n 6 --tcp 0.0.0.0:8786 --scheduler-file sched.json          # no script: serve outside clients
+
+With ``--tcp`` the scheduler also listens on ``tcp://`` for a client outside the MPI job (a notebook on a
+login node: ``Client("tcp://HOST:8786")`` or ``Client(scheduler_file="sched.json")``); workers keep using
+``mpi://``. Without a script the job serves such clients until one calls ``client.shutdown()``.
 """
 
 from __future__ import annotations
@@ -28,12 +34,19 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="run SCRIPT as the Dask client of this MPI job",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    run.add_argument("script", help="Python file run as __main__ on rank 1")
+    run.add_argument("script", nargs="?", default=None,
+                     help="Python file run as __main__ on rank 1; without one (needs --tcp) the cluster serves "
+                          "outside clients until one of them shuts it down")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     run.add_argument("-t", "--nthreads", type=int, default=1, help="threads per worker rank")
     run.add_argument("--memory-limit", default="auto", help="per-worker memory limit (Dask syntax, or 'none')")
     run.add_argument("--local-directory", default=None, help="workers' spill directory")
     run.add_argument("--dashboard", action="store_true", help="start the scheduler dashboard (needs bokeh)")
+    run.add_argument("--tcp", default=None, metavar="HOST:PORT",
+                     help="the scheduler also listens on tcp://HOST:PORT (port 0: any free one) for clients outside "
+                          "the MPI job; workers keep using mpi://")
+    run.add_argument("--scheduler-file", default=None, metavar="PATH",
+                     help="write the scheduler's address there as JSON, for Client(scheduler_file=PATH)")
     run.add_argument("-n", "--np", type=int, default=None, dest="np",
                      help="outside an MPI job: launch this many ranks with mpiexec and name a worker that dies")
     run.add_argument("--timeout", type=float, default=None, help="with -n: kill the job after this many seconds")
@@ -203,34 +216,47 @@ def _report(rc: int, dead: list, gone: dict, roles: dict, client_rc: int | None,
     return rc if rc else (1 if dead else 0)
 
 
+def _bad_args(args) -> str | None:
+    """The first problem with the arguments, as a message, or None."""
+    if args.nthreads < 1:
+        return f"--nthreads {args.nthreads} must be >= 1"
+    if args.script is None and args.tcp is None:
+        return "without a client script the cluster serves outside clients: give --tcp HOST:PORT (and " \
+               "--scheduler-file PATH to publish the address)"
+    if args.script is not None and not os.path.isfile(args.script):
+        return f"script {args.script!r} not found"
+    if args.np is not None and args.np < 3:
+        return f"-n {args.np}: a Dask job over MPI needs >= 3 ranks (scheduler, client, worker)"
+    return None
+
+
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    if args.nthreads < 1:
-        print(f"loom dask: --nthreads {args.nthreads} must be >= 1", file=sys.stderr)
-        return 2
-    if not os.path.isfile(args.script):
-        print(f"loom dask: script {args.script!r} not found", file=sys.stderr)
-        return 2
-    if args.np is not None and args.np < 3:
-        print(f"loom dask: -n {args.np}: a Dask job over MPI needs >= 3 ranks (scheduler, client, worker)",
-              file=sys.stderr)
+    problem = _bad_args(args)
+    if problem:
+        print(f"loom dask: {problem}", file=sys.stderr)
         return 2
     if args.dry_run:
-        print(f"loom dask: would run {args.script} {' '.join(args.args)} as the client on rank 1")
+        what = args.script or "no script (serving outside clients)"
+        print(f"loom dask: would run {what} {' '.join(args.args)} as the client on rank 1")
         return 0
     if args.np is not None and not _inside_mpi():
         return _launch(args.np, argv, args.timeout, args.fail_fast)
-    from .launcher import initialize, set_exit_code, shutdown
+    from .launcher import initialize, set_exit_code, shutdown, wait_for_outside_clients
 
     memory_limit = None if str(args.memory_limit).lower() == "none" else args.memory_limit
-    is_client = initialize(nthreads=args.nthreads, memory_limit=memory_limit,
-                           local_directory=args.local_directory, dashboard=args.dashboard, exit=False)
+    is_client = initialize(nthreads=args.nthreads, memory_limit=memory_limit, local_directory=args.local_directory,
+                           dashboard=args.dashboard, exit=False, tcp=args.tcp, scheduler_file=args.scheduler_file)
     if not is_client:
         return 0
-    try:
-        rc = _run_script(args.script, args.args)
-    finally:
-        shutdown()
+    if args.script is None:
+        wait_for_outside_clients()
+        rc = 0
+    else:
+        try:
+            rc = _run_script(args.script, args.args)
+        finally:
+            shutdown()
     set_exit_code(rc)
     roles_path = os.environ.get("LOOM_DASK_ROLES")
     if roles_path:  # for `loom dask run -n`: the job's exit code when a lost worker makes mpiexec's non-zero

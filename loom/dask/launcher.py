@@ -33,7 +33,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-__all__ = ["initialize", "serve", "shutdown", "Roles", "WORKER_TTL"]
+__all__ = ["initialize", "serve", "shutdown", "wait_for_outside_clients", "Roles", "WORKER_TTL"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,20 +132,58 @@ def _close_when_client_dies(scheduler) -> None:
     engine().liveness.add_callback(died)
 
 
-async def _run_scheduler(comm, roles: Roles, dashboard: bool, protocol: str = "mpi") -> None:
+def _listen_kwargs(protocol: str, tcp: str | None) -> dict:
+    """Scheduler arguments: ``protocol`` alone, or also ``tcp://HOST:PORT`` for clients outside the job."""
+    if tcp is None:
+        return {"protocol": protocol, **_host_kwargs(protocol)}
+    host, _, port = tcp.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"tcp={tcp!r}: write HOST:PORT (e.g. 0.0.0.0:8786, or 127.0.0.1:0 for any free port)")
+    return {"protocol": [protocol, "tcp"], "host": [None, host], "port": [None, int(port)]}
+
+
+def _publish(scheduler, roles: Roles, scheduler_file: str | None) -> None:
+    """Print the scheduler's addresses; write the scheduler file (dask-mpi's ``--scheduler-file`` format, its
+    ``address`` the one an outside client can reach) for ``Client(scheduler_file=...)``."""
+    addresses = [listener.contact_address for listener in scheduler.listeners]
+    outside = next((a for a in addresses if not a.startswith("mpi://")), None)
+    print(f"loom dask: scheduler at {', '.join(addresses)}; {roles.describe()}", file=sys.stderr, flush=True)
+    if scheduler_file:
+        import json
+
+        info = {**scheduler.identity(), "address": outside or addresses[0], "mpi_address": addresses[0]}
+        tmp = f"{scheduler_file}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(info, f, indent=2, default=str)
+        os.replace(tmp, scheduler_file)  # a reader never sees half a file
+
+
+async def _run_scheduler(comm, roles: Roles, dashboard: bool, protocol: str = "mpi", tcp: str | None = None,
+                         scheduler_file: str | None = None) -> None:
     from distributed import Scheduler
     from distributed.diagnostics.plugin import SchedulerPlugin
 
     plugin = type("LostWorkers", (_LostWorkers, SchedulerPlugin), {})()
-    async with Scheduler(protocol=protocol, dashboard=dashboard, dashboard_address=":0" if dashboard else None,
-                         **_host_kwargs(protocol)) as scheduler:
+    async with Scheduler(dashboard=dashboard, dashboard_address=":0" if dashboard else None,
+                         **_listen_kwargs(protocol, tcp)) as scheduler:
         scheduler.add_plugin(plugin)
         _close_when_client_dies(scheduler)
-        address = scheduler.address
-        comm.bcast_object(address, SCHEDULER_RANK)
-        if os.environ.get("LOOM_DASK_VERBOSE"):
-            print(f"loom dask: scheduler at {address}; {roles.describe()}", file=sys.stderr, flush=True)
+        comm.bcast_object(scheduler.address, SCHEDULER_RANK)  # the first listener: mpi:// (or the peer's)
+        _publish(scheduler, roles, scheduler_file)
         await scheduler.finished()
+
+
+async def _until_scheduler_closes(address: str) -> None:
+    """The client rank of a job without a client script: hold one comm to the scheduler until it closes."""
+    from distributed.comm import CommClosedError, connect
+
+    comm = await connect(address)
+    try:
+        await comm.write({"op": "identity", "reply": False})
+        while True:
+            await comm.read()
+    except (CommClosedError, OSError):
+        pass
 
 
 async def _run_worker(comm, address: str, nthreads: int, memory_limit, local_directory,
@@ -160,7 +198,8 @@ async def _run_worker(comm, address: str, nthreads: int, memory_limit, local_dir
 
 
 def initialize(*, nthreads: int = 1, memory_limit: str | int | None = "auto", local_directory: str | None = None,
-               dashboard: bool = False, exit: bool = True, wait_timeout: float = 120.0) -> bool:
+               dashboard: bool = False, exit: bool = True, wait_timeout: float = 120.0, tcp: str | None = None,
+               scheduler_file: str | None = None) -> bool:
     """Make this MPI job a Dask cluster over ``mpi://``; ``True`` on the client rank (rank 1).
 
     Args:
@@ -171,6 +210,10 @@ def initialize(*, nthreads: int = 1, memory_limit: str | int | None = "auto", lo
         exit: on the scheduler and worker ranks, ``sys.exit(0)`` once the cluster is shut down (the code
             after ``initialize()`` then runs only on the client rank); with ``False`` they return ``False``.
         wait_timeout: seconds the client rank waits for every worker to register.
+        tcp: ``HOST:PORT`` on which the scheduler also listens over ``tcp://`` (port 0: any free one), so that
+            a client outside the MPI job can connect; workers keep using ``mpi://``.
+        scheduler_file: path where rank 0 writes the scheduler's address as JSON (the outside address when
+            ``tcp`` is given), for ``Client(scheduler_file=...)``, as dask-mpi's ``--scheduler-file``.
 
     Returns:
         ``True`` on rank 1 (run the client code), ``False`` on the other ranks after shutdown (``exit=False``).
@@ -189,7 +232,7 @@ def initialize(*, nthreads: int = 1, memory_limit: str | int | None = "auto", lo
     dask.config.set(_dask_config())
 
     if comm.rank == SCHEDULER_RANK:
-        asyncio.run(_run_scheduler(comm, roles, dashboard))
+        asyncio.run(_run_scheduler(comm, roles, dashboard, tcp=tcp, scheduler_file=scheduler_file))
     else:
         address = comm.bcast_object(None, SCHEDULER_RANK)
         _STATE["address"] = address
@@ -202,6 +245,16 @@ def initialize(*, nthreads: int = 1, memory_limit: str | int | None = "auto", lo
     if exit:
         sys.exit(0)
     return False
+
+
+def wait_for_outside_clients() -> None:
+    """On the client rank of a job without a client script: serve outside clients until the cluster is told to
+    stop (an outside ``client.shutdown()``, or a signal to the job), then return."""
+    address = _STATE["address"]
+    _STATE["shutdown"] = True  # the scheduler is closed from outside; nothing to shut down at exit
+    print("loom dask: no client script; serving outside clients until the cluster is shut down",
+          file=sys.stderr, flush=True)
+    asyncio.run(_until_scheduler_closes(address))
 
 
 def serve(*, protocol: str = "mpi", nthreads: int = 1, memory_limit: str | int | None = "auto",

@@ -35,7 +35,7 @@ def test_run_applications_exact_and_clean_exit():
     proc = _loom_dask_run(4, "apps")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "APPS OK" in proc.stdout and "IDLE CPU" in proc.stdout, out
+    assert "APPS OK" in proc.stdout and "IDLE POLL" in proc.stdout, out
     assert "rank 2 worker rank-2" in proc.stderr and "rank 3 worker rank-3" in proc.stderr, out
 
 
@@ -70,6 +70,48 @@ def test_killed_worker_ends_job_and_is_named_with_fail_fast():
     assert proc.returncode != 0, out
     assert "KILLING rank-3" in out, out
     assert "loom dask: worker rank-3 (MPI rank 3" in out and "the launcher ended the whole job" in out, out
+
+
+def _outside(sched, mode: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "tests/mpi/outside_dask_client.py", str(sched), mode],
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **ENV})
+
+
+def test_outside_client_attaches_over_tcp(tmp_path):
+    """A job without a client script (4 ranks: scheduler, serving rank, 2 workers over mpi://) also listens on
+    tcp:// and writes a scheduler file. A separate process runs a graph, disconnects, connects again; a client
+    killed mid-graph leaves the cluster serving; a last client shuts it down and the job exits 0."""
+    import signal
+    import time
+
+    sched = tmp_path / "sched.json"
+    cmd = [sys.executable, "-m", "loom.cli", "dask", "run", "-n", "4", "--timeout", "400", "--tcp", "127.0.0.1:0",
+           "--scheduler-file", str(sched)]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, **ENV}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not sched.exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sched.exists(), job.communicate(timeout=30)[0] if job.poll() is not None else "no scheduler file"
+        first = _outside(sched, "graph")
+        assert first.returncode == 0 and "OUTSIDE OK" in first.stdout, first.stdout + first.stderr
+        hang = subprocess.Popen([sys.executable, "tests/mpi/outside_dask_client.py", str(sched), "hang"],
+                                stdout=subprocess.PIPE, text=True, env={**os.environ, **ENV})
+        assert hang.stdout.readline().strip() == "SUBMITTED"
+        hang.kill()
+        hang.wait()
+        again = _outside(sched, "graph")
+        assert again.returncode == 0 and "OUTSIDE OK" in again.stdout, again.stdout + again.stderr
+        last = _outside(sched, "shutdown")
+        assert last.returncode == 0 and "SHUTTING DOWN" in last.stdout, last.stdout + last.stderr
+        out = job.communicate(timeout=180)[0]
+        assert job.returncode == 0, out
+        assert "tcp://127.0.0.1:" in out and "serving outside clients" in out, out
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
 
 
 def test_bench_dask_small_end_to_end(tmp_path):

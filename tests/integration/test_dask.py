@@ -26,6 +26,15 @@ def test_backend_across_ranks(n):
     run_ranks(n, "tests/mpi/check_dask.py", timeout=120)
 
 
+@pytest.mark.parametrize("ceiling", [2**23 - 1, 32767])
+def test_backend_across_ranks_under_tag_ceiling(ceiling):
+    """The checks that open connections, with the MPI's tag ceiling forced down to Open MPI over UCX's and the
+    standard's minimum (the inline-spin check is left out: it is about reply timing, not tags)."""
+    only = ("check_ping_pong_all_pairs,check_close_reaches_other_rank,check_refused_on_other_rank,"
+            "check_doorbell_wakes_sleeping_reader,check_tags_within_the_mpi_ceiling")
+    run_ranks(2, "tests/mpi/check_dask.py", timeout=120, env={"LOOM_TAG_UB": str(ceiling), "LOOM_ONLY": only})
+
+
 def _loom_dask_run(n: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "loom.cli", "dask", "run", CLIENT, *args]
     return launch.run(n, argv, timeout=timeout, env=ENV, capture=True)

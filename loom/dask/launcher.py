@@ -159,7 +159,7 @@ def _publish(scheduler, roles: Roles, scheduler_file: str | None) -> None:
 
 
 async def _run_scheduler(comm, roles: Roles, dashboard: bool, protocol: str = "mpi", tcp: str | None = None,
-                         scheduler_file: str | None = None) -> None:
+                         scheduler_file: str | None = None, announce: bool = False) -> None:
     from distributed import Scheduler
     from distributed.diagnostics.plugin import SchedulerPlugin
 
@@ -169,7 +169,8 @@ async def _run_scheduler(comm, roles: Roles, dashboard: bool, protocol: str = "m
         scheduler.add_plugin(plugin)
         _close_when_client_dies(scheduler)
         comm.bcast_object(scheduler.address, SCHEDULER_RANK)  # the first listener: mpi:// (or the peer's)
-        _publish(scheduler, roles, scheduler_file)
+        if announce or scheduler_file:
+            _publish(scheduler, roles, scheduler_file)
         await scheduler.finished()
 
 
@@ -232,7 +233,7 @@ def initialize(*, nthreads: int = 1, memory_limit: str | int | None = "auto", lo
     dask.config.set(_dask_config())
 
     if comm.rank == SCHEDULER_RANK:
-        asyncio.run(_run_scheduler(comm, roles, dashboard, tcp=tcp, scheduler_file=scheduler_file))
+        asyncio.run(_run_scheduler(comm, roles, dashboard, tcp=tcp, scheduler_file=scheduler_file, announce=True))
     else:
         address = comm.bcast_object(None, SCHEDULER_RANK)
         _STATE["address"] = address

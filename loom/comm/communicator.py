@@ -33,6 +33,7 @@ subsystems numbering tags from 0 never match each other's messages.
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any, Sequence
 

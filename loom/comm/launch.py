@@ -36,7 +36,7 @@ from .. import settings
 __all__ = [
     "mpiexec", "mpiexec_argv", "run", "flavor", "library_flavor", "is_openmpi", "check_pairing",
     "inside_job", "rank_pids", "Death", "DeathParser", "pid_alive", "start_time",
-    "signal_verified",
+    "signal_verified", "survivor_flags",
 ]
 
 MPICH, OPENMPI, UNKNOWN = "mpich", "openmpi", "unknown"
@@ -117,6 +117,22 @@ def check_pairing(launcher: str | None = None) -> None:
             f"its ranks would each start alone. Use the mpiexec of the MPI mpi4py loads (set LOOM_MPIEXEC), "
             f"or make mpi4py load the launcher's MPI (MPI4PY_LIBMPI or LD_LIBRARY_PATH)"
         )
+
+
+def survivor_flags(launcher: str | None = None) -> list[str]:
+    """Options that make ``launcher`` keep the other ranks running when one rank dies, or ``[]`` where it
+    cannot (then a dead rank ends the job, as by default).
+
+    MPICH's hydra: ``-disable-auto-cleanup`` (it then sends the survivors ``SIGUSR1``, which they must catch;
+    see :func:`loom.dask.liveness.ignore_launcher_signal`). Open MPI keeps survivors only when built with
+    ULFM and run with ``--with-ft ulfm``; that is not assumed here.
+    """
+    launcher = launcher or mpiexec()
+    try:
+        out = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return ["-disable-auto-cleanup"] if "HYDRA" in out else []
 
 
 def mpiexec_argv(n: int, argv: Sequence[str], *, extra: Sequence[str] = ()) -> list[str]:

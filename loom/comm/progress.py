@@ -216,6 +216,8 @@ class Poller:
         self._timer: _FineTimer | bool | None = None  # None: not tried yet; False: unavailable
         self._bell = None  # this process's Doorbell once watched; False: this loop cannot watch it
         self.backoff = Backoff(spin_s=200e-6)
+        self.passes = 0  # poll passes over the pending items (a spinning wait shows as many per second)
+        self.sleeps = 0  # sleeps taken (each ends by its timer, a ring, or a new submission)
 
     def submit(self, item: Pollable) -> asyncio.Future:
         fut = self._pending.get(item)
@@ -257,6 +259,7 @@ class Poller:
 
     def _poll_pass(self) -> bool:
         """Test every pending item once, resolving the futures of those done; True if any completed."""
+        self.passes += 1
         progressed = False
         for item, fut in list(self._pending.items()):
             if fut.done():  # cancelled by its awaiter
@@ -330,6 +333,7 @@ class Poller:
 
     async def _sleep(self, delay: float) -> None:
         """Sleep interruptibly: submit(), nudge() and a doorbell ring resolve the waiter early."""
+        self.sleeps += 1
         self._waiter = w = self._loop.create_future()
         timer = self._timer
         if timer is None:  # first sleep: a timerfd, or False where there is none (asked once per loop)

@@ -5,15 +5,16 @@ COMM_WORLD, and a *port*, a number unique within that rank's process (listeners 
 from one counter). ``mpi://`` alone listens on this rank with a fresh port; ``mpi://RANK/PORT`` (no host)
 also connects.
 
-Wire plan (all on COMM_WORLD, tags in ``[2**24, 2**28)`` so they never meet loom's own point-to-point tags;
-MPICH and Open MPI allow tags up to at least ``2**29 - 1``):
+Wire plan (all on COMM_WORLD, tags in the upper half of the running MPI's ``MPI_TAG_UB``, at most
+``[2**24, 2**28)``, so they never meet loom's own small point-to-point tags; see :func:`tag_window`):
 
-1. **Set-up, over MPI only.** Every rank has one *control tag* (:data:`CTRL_TAG`). A connector allocates a
+1. **Set-up, over MPI only.** Every rank has one *control tag* (the window's first). A connector allocates a
    fresh tag pair ``(t, t + 1)`` for what *it* receives, pre-posts a receive for the reply on ``t`` and sends
    ``CONNECT(request id, port, t, its port, its host)`` to the target rank's control tag. The target's
    dispatcher (one task per event loop with listeners, a :class:`_ControlProbe` on loom's poller) allocates
    its own pair ``(u, u + 1)`` and answers ``ACCEPT(u)`` on ``t`` (or ``REFUSE``). Each side chose the tags it
-   receives on, from a process-wide counter that never reuses a tag, so there is nothing to desynchronise;
+   receives on, from a process-wide pool: a pair returns to it only once the peer's CLOSE and every message
+   before it were matched, so a reused tag never meets a stale message and there is nothing to desynchronise;
    many listeners per rank, many connections to one rank and connections to the same rank all work alike.
    A connector that gives up (timeout) sends ``CANCEL(request id)`` so an accepted-but-abandoned server
    comm is aborted instead of waiting forever in its handshake.
@@ -41,14 +42,22 @@ MPICH and Open MPI allow tags up to at least ``2**29 - 1``):
    ``u + 1``. A reader drains what was sent before the close, then raises ``CommClosedError``; pending and
    later reads on the closing side raise at once; after that ``closed()`` is true on both ends.
 
-Dead peers are not detected by this layer: under MPICH's default launcher a killed rank takes the job down
-(see :mod:`loom.dask.launcher`).
+5. **A dead peer closes its comms.** The handshake also carries each side's pid and host key; peers on this
+   host are watched by pidfd (:mod:`loom.dask.liveness`). When a peer's process exits, every channel to it
+   is marked dead: reads deliver what had already arrived, then raise ``CommClosedError``, as writes do,
+   and connects to that rank are refused, exactly what Dask sees over TCP when a worker dies. Sends to it are
+   dropped. Whether the other ranks outlive it is the launcher's matter (see :mod:`loom.dask.launcher`).
+
+Finalisers and the liveness thread make no MPI call and take no lock: a comm dropped unclosed is queued and
+closed by the engine's next :meth:`_Engine.tidy`. No receive blocks: messages drained from closed channels
+are received with non-blocking requests, kept until they complete.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import errno
 import inspect
 import itertools
@@ -56,7 +65,6 @@ import logging
 import os
 import socket
 import struct
-import sys
 import threading
 import time
 import weakref
@@ -80,15 +88,14 @@ from loom import settings
 from loom.comm import ANY_SOURCE, Request, poller, world
 from loom.comm import doorbell
 
-__all__ = ["MPIBackend", "MPIComm", "MPIConnector", "MPIListener", "parse_mpi_address", "set_spin", "CTRL_TAG",
+from . import liveness
+
+__all__ = ["MPIBackend", "MPIComm", "MPIConnector", "MPIListener", "parse_mpi_address", "set_spin", "tag_window",
            "SCHEME"]
 
 logger = logging.getLogger(__name__)
 
 SCHEME = "mpi"
-CTRL_TAG = 1 << 24
-_FIRST_TAG = CTRL_TAG + 2
-_LAST_TAG = (1 << 28) - 2
 
 # Control-tag operations and replies.
 _CONNECT, _CANCEL, _ACCEPT, _REFUSE = 1, 2, 3, 4
@@ -160,8 +167,30 @@ def _unparse(host: str | None, rank: int, port: int | None) -> str:
     return f"{SCHEME}://{loc}" if port is None else f"{SCHEME}://{loc}/{port}"
 
 
+def tag_window(tag_ub: int) -> tuple[int, int]:
+    """``(control tag, last tag)`` of the mpi:// backend under an MPI whose largest tag is ``tag_ub``.
+
+    The backend takes the upper half of the tag space, at most ``[2**24, 2**28)`` (loom's own point-to-point
+    tags are small): with MPICH's ``2**29 - 1`` that is ``[2**24, 2**28)``, under Open MPI over UCX
+    (``2**23 - 1``) ``[2**22, 2**23)``, under the standard's minimum 32767 ``[16384, 32767]``, i.e. 8191
+    connections open at once per rank (tags of closed connections are reused).
+    """
+    last = min(int(tag_ub), (1 << 28) - 1)
+    ctrl = min(1 << 24, (last + 1) // 2)
+    if last - ctrl < 64:
+        raise ValueError(f"MPI_TAG_UB={tag_ub} leaves the mpi:// backend {max(last - ctrl, 0)} tags (it needs 64); "
+                         f"the MPI standard guarantees 32767, so this MPI (or LOOM_TAG_UB) is misconfigured")
+    return ctrl, last
+
+
 class _Engine:
-    """Per-process state: the communicator, tag/port counters, listeners, dispatchers, orphaned sends."""
+    """Per-process state: the communicator, tags, ports, listeners, dispatchers, sends kept until done, peers'
+    liveness.
+
+    Threads: Dask runs one event loop per thread (a client has its own), so the engine's lists are shared.
+    ``lock`` guards only list and counter updates; no MPI call is made while it is held. Finalisers and the
+    liveness thread never take it: they append to ``dropped`` (a deque: atomic append) or flip flags.
+    """
 
     def __init__(self) -> None:
         self.comm = world()
@@ -169,22 +198,54 @@ class _Engine:
         self.size = self.comm.size
         self.host = socket.gethostname().replace("/", "_") or "localhost"
         self.lock = threading.Lock()
-        self._tags = itertools.count(_FIRST_TAG, 2)
+        self.ctrl_tag, self.last_tag = tag_window(self.comm.tag_ub)
+        self._next_tag = self.ctrl_tag + 2
+        self._free_tags: list[int] = []  # receive tags of finished channels, reused before fresh ones
         self._ports = itertools.count(1)
         self._reqs = itertools.count(1)
         self.listeners: dict[int, MPIListener] = {}
         self.dispatchers: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
         self.accepted: weakref.WeakValueDictionary[tuple[int, int], MPIComm] = weakref.WeakValueDictionary()
-        self.orphans: list[Request] = []
+        self.orphans: list[tuple[int, Request]] = []  # (peer, request) kept until done or the peer died
         self.lingering: list[_Channel] = []
+        self.dropped: collections.deque[_Channel] = collections.deque()  # channels of comms nobody closed
         self.channels: weakref.WeakSet[_Channel] = weakref.WeakSet()
         self.flushed = False
-        self.known: dict[int, int] = {}  # every receive tag ever used -> its peer rank (drained at exit)
+        self.known: dict[int, int] = {}  # receive tag in use -> its peer rank (drained at exit, freed when done)
         self.doorbell = doorbell.get()  # this process's, before any handshake advertises it
-        self.pid, self.bell_key = doorbell.address()
+        # Handshakes carry (pid, host key) always: the liveness watcher needs them even with doorbells off.
+        self.pid, self.host_key = os.getpid(), doorbell.host_key()
         self.bells: dict[int, doorbell.Bell] = {}  # peer rank -> its doorbell, learned in handshakes
+        self.liveness = liveness.Watcher(self._peer_died)
         atexit.register(self._flush)
 
+    # ------------------------------------------------------------------------------------ peers
+    def learn_peer(self, rank: int, pid: int, key: int) -> None:
+        """What a handshake told about ``rank``: watch its process when it is on this host; open its doorbell
+        (only a peer on this host with doorbells on has one)."""
+        if key == self.host_key and rank != self.rank:
+            self.liveness.watch(rank, pid)
+        if rank not in self.bells:
+            bell = doorbell.Bell.open(pid, key)
+            if bell is not None:
+                self.bells[rank] = bell
+
+    def ring(self, rank: int) -> None:
+        bell = self.bells.get(rank)
+        if bell is not None:
+            bell.ring()
+
+    def is_dead(self, rank: int) -> bool:
+        return rank in self.liveness.dead
+
+    def _peer_died(self, rank: int) -> None:
+        """On the liveness thread: mark every channel to ``rank`` dead; their readers and writers raise
+        ``CommClosedError`` at their next test (no MPI call, no lock here)."""
+        for chan in list(self.channels):
+            if chan.peer == rank:
+                chan.dead = True
+
+    # ------------------------------------------------------------------------------------ exit
     def _flush(self, deadline_s: float = 5.0, quiet_s: float = 0.2) -> None:
         """At exit, before ``MPI_Finalize``: close every open channel, then drain what peers sent and wait for
         our own sends, until all sends completed and nothing arrived for ``quiet_s`` (or ``deadline_s``).
@@ -193,7 +254,8 @@ class _Engine:
         (CMA). A process that exits with such a send pending leaves its peer an unreceivable message, on
         which the peer's ``MPI_Finalize`` fails an assertion and the launcher kills the whole job (seen here
         as intermittent exit code 9 at the end of clean runs). Every exiting rank drains and waits here, so
-        two ranks shutting down together complete each other's messages.
+        two ranks shutting down together complete each other's messages. Sends to and receives from dead
+        ranks are dropped: they will never complete.
         """
         if self.flushed:
             return
@@ -205,9 +267,7 @@ class _Engine:
             t0 = last = time.monotonic()
             while True:
                 got = self._drain_all()
-                with self.lock:
-                    self.orphans = [r for r in self.orphans if not r.test()]
-                    pending = len(self.orphans)
+                pending = self.tidy()
                 now = time.monotonic()
                 if got:
                     last = now
@@ -218,60 +278,96 @@ class _Engine:
             logger.debug("mpi:// exit flush failed", exc_info=True)
 
     def _drain_all(self) -> int:
-        """Receive and drop every message waiting on any tag this process ever received on (exit only):
+        """Receive and drop every message waiting on a tag this process receives on (exit only):
         ``MPI_Finalize`` fails on a communicator that still holds unmatched messages."""
         got = 0
-        comm = self.comm
-        for tag, peer in [(CTRL_TAG, ANY_SOURCE)] + [(t, p) for t, p in list(self.known.items())]:
-            for t in (tag, tag + 1) if tag != CTRL_TAG else (tag,):
-                while (m := comm.improbe(peer, t)) is not None:
-                    try:
-                        m.recv(np.empty(m.nbytes, np.uint8))
-                    except Exception:  # noqa: BLE001 - a large message from a process that already exited
-                        logger.debug("mpi:// could not drain a message from rank %d", m.source, exc_info=True)
+        pairs = [(self.ctrl_tag, ANY_SOURCE)] + [(t, p) for t, p in list(self.known.items())]
+        for tag, peer in pairs:
+            for t in (tag, tag + 1) if tag != self.ctrl_tag else (tag,):
+                while (m := self.comm.improbe(peer, t)) is not None:
+                    self._discard(m)
                     got += 1
         return got
 
+    def _discard(self, m) -> None:
+        """Receive a matched message into a scratch buffer without blocking (a large one from a rank that is
+        busy, or dead, would block ``MPI_Mrecv``); the request is kept like a send's."""
+        try:
+            req = m.irecv(np.empty(m.nbytes, np.uint8))
+        except Exception:  # noqa: BLE001 - a message from a process that already exited
+            logger.debug("mpi:// could not drain a message from rank %d", m.source, exc_info=True)
+            return
+        with self.lock:
+            self.orphans.append((m.source, req))
+
+    # ------------------------------------------------------------------------------------ closed channels
     def linger(self, chan: "_Channel") -> None:
         """Remember a locally closed channel until its peer's CLOSE (and anything before it) is drained."""
         with self.lock:
             self.lingering.append(chan)
 
-    def _drain(self, everything: bool = False) -> int:
-        """Receive and drop what arrived on closed channels (all channels at exit); returns messages drained."""
+    def _drain(self) -> int:
+        """Drop what arrived on closed channels; free the tags of those that are finished. Returns messages."""
         got = 0
+        with self.lock:
+            chans, self.lingering = self.lingering, []
         keep = []
-        for chan in self.lingering:
+        for chan in chans:
+            if chan.dead or self.is_dead(chan.peer):
+                self.finish(chan)
+                continue
             while (m := self.comm.improbe(chan.peer, chan.recv_tag)) is not None:
-                try:
-                    m.recv(np.empty(m.nbytes, np.uint8))
-                except Exception:  # noqa: BLE001 - a large message from a process that already exited
-                    logger.debug("mpi:// could not drain a message from rank %d", chan.peer, exc_info=True)
+                self._discard(m)
                 chan.n_recv += 1
                 got += 1
-            if everything or not chan.check_peer_close() or chan.n_recv < (chan.peer_total or 0):
+            if not chan.check_peer_close() or chan.n_recv < (chan.peer_total or 0):
                 keep.append(chan)
-        self.lingering = keep
+            else:
+                self.finish(chan)
+        with self.lock:
+            self.lingering.extend(keep)
         return got
 
-    def learn_bell(self, rank: int, pid: int, key: int) -> None:
-        """Remember rank's doorbell from a handshake (only a peer on this host, with doorbells on, has one)."""
-        if rank not in self.bells:
-            bell = doorbell.Bell.open(pid, key)
-            if bell is not None:
-                self.bells[rank] = bell
+    def finish(self, chan: "_Channel") -> None:
+        """``chan`` is closed on both ends and everything its peer sent was matched: reuse its tags."""
+        self.release_tag(chan.recv_tag, chan.peer)
 
-    def ring(self, rank: int) -> None:
-        bell = self.bells.get(rank)
-        if bell is not None:
-            bell.ring()
+    def release_tag(self, tag: int, peer: int) -> None:
+        """Nothing more will arrive from ``peer`` on ``(tag, tag + 1)``: forget it, and reuse it."""
+        with self.lock:
+            if self.known.get(tag) == peer:
+                del self.known[tag]
+                self._free_tags.append(tag)
+
+    def tidy(self) -> int:
+        """Close channels whose comms were dropped unclosed, drain closed ones, forget completed or hopeless
+        requests. Called from ordinary code (never from a finaliser). Returns the requests still pending."""
+        while self.dropped:
+            chan = self.dropped.popleft()
+            if not chan.closed:
+                chan.send_close(abort=True)
+        if self.lingering:
+            self._drain()
+        with self.lock:
+            reqs, self.orphans = self.orphans, []
+        dead = self.liveness.dead
+        pending = [(p, r) for p, r in reqs if p not in dead and not r.test()]
+        with self.lock:
+            self.orphans.extend(pending)
+            return len(self.orphans)
 
     def new_tag(self) -> int:
+        """A receive tag pair ``(t, t + 1)`` for a new channel: a freed one, else the next fresh one."""
         with self.lock:
-            tag = next(self._tags)
-        if tag > _LAST_TAG:
-            raise OSError(f"mpi:// backend ran out of connection tags ({(_LAST_TAG - _FIRST_TAG) // 2} used)")
-        return tag
+            if self._free_tags:
+                return self._free_tags.pop()
+            tag = self._next_tag
+            if tag + 1 > self.last_tag:
+                raise OSError(f"mpi:// backend: all {(self.last_tag - self.ctrl_tag) // 2} connection tags of "
+                              f"rank {self.rank} are in use (MPI_TAG_UB={self.comm.tag_ub}); close connections "
+                              f"or run an MPI with a larger MPI_TAG_UB")
+            self._next_tag += 2
+            return tag
 
     def new_port(self) -> int:
         with self.lock:
@@ -284,12 +380,14 @@ class _Engine:
         with self.lock:
             return next(self._reqs)
 
-    def keep(self, reqs: list[Request]) -> None:
-        """Keep send requests (and their buffers) alive until they complete, after their comm is gone."""
-        with self.lock:
-            if self.lingering:
-                self._drain()
-            self.orphans = [r for r in self.orphans if not r.test()] + [r for r in reqs if not r.test()]
+    def keep(self, reqs: list[Request], peer: int) -> None:
+        """Keep requests to or from ``peer`` (and their buffers) alive until they complete, after their comm is
+        gone; tidies closed channels on the way."""
+        pending = [(peer, r) for r in reqs if not r.test()]
+        if pending:
+            with self.lock:
+                self.orphans.extend(pending)
+        self.tidy()
 
     # ----------------------------------------------------------------------------------- listeners
     def add_listener(self, listener: "MPIListener", port: int | None) -> int:
@@ -356,17 +454,17 @@ class _Engine:
         if op != _CONNECT:
             raise ValueError(f"unknown control op {op}")
         host = bytes(data[_CONNECT_FMT.size:_CONNECT_FMT.size + hlen]).decode() or None
-        self.learn_bell(source, pid, key)
+        self.learn_peer(source, pid, key)
         with self.lock:
             listener = self.listeners.get(port)
         if listener is None:
-            self.keep([self.comm.isend(np.array([_REFUSE, 0, 0, self.pid, self.bell_key], np.uint64), source,
-                                       reply_tag)])
+            self.keep([self.comm.isend(np.array([_REFUSE, 0, 0, self.pid, self.host_key], np.uint64), source,
+                                       reply_tag)], source)
             self.ring(source)
             return
         tag = self.new_tag()
-        self.keep([self.comm.isend(np.array([_ACCEPT, tag, port, self.pid, self.bell_key], np.uint64), source,
-                                   reply_tag)])
+        self.keep([self.comm.isend(np.array([_ACCEPT, tag, port, self.pid, self.host_key], np.uint64), source,
+                                   reply_tag)], source)
         self.ring(source)
         comm = MPIComm(
             _Channel(self, source, send_tag=reply_tag, recv_tag=tag),
@@ -407,7 +505,7 @@ class _ControlProbe:
         self.eng = eng
 
     def poll(self) -> tuple[bool, Any]:
-        m = self.eng.comm.improbe(ANY_SOURCE, CTRL_TAG)
+        m = self.eng.comm.improbe(ANY_SOURCE, self.eng.ctrl_tag)
         if m is None:
             return False, None
         buf = np.empty(m.nbytes, np.uint8)
@@ -449,12 +547,15 @@ class _SendProgress:
     Never counts as rung (no ``bell`` attribute): nobody rings a sender when its sends complete, and only
     its own tests may move them, so while it is pending the poller keeps its timer back-off."""
 
-    __slots__ = ("reqs",)
+    __slots__ = ("reqs", "chan")
 
-    def __init__(self, reqs: list[Request]):
+    def __init__(self, reqs: list[Request], chan: "_Channel"):
         self.reqs = reqs
+        self.chan = chan
 
     def poll(self) -> tuple[bool, Any]:
+        if self.chan.dead:  # a rendezvous send to a dead rank never completes: stop testing it
+            return True, None
         self.reqs = [r for r in self.reqs if not r.test()]
         return not self.reqs, None
 
@@ -471,7 +572,7 @@ class _Channel:
     """
 
     __slots__ = ("eng", "peer", "send_tag", "recv_tag", "n_sent", "n_recv", "peer_total", "peer_aborted",
-                 "closed", "sends", "prune_at", "bell", "__weakref__")
+                 "closed", "dead", "sends", "prune_at", "bell", "__weakref__")
 
     def __init__(self, eng: _Engine, peer: int, *, send_tag: int, recv_tag: int):
         self.eng = eng
@@ -483,6 +584,7 @@ class _Channel:
         self.peer_total: int | None = None  # the peer's n_sent when it closed
         self.peer_aborted = False
         self.closed = False
+        self.dead = eng.is_dead(peer)  # set by the liveness thread when the peer's process exits
         self.sends: list[Request] = []
         self.prune_at = 16
         self.bell = eng.bells.get(peer)  # the peer's doorbell: rung after every message posted to it
@@ -504,6 +606,10 @@ class _Channel:
         if self.closed:
             return
         self.closed = True
+        if self.dead:
+            self.sends = []
+            self.eng.finish(self)
+            return
         try:
             self.isend(np.array([_CLOSE, self.n_sent, int(abort)], np.uint64), self.send_tag + 1)
             if self.bell is not None:
@@ -512,8 +618,10 @@ class _Channel:
             logger.debug("could not send CLOSE to rank %d", self.peer, exc_info=True)
         if self.peer_total is None or self.n_recv < self.peer_total:
             self.eng.linger(self)
-        self.eng.keep(self.sends)
-        self.sends = []
+        else:
+            self.eng.finish(self)
+        sends, self.sends = self.sends, []
+        self.eng.keep(sends, self.peer)
 
     def check_peer_close(self) -> bool:
         """Receive the peer's CLOSE if it came; True when nothing more will arrive from the peer."""
@@ -529,8 +637,11 @@ class _Channel:
 
 
 def _finalize_channel(chan: _Channel) -> None:
-    if not chan.closed and not sys.is_finalizing():
-        chan.send_close(abort=True)
+    """A comm was dropped unclosed. The garbage collector runs this at any allocation, possibly while this
+    thread holds the engine's lock or is inside MPI, so it only queues the channel (no MPI call, no lock):
+    the engine's next :meth:`_Engine.tidy` sends its CLOSE."""
+    if not chan.closed:
+        chan.eng.dropped.append(chan)
 
 
 class _ReadOp:
@@ -575,6 +686,8 @@ class _ReadOp:
                         self.comm._mark_closed()
                         why = "aborted" if chan.peer_aborted else "closed"
                         raise CommClosedError(f"{self.comm!r}: the peer {why} the connection")
+                    if chan.dead:  # everything it sent was received: like TCP's EOF after the buffered data
+                        raise self.comm._peer_died()
                     return False, None
                 chan.n_recv += 1
                 if type(m) is bytearray:
@@ -585,6 +698,8 @@ class _ReadOp:
                     self.head_req = m.irecv(self.head)
             if self.head_req is not None:
                 if not self.head_req.test():
+                    if chan.dead:
+                        raise self.comm._peer_died()
                     return False, None
                 self.head_req = None
             self._start(self.head)
@@ -593,6 +708,8 @@ class _ReadOp:
         while reqs and reqs[-1].test():
             reqs.pop()
         if reqs:
+            if chan.dead:
+                raise self.comm._peer_died()
             return False, None
         return True, self.frames
 
@@ -774,6 +891,8 @@ class MPIComm(Comm):
             raise CommClosedError(f"{self!r} is closed")
         # The peer's CLOSE is probed on the first write and every 8th after it (one MPI probe saved per write):
         # like TCP, a write may succeed after the peer closed; the next read, or a later write, raises.
+        if chan.dead:
+            raise self._peer_died()
         self._writes += 1
         if self._writes & 7 == 1 and chan.check_peer_close():
             self._mark_closed()
@@ -815,7 +934,7 @@ class MPIComm(Comm):
             cached = self._poller = (loop, _poller())
         pending = [r for r in reqs if not r.test()] if reqs else reqs
         if pending:
-            cached[1].submit(_SendProgress(pending)).add_done_callback(_ignore_result)
+            cached[1].submit(_SendProgress(pending, chan)).add_done_callback(_ignore_result)
         elif cached[1].pending:
             cached[1].nudge()  # a reply is usually on its way: reads waiting on this loop test at once
         self._last_write = time.perf_counter()
@@ -875,6 +994,11 @@ class MPIComm(Comm):
         chan.prune()
         return len(head) + sum(sizes[i] for i in range(n) if flags[i] != _INLINE), reqs
 
+    def _peer_died(self) -> CommClosedError:
+        """The peer rank's process exited: close this end (no CLOSE is sent) and say so."""
+        self._mark_closed()
+        return CommClosedError(f"{self!r}: peer rank {self._chan.peer} died")
+
     def _mark_closed(self) -> None:
         if not self._closed:
             self._closed = True
@@ -927,14 +1051,20 @@ class MPIComm(Comm):
 class _Reply:
     """Pollable: the target's answer to a CONNECT (it rings this process once it has sent it)."""
 
-    __slots__ = ("req",)
+    __slots__ = ("req", "eng", "rank")
     bell = True
 
-    def __init__(self, req: Request):
+    def __init__(self, req: Request, eng: _Engine, rank: int):
         self.req = req
+        self.eng = eng
+        self.rank = rank
 
     def poll(self) -> tuple[bool, Any]:
-        return self.req.test(), None
+        if self.req.test():
+            return True, None
+        if self.eng.is_dead(self.rank):
+            raise ConnectionRefusedError(f"mpi:// rank {self.rank} died before answering a connection request")
+        return False, None
 
 
 class MPIConnector(Connector):
@@ -949,6 +1079,8 @@ class MPIConnector(Connector):
         if rank >= eng.size:
             raise ConnectionRefusedError(
                 f"mpi://{address}: rank {rank} is not in this MPI world of {eng.size} ranks")
+        if eng.is_dead(rank):
+            raise ConnectionRefusedError(f"mpi://{address}: rank {rank} died")
         tag = eng.new_tag()
         eng.known[tag] = rank
         my_port = eng.new_port()
@@ -956,21 +1088,23 @@ class MPIConnector(Connector):
         reply = np.zeros(_REPLY_WORDS, np.uint64)
         wait = eng.comm.irecv(reply, rank, tag)
         hb = eng.host.encode()
-        msg = np.frombuffer(_CONNECT_FMT.pack(_CONNECT, req_id, port, tag, my_port, eng.pid, eng.bell_key, len(hb))
+        msg = np.frombuffer(_CONNECT_FMT.pack(_CONNECT, req_id, port, tag, my_port, eng.pid, eng.host_key, len(hb))
                             + hb, np.uint8)
-        eng.keep([eng.comm.isend(msg, rank, CTRL_TAG)])
+        eng.keep([eng.comm.isend(msg, rank, eng.ctrl_tag)], rank)
         eng.ring(rank)
         try:
-            await _poller().submit(_Reply(wait))
+            await _poller().submit(_Reply(wait, eng, rank))
         except BaseException:
-            cancel = np.frombuffer(_CONNECT_FMT.pack(_CANCEL, req_id, port, tag, my_port, eng.pid, eng.bell_key, 0),
-                                   np.uint8)
-            eng.keep([eng.comm.isend(cancel, rank, CTRL_TAG), wait])
-            eng.ring(rank)
+            if not eng.is_dead(rank):
+                cancel = np.frombuffer(_CONNECT_FMT.pack(_CANCEL, req_id, port, tag, my_port, eng.pid, eng.host_key,
+                                                         0), np.uint8)
+                eng.keep([eng.comm.isend(cancel, rank, eng.ctrl_tag), wait], rank)
+                eng.ring(rank)
             raise
         op, peer_tag = int(reply[0]), int(reply[1])
-        eng.learn_bell(rank, int(reply[3]), int(reply[4]))
+        eng.learn_peer(rank, int(reply[3]), int(reply[4]))
         if op != _ACCEPT:
+            eng.release_tag(tag, rank)  # the one reply arrived; nothing else will come on this pair
             raise ConnectionRefusedError(f"mpi://{address}: no listener on port {port} of rank {rank}")
         chan = _Channel(eng, rank, send_tag=peer_tag, recv_tag=tag)
         return MPIComm(chan, local_addr=_unparse(eng.host, eng.rank, my_port),

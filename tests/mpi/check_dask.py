@@ -224,5 +224,18 @@ def check_doorbell_wakes_sleeping_reader(comm):
     comm.iallreduce(np.zeros(1)).wait()
 
 
+def check_tags_within_the_mpi_ceiling(comm):
+    """Every tag this rank used or will use fits the running MPI's MPI_TAG_UB (LOOM_TAG_UB may force it down)."""
+    import os
+
+    eng = B.engine()
+    ub = comm.tag_ub
+    forced = os.environ.get("LOOM_TAG_UB")
+    if forced:
+        assert ub == min(int(forced), ub) and ub <= int(forced), (ub, forced)
+    assert eng.ctrl_tag >= 1 and eng.last_tag <= ub, (eng.ctrl_tag, eng.last_tag, ub)
+    assert eng._next_tag - 1 <= ub and all(t + 1 <= ub for t in eng.known), (eng._next_tag, ub)
+
+
 if __name__ == "__main__":
     mpi_checks(globals())

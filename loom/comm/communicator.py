@@ -33,7 +33,6 @@ subsystems numbering tags from 0 never match each other's messages.
 
 from __future__ import annotations
 
-import os
 import pickle
 from typing import Any, Sequence
 

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("distributed")
 
 from loom.comm import launch  # noqa: E402
-from loom.testing import ROOT  # noqa: E402
+from loom.testing import ROOT, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 

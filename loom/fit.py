@@ -89,6 +89,46 @@ def _progress_mode(progress: bool | str) -> str:
     return progress
 
 
+def _optimizer(optimizer: Any, hp: HybridParallel) -> torch.optim.Optimizer:
+    """``optimizer`` itself, or the one its factory builds on this rank's parameters."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if callable(optimizer):
+        return optimizer(list(hp.parameters()))
+    raise TypeError(f"optimizer must be a torch optimizer or a factory params -> optimizer, got "
+                    f"{type(optimizer).__name__}")
+
+
+def _steps_per_epoch(source: Callable) -> int | None:
+    """Batches per epoch when the source knows it (the bar's total), else ``None``."""
+    try:
+        return getattr(source, "steps", None) or len(source())  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _start_bar():
+    """A started rich progress bar on stderr with a task per epoch (loss and val_loss fields)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("loss {task.fields[loss]:.4g}{task.fields[val]}"), TimeElapsedColumn(),
+                   console=Console(file=sys.stderr), transient=False)
+    bar.start()
+    return bar
+
+
+def _report_epoch(hist: History, epoch: str, mode: str, bar: Any, task: Any) -> None:
+    """Show the epoch just finished: a line on stderr (``lines``) or its val_loss on the bar."""
+    if mode == "lines":
+        val = f"  val_loss {hist.val_loss[-1]:.6g}" if hist.val_loss else ""
+        print(f"epoch {epoch}: loss {hist.loss[-1]:.6g}{val}  ({hist.seconds[-1]:.2f} s)",
+              file=sys.stderr, flush=True)
+    elif bar is not None and hist.val_loss:
+        bar.update(task, val=f"  val_loss {hist.val_loss[-1]:.4g}")
+
+
 def fit(model: Any, data: Any, loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: Any, *, epochs: int = 1,
         partitions: int = 1, replicas: int | None = None, micro_batches: int = 1, schedule: str = "1f1b",
         balance: str | list[int] = "params", batch_size: int | None = None, validation: Any = None,
@@ -118,31 +158,14 @@ def fit(model: Any, data: Any, loss_fn: Callable[[Any, Any], torch.Tensor], opti
     mode = _progress_mode(progress)
     hp = HybridParallel(model, partitions=partitions, replicas=replicas, micro_batches=micro_batches,
                         schedule=schedule, balance=balance, **hybrid)
-    if isinstance(optimizer, torch.optim.Optimizer):
-        opt = optimizer
-    elif callable(optimizer):
-        opt = optimizer(list(hp.parameters()))
-    else:
-        raise TypeError(f"optimizer must be a torch optimizer or a factory params -> optimizer, got "
-                        f"{type(optimizer).__name__}")
+    opt = _optimizer(optimizer, hp)
     source = _batches(data, batch_size)
     r, reps = hp.replica_index, hp.replicas
     rank0 = hp.pp.rank == 0 and hp.dp.rank == 0
     hist = History(model=hp)
-    try:
-        steps = getattr(source, "steps", None) or len(source())  # type: ignore[arg-type]
-    except TypeError:
-        steps = None
+    steps = _steps_per_epoch(source)
     mode = mode if rank0 else "none"
-    bar = None
-    if mode == "bar":
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        bar = Progress(TextColumn("epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
-                       TextColumn("loss {task.fields[loss]:.4g}{task.fields[val]}"), TimeElapsedColumn(),
-                       console=Console(file=sys.stderr), transient=False)
-        bar.start()
+    bar = _start_bar() if mode == "bar" else None
     try:
         for ep in range(epochs):
             t0 = time.perf_counter()
@@ -164,12 +187,7 @@ def fit(model: Any, data: Any, loss_fn: Callable[[Any, Any], torch.Tensor], opti
                 vx, vy = validation
                 hist.val_loss.append(hp.eval_step(_shard(vx, r, reps), _shard(vy, r, reps), loss_fn))
             hist.seconds.append(time.perf_counter() - t0)
-            if mode == "lines":
-                val = f"  val_loss {hist.val_loss[-1]:.6g}" if hist.val_loss else ""
-                print(f"epoch {ep + 1}/{epochs}: loss {hist.loss[-1]:.6g}{val}  ({hist.seconds[-1]:.2f} s)",
-                      file=sys.stderr, flush=True)
-            elif bar is not None and hist.val_loss:
-                bar.update(task, val=f"  val_loss {hist.val_loss[-1]:.4g}")
+            _report_epoch(hist, f"{ep + 1}/{epochs}", mode, bar, task)
     finally:
         if bar is not None:
             bar.stop()

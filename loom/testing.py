@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 from . import settings
 from .comm import launch
 
-__all__ = ["run_ranks", "mpi_checks", "seeded", "assert_all_checks_passed", "load_checks", "ROOT"]
+__all__ = ["run_ranks", "mpi_checks", "seeded", "assert_all_checks_passed", "load_checks", "run_bench", "ROOT"]
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root: relative script paths are resolved against it."""
@@ -131,3 +131,16 @@ def load_checks(script: str | os.PathLike) -> tuple[ModuleType, list[tuple[str, 
     sys.modules[name] = module  # dataclasses and pickling look the module up by name
     spec.loader.exec_module(module)
     return module, [(k, v) for k, v in vars(module).items() if k.startswith("check_") and callable(v)]
+
+
+def run_bench(tmp_path: Path, *argv: str, ranks: int = 2, timeout: float = 180) -> tuple[dict, str]:
+    """Run ``loom bench ARGV --json`` on ``ranks`` ranks; return the JSON document and the printed table.
+
+    Raises ``AssertionError`` with the output unless the job exits 0."""
+    import json
+
+    out = Path(tmp_path) / "bench.json"
+    proc = launch.run(ranks, [sys.executable, "-m", "loom.cli", "bench", *argv, "--json", str(out)], timeout=timeout,
+                      env={"LOOM_LAUNCHED": "1", "OMP_NUM_THREADS": "1"}, capture=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text()), proc.stdout

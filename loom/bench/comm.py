@@ -159,22 +159,20 @@ def _bw(argv: list[str], bidirectional: bool) -> int:
             # One send and one receive buffer reused across the window, as osu_bw does (bounded memory at 64 MiB).
             sb, rb = _buf(args.buffer, size), _buf(args.buffer, size)
             bufs, rbufs = [sb] * WINDOW, [rb] * WINDOW
-            if r == 0:
-                def f():
-                    reqs = [isend(b, 1, 1) for b in bufs]
-                    if bidirectional:
-                        reqs += [irecv(b, 1, 1) for b in rbufs]
-                    waitall(reqs)
+            if r > 1:
+                return _idle
+            # Rank 0 posts its sends first and rank 1 its receives, then (bibw) the other direction; the
+            # rank 1 acknowledges the window so the next one starts after it has all arrived.
+            peer = 1 - r
+            posts = [(isend, bufs), (irecv, rbufs)] if r == 0 else [(irecv, rbufs), (isend, bufs)]
+            posts = posts if bidirectional else posts[:1]
+
+            def f():
+                waitall([post(b, peer, 1) for post, window_bufs in posts for b in window_bufs])
+                if r == 0:
                     recv(ack, 1, 2)
-            elif r == 1:
-                def f():
-                    reqs = [irecv(b, 0, 1) for b in rbufs]
-                    if bidirectional:
-                        reqs += [isend(b, 0, 1) for b in bufs]
-                    waitall(reqs)
+                else:
                     send(ack, 0, 2)
-            else:
-                f = _idle
             return f
         return make
 

@@ -317,29 +317,43 @@ class Communicator:
     def reduce_scatter(self, tensor: _b.Buffer, op: str = "sum") -> _b.Buffer:
         """Reduce across ranks, then rank r keeps block r of dim 0 (dim 0 must divide by the size)."""
         mop = _op(op)
-        _check_dim0(tensor, "reduce_scatter")
-        n0, p = tensor.shape[0], self.size
-        if n0 % p:
-            raise ValueError(
-                f"reduce_scatter: dim 0 of size {n0} does not divide by {p} ranks of {self.name!r}; "
-                f"pad dim 0 to {-(-n0 // p) * p}"
-            )
-        x = _host_view(tensor)
-        xin = _b.cast(x, _b.reduction_dtype(x))
-        out = _b.empty_like_shape(xin, (n0 // p, *xin.shape[1:]))
+        p = self.size
+        x, xin, out = self._reduce_scatter_buffers(tensor, "reduce_scatter")
         self.mpi.Reduce_scatter_block(_as_send(xin), _as_send(out), mop)
         self._count("reduce_scatter", _b.nbytes(x) * (p - 1) // p)
         if op == "avg":
             out /= p
         return _to_device(_b.cast(out, x.dtype), tensor)
 
-    def allgather(self, tensor: _b.Buffer, *, out: _b.Buffer | None = None) -> _b.Buffer:
-        """Concatenate every rank's tensor along dim 0 (same shape on every rank); ``out`` to reuse a buffer."""
-        _check_dim0(tensor, "allgather")
+    def _check_blocks(self, tensor: _b.Buffer, what: str, other_fix: str = "") -> tuple[int, int]:
+        """Check that dim 0 splits into one equal block per rank; return (dim 0, ranks)."""
+        _check_dim0(tensor, what)
+        n0, p = tensor.shape[0], self.size
+        if n0 % p:
+            raise ValueError(
+                f"{what}: dim 0 of size {n0} does not divide by {p} ranks of {self.name!r}; "
+                f"pad dim 0 to {-(-n0 // p) * p}{other_fix}"
+            )
+        return n0, p
+
+    def _reduce_scatter_buffers(self, tensor: _b.Buffer, what: str):
+        """Check that dim 0 splits over the ranks; return the host view, its reducible copy and the block buffer."""
+        n0, p = self._check_blocks(tensor, what)
+        x = _host_view(tensor)
+        xin = _b.cast(x, _b.reduction_dtype(x))
+        return x, xin, _b.empty_like_shape(xin, (n0 // p, *xin.shape[1:]))
+
+    def _allgather_buffers(self, tensor: _b.Buffer, out: _b.Buffer | None, what: str):
+        """Return the host view, whether ``out`` can take the gather directly, and the buffer to gather into."""
+        _check_dim0(tensor, what)
         x = _host_view(tensor)
         shape = (x.shape[0] * self.size, *x.shape[1:])
         direct = out is not None and tuple(out.shape) == shape and _b.direct_target(out, x)
-        res = out if direct else _b.empty_like_shape(x, shape)
+        return x, direct, out if direct else _b.empty_like_shape(x, shape)
+
+    def allgather(self, tensor: _b.Buffer, *, out: _b.Buffer | None = None) -> _b.Buffer:
+        """Concatenate every rank's tensor along dim 0 (same shape on every rank); ``out`` to reuse a buffer."""
+        x, direct, res = self._allgather_buffers(tensor, out, "allgather")
         self.mpi.Allgather(_as_bytes(x), _as_bytes(res))
         self._count("allgather", _b.nbytes(x) * (self.size - 1))
         if direct:
@@ -361,13 +375,7 @@ class Communicator:
 
     def alltoall(self, tensor: _b.Buffer, *, out: _b.Buffer | None = None) -> _b.Buffer:
         """Split dim 0 into ``size`` equal blocks, block j to rank j; returns the received blocks in rank order."""
-        _check_dim0(tensor, "alltoall")
-        n0, p = tensor.shape[0], self.size
-        if n0 % p:
-            raise ValueError(
-                f"alltoall: dim 0 of size {n0} does not divide by {p} ranks of {self.name!r}; "
-                f"pad dim 0 to {-(-n0 // p) * p} or use alltoallv with explicit counts"
-            )
+        _, p = self._check_blocks(tensor, "alltoall", " or use alltoallv with explicit counts")
         x = _host_view(tensor)
         direct = out is not None and tuple(out.shape) == tuple(x.shape) and _b.direct_target(out, x)
         res = out if direct else _b.empty_like_shape(x, tuple(x.shape))
@@ -467,11 +475,7 @@ class Communicator:
 
     def iallgather(self, tensor: _b.Buffer, *, out: _b.Buffer | None = None) -> Request:
         """Non-blocking :meth:`allgather`; ``out`` (contiguous, ``size`` times the rows) to gather in place."""
-        _check_dim0(tensor, "iallgather")
-        x = _host_view(tensor)
-        shape = (x.shape[0] * self.size, *x.shape[1:])
-        direct = out is not None and tuple(out.shape) == shape and _b.direct_target(out, x)
-        res = out if direct else _b.empty_like_shape(x, shape)
+        x, direct, res = self._allgather_buffers(tensor, out, "iallgather")
         req = self.mpi.Iallgather(_as_bytes(x), _as_bytes(res))
         self._count("allgather", _b.nbytes(x) * (self.size - 1))
 
@@ -486,16 +490,8 @@ class Communicator:
     def ireduce_scatter(self, tensor: _b.Buffer, op: str = "sum") -> Request:
         """Non-blocking :meth:`reduce_scatter`; ``wait()`` returns this rank's block of the reduction."""
         mop = _op(op)
-        _check_dim0(tensor, "ireduce_scatter")
-        n0, p = tensor.shape[0], self.size
-        if n0 % p:
-            raise ValueError(
-                f"ireduce_scatter: dim 0 of size {n0} does not divide by {p} ranks of {self.name!r}; "
-                f"pad dim 0 to {-(-n0 // p) * p}"
-            )
-        x = _host_view(tensor)
-        xin = _b.cast(x, _b.reduction_dtype(x))
-        res = _b.empty_like_shape(xin, (n0 // p, *xin.shape[1:]))
+        p = self.size
+        x, xin, res = self._reduce_scatter_buffers(tensor, "ireduce_scatter")
         req = self.mpi.Ireduce_scatter_block(_as_send(xin), _as_send(res), mop)
         self._count("reduce_scatter", _b.nbytes(x) * (p - 1) // p)
 

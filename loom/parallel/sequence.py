@@ -217,36 +217,27 @@ def _h2s(xs: Sequence[torch.Tensor], comm) -> list[torch.Tensor]:
     return [o.reshape(b, s, p * h, d) for o, h in zip(outs, heads)]
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """A packed all-to-all ``there`` (:func:`_s2h` or :func:`_h2s`); its backward is the other one, ``back``."""
+
     @staticmethod
-    def forward(ctx, comm, *xs):
-        ctx.comm = comm
-        return tuple(_s2h(xs, comm))
+    def forward(ctx, comm, there, back, *xs):
+        ctx.comm, ctx.back = comm, back
+        return tuple(there(xs, comm))
 
     @staticmethod
     def backward(ctx, *gs):
-        return (None, *_h2s(gs, ctx.comm))  # undefined grads arrive as zeros (materialize_grads)
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, comm, *xs):
-        ctx.comm = comm
-        return tuple(_h2s(xs, comm))
-
-    @staticmethod
-    def backward(ctx, *gs):
-        return (None, *_s2h(gs, ctx.comm))
+        return (None, None, None, *ctx.back(gs, ctx.comm))  # undefined grads arrive as zeros (materialize_grads)
 
 
 def seq_to_heads(*xs: torch.Tensor, comm) -> tuple[torch.Tensor, ...]:
     """Differentiable packed all-to-all ``[B, s, H, D] -> [B, P s, H / P, D]`` (backward: :func:`heads_to_seq`)."""
-    return _SeqToHeads.apply(comm, *xs)
+    return _AllToAll.apply(comm, _s2h, _h2s, *xs)
 
 
 def heads_to_seq(*xs: torch.Tensor, comm) -> tuple[torch.Tensor, ...]:
     """Differentiable packed all-to-all ``[B, P s, h, D] -> [B, s, P h, D]`` (backward: :func:`seq_to_heads`)."""
-    return _HeadsToSeq.apply(comm, *xs)
+    return _AllToAll.apply(comm, _h2s, _s2h, *xs)
 
 
 # ---------------------------------------------------------------------------------------------- Ulysses

@@ -50,6 +50,13 @@ def _need(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _at_least(cfg: Any, section: str, **least: float) -> None:
+    """Each named field of ``cfg`` must be >= its bound; the error names ``section.field``, its value and bound."""
+    for name, low in least.items():
+        value = getattr(cfg, name)
+        _need(value >= low, f"{section}.{name} = {value} must be >= {low}")
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """The Llama-style decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU or MoE FFN."""
@@ -214,10 +221,10 @@ class OptimConfig:
     def __post_init__(self) -> None:
         _need(self.lr > 0, f"optim.lr = {self.lr} must be > 0")
         _need(0 <= self.min_lr <= self.lr, f"optim.min_lr = {self.min_lr} must be in [0, optim.lr = {self.lr}]")
-        _need(self.warmup >= 0, f"optim.warmup = {self.warmup} must be >= 0")
+        _at_least(self, "optim", warmup=0)
         _need(self.schedule in ("cosine", "constant"), f"optim.schedule = {self.schedule!r}; valid: cosine, constant")
         _need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)")
-        _need(self.grad_clip >= 0, f"optim.grad_clip = {self.grad_clip} must be >= 0")
+        _at_least(self, "optim", grad_clip=0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -240,11 +247,9 @@ class DataConfig:
     """Pipeline micro-batches per step (``mesh.pp`` > 1)."""
 
     def __post_init__(self) -> None:
-        _need(self.seq_len >= 2, f"data.seq_len = {self.seq_len} must be >= 2")
-        _need(self.batch >= 1, f"data.batch = {self.batch} must be >= 1")
-        _need(self.micro_batches >= 1, f"data.micro_batches = {self.micro_batches} must be >= 1")
+        _at_least(self, "data", seq_len=2, batch=1, micro_batches=1)
         _need(0 < self.heldout < 1, f"data.heldout = {self.heldout} must be in (0, 1)")
-        _need(self.max_bytes >= 0, f"data.max_bytes = {self.max_bytes} must be >= 0")
+        _at_least(self, "data", max_bytes=0)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -275,11 +280,11 @@ class TrainConfig:
     """GiB of memory per rank; ``--dry-run`` then says whether the run fits and the longest sequence that does."""
 
     def __post_init__(self) -> None:
-        _need(self.steps >= 1, f"train.steps = {self.steps} must be >= 1")
+        _at_least(self, "train", steps=1)
         _need(self.dtype in ("float32", "float64", "bfloat16"),
               f"train.dtype = {self.dtype!r}; valid: float32, float64, bfloat16")
         _need(self.eval_every >= 0 and self.eval_batches >= 1, "train.eval_every must be >= 0, eval_batches >= 1")
-        _need(self.log_every >= 1, f"train.log_every = {self.log_every} must be >= 1")
+        _at_least(self, "train", log_every=1)
         _need(self.progress in ("auto", "bar", "lines", "none"),
               f"train.progress = {self.progress!r}; valid: auto, bar, lines, none")
         _need(self.device in ("cpu", "cuda"), f"train.device = {self.device!r}; valid: cpu, cuda")
@@ -298,8 +303,7 @@ class CheckpointConfig:
     """Directory; empty = ``<train.out>/checkpoints``."""
 
     def __post_init__(self) -> None:
-        _need(self.every >= 0, f"checkpoint.every = {self.every} must be >= 0")
-        _need(self.keep >= 1, f"checkpoint.keep = {self.keep} must be >= 1")
+        _at_least(self, "checkpoint", every=0, keep=1)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -340,7 +344,7 @@ class MultipathConfig:
     def __post_init__(self) -> None:
         _need(isinstance(self.topology, str) and bool(self.topology),
               f"multipath.topology = {self.topology!r}; give 'auto', a preset name or a TOML file")
-        _need(self.min_bytes >= 0, f"multipath.min_bytes = {self.min_bytes} must be >= 0")
+        _at_least(self, "multipath", min_bytes=0)
 
 
 _SECTIONS: dict[str, type] = {

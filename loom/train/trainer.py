@@ -190,25 +190,11 @@ class Trainer:
             self.policy, self.hook = compression_hook(
                 cfg.compress.policy, None if cfg.compress.min_kb < 0 else int(cfg.compress.min_kb * 1024))
         self.corpus = load_corpus(cfg.data)
-        self.mesh = Mesh(cfg.mesh.axes(), comm=self.comm)
-        c = self.mesh.coords
-        self.dp_rank, self.sp_rank, self.pp_rank = c.get("dp", 0), c.get("sp", 0), c.get("pp", 0)
-        self.ep_rank = c.get("ep", 0)
-        self.dp = self.mesh["dp"] if cfg.mesh.dp > 1 else None
-        self.sp = self.mesh["sp"] if cfg.mesh.sp > 1 else None
-        self.pp = self.mesh["pp"] if cfg.mesh.pp > 1 else None
-        self.ep = self.mesh["ep"] if cfg.mesh.ep > 1 else None
-        # Replicated parameters are averaged over every rank that sees other data: dp and ep together.
-        self.rep = self.mesh[("dp", "ep")] if cfg.mesh.ep > 1 else self.dp
+        self._lay_mesh()
         ep_comm = None
         if cfg.model.ffn == "moe":
             ep_comm = self.ep if self.ep is not None else self.comm.split(self.comm.rank, 0, name="ep")
-        if cfg.train.device == "cuda":
-            if not torch.cuda.is_available():
-                raise ConfigError("train.device = 'cuda' but torch sees no CUDA device; use train.device = 'cpu'")
-            self.device = torch.device("cuda", self.comm.rank % torch.cuda.device_count())
-        else:
-            self.device = torch.device("cpu")
+        self.device = self._pick_device()
         self.dtype = _DTYPES[cfg.train.dtype]
         torch.manual_seed(cfg.train.seed)
         sp_codec = self.policy.codec_for("sp") if self.policy is not None else None
@@ -240,21 +226,48 @@ class Trainer:
         self.param_names = [n for n, p in self.model.named_parameters() if id(p) in ids]
         named = dict(self.model.named_parameters())
         self.params = [named[n] for n in self.param_names]
-        o = cfg.optim
-        self.opt = torch.optim.AdamW(
-            [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": o.weight_decay},
-             {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}],
-            lr=o.lr, betas=(o.beta1, o.beta2), foreach=False)
-        if cfg.zero.stage == 1:
-            from loom.parallel import ShardedOptimizer
-
-            self.opt = ShardedOptimizer.wrap(self.opt, self.mesh[cfg.zero.axes])
+        self.opt = self._make_optimizer()
         self.start_step = 0
         self.resumed_from_nothing = False
         if resume:
             self._resume()
             self.resumed_from_nothing = self.start_step == 0
         self._buckets = self._make_buckets()
+
+    def _lay_mesh(self) -> None:
+        """The mesh over ``self.comm``, this rank's coordinates, and a communicator per axis longer than 1."""
+        cfg = self.cfg
+        self.mesh = Mesh(cfg.mesh.axes(), comm=self.comm)
+        c = self.mesh.coords
+        self.dp_rank, self.sp_rank, self.pp_rank = c.get("dp", 0), c.get("sp", 0), c.get("pp", 0)
+        self.ep_rank = c.get("ep", 0)
+        self.dp = self.mesh["dp"] if cfg.mesh.dp > 1 else None
+        self.sp = self.mesh["sp"] if cfg.mesh.sp > 1 else None
+        self.pp = self.mesh["pp"] if cfg.mesh.pp > 1 else None
+        self.ep = self.mesh["ep"] if cfg.mesh.ep > 1 else None
+        # Replicated parameters are averaged over every rank that sees other data: dp and ep together.
+        self.rep = self.mesh[("dp", "ep")] if cfg.mesh.ep > 1 else self.dp
+
+    def _pick_device(self) -> torch.device:
+        """The CPU, or the CUDA device of this rank's local index."""
+        if self.cfg.train.device != "cuda":
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device = 'cuda' but torch sees no CUDA device; use train.device = 'cpu'")
+        return torch.device("cuda", self.comm.rank % torch.cuda.device_count())
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over this rank's parameters (no weight decay on vectors), sharded under ZeRO stage 1."""
+        cfg, o = self.cfg, self.cfg.optim
+        opt = torch.optim.AdamW(
+            [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": o.weight_decay},
+             {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}],
+            lr=o.lr, betas=(o.beta1, o.beta2), foreach=False)
+        if cfg.zero.stage == 1:
+            from loom.parallel import ShardedOptimizer
+
+            opt = ShardedOptimizer.wrap(opt, self.mesh[cfg.zero.axes])
+        return opt
 
     def _make_hybrid(self) -> HybridParallel:
         cfg = self.cfg

@@ -1,11 +1,9 @@
 """The OMB-style comm benchmarks run end to end on 2 ranks, loom and raw mpi4py in one table (tiny sizes)."""
 
-import json
-import sys
 
 import pytest
 
-from loom.comm import launch
+from loom.testing import run_bench
 
 pytestmark = pytest.mark.mpi
 
@@ -18,11 +16,7 @@ QUICK = ["-M", "16", "-i", "4", "-x", "1", "--rounds", "1"]
     ("alltoallv", "Latency (us)"),
 ])
 def test_bench_table_against_raw(tmp_path, bench, column):
-    out = tmp_path / "r.json"
-    proc = launch.run(2, [sys.executable, "-m", "loom.cli", "bench", bench, *QUICK, "--json", str(out)],
-                      timeout=180, env={"LOOM_LAUNCHED": "1", "OMP_NUM_THREADS": "1"}, capture=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads(out.read_text())
+    doc, _ = run_bench(tmp_path, bench, *QUICK)
     unit = column[column.index("("):]
     assert doc["columns"] == ["Size", column, f"raw mpi4py {unit}", "loom/raw"]
     assert doc["rows"] and doc["rows"][-1]["Size"] == 16

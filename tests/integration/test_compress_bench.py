@@ -1,25 +1,15 @@
 """The compression benchmarks run end to end on 2 ranks and report what they measured (small sizes)."""
 
-import json
-import sys
 
 import pytest
 
-from loom.comm import launch
+from loom.testing import run_bench
 
 pytestmark = pytest.mark.mpi
 
 
-def _run(tmp_path, *argv):
-    out = tmp_path / "r.json"
-    proc = launch.run(2, [sys.executable, "-m", "loom.cli", "bench", *argv, "--json", str(out)], timeout=180,
-                      env={"LOOM_LAUNCHED": "1", "OMP_NUM_THREADS": "1"}, capture=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(out.read_text()), proc.stdout
-
-
 def test_bench_allreduce_codec(tmp_path):
-    doc, text = _run(tmp_path, "compress", "--codec", "int8", "-m", "1K", "-M", "64K", "-i", "5",
+    doc, text = run_bench(tmp_path, "compress", "--codec", "int8", "-m", "1K", "-M", "64K", "-i", "5",
                      "--iterations-large", "3", "-x", "1", "--warmup-large", "1", "--rounds", "1")
     assert "# Size" in text and "Compressed Allreduce" in text
     rows = {r["Size"]: r for r in doc["rows"]}
@@ -29,7 +19,7 @@ def test_bench_allreduce_codec(tmp_path):
 
 
 def test_bench_compress_train(tmp_path):
-    doc, text = _run(tmp_path, "compress-train", "--steps", "4", "--tail", "2", "--model", "mlp",
+    doc, text = run_bench(tmp_path, "compress-train", "--steps", "4", "--tail", "2", "--model", "mlp",
                      "--policies", "none,hybrid,dp=powersgd:rank=2")
     res = {r["policy"]: r for r in doc["meta"]["results"]}
     assert res["none"]["wire_bytes_per_step"] == res["none"]["raw_bytes_per_step"] > 0

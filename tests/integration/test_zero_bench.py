@@ -1,22 +1,16 @@
 """``loom bench zero`` and ``loom bench hybrid`` run end to end on 2 ranks and report what they measured (small
 sizes; nothing is asserted about time)."""
 
-import json
-import sys
 
 import pytest
 
-from loom.comm import launch
+from loom.testing import run_bench
 
 pytestmark = pytest.mark.mpi
 
 
 def _run(tmp_path, *argv):
-    out = tmp_path / "r.json"
-    proc = launch.run(2, [sys.executable, "-m", "loom.cli", "bench", *argv, "--json", str(out)], timeout=400,
-                      env={"LOOM_LAUNCHED": "1", "OMP_NUM_THREADS": "1"}, capture=True)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(out.read_text()), proc.stdout
+    return run_bench(tmp_path, *argv, timeout=400)
 
 
 def test_bench_zero(tmp_path):

@@ -111,6 +111,14 @@ class Skip(nn.Module):
         return self.d(self.c(self.b(h)) + h)
 
 
+def _twins(cls, seed: int):
+    """Two fp64 copies of ``cls()`` with the same seeded weights: one to parallelize, one as the reference."""
+    torch.manual_seed(seed)
+    model, ref = cls().double(), cls().double()
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
 def test_fx_capture_live_sets_carry_skips_hop_by_hop():
     g = capture(Skip())
     assert g.kind == "fx" and g.inputs == ["x"]
@@ -157,10 +165,7 @@ def test_config_errors():
 
 
 def test_single_rank_microbatched_equals_plain_torch_and_time_balance():
-    torch.manual_seed(0)
-    model = Skip().double()
-    ref = Skip().double()
-    ref.load_state_dict(model.state_dict())
+    model, ref = _twins(Skip, 0)
     x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
     hp = HybridParallel(model, micro_batches=4, balance="time", sample_inputs=x[:2])
     opt, ropt = torch.optim.Adam(hp.parameters(), lr=0.05), torch.optim.Adam(ref.parameters(), lr=0.05)
@@ -193,10 +198,7 @@ def test_keras_sequential_single_rank():
 def test_fit_equals_manual_loop_and_validates():
     import loom
 
-    torch.manual_seed(1)
-    model = Skip().double()
-    ref = Skip().double()
-    ref.load_state_dict(model.state_dict())
+    model, ref = _twins(Skip, 1)
     x, y = torch.randn(24, 4, dtype=torch.float64), torch.randn(24, 4, dtype=torch.float64)
     hist = loom.fit(model, (x, y), nn.MSELoss(), functools.partial(torch.optim.SGD, lr=0.1), epochs=2,
                     batch_size=8, micro_batches=2, validation=(x, y), progress=True)
@@ -258,9 +260,7 @@ class ShapeBranch(nn.Module):
 
 
 def test_torch_export_fallback_with_sample_inputs():
-    torch.manual_seed(2)
-    model, ref = ShapeBranch().double(), ShapeBranch().double()
-    ref.load_state_dict(model.state_dict())
+    model, ref = _twins(ShapeBranch, 2)
     x, z, y = (torch.randn(8, d, dtype=torch.float64) for d in (4, 4, 2))
     with pytest.raises(TraceError, match="sample_inputs="):
         HybridParallel(model, micro_batches=2)

@@ -36,7 +36,7 @@ from .. import settings
 __all__ = [
     "mpiexec", "mpiexec_argv", "run", "flavor", "library_flavor", "is_openmpi", "check_pairing",
     "inside_job", "rank_pids", "Death", "DeathParser", "pid_alive", "start_time",
-    "signal_verified", "survivor_flags",
+    "signal_verified", "survivor_flags", "descendants",
 ]
 
 MPICH, OPENMPI, UNKNOWN = "mpich", "openmpi", "unknown"
@@ -174,9 +174,10 @@ def run(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        import signal
-
+        family = descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
+        for pid, started in family:  # ranks in other process groups (Open MPI) survive the launcher's death
+            signal_verified(pid, signal.SIGKILL, lambda p, t=started: start_time(p) == t)
         out, err = proc.communicate()
         raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
@@ -213,6 +214,30 @@ def signal_verified(pid: int, sig: int, is_it: Callable[[int], bool]) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def descendants(pid: int) -> list[tuple[int, int]]:
+    """Every live descendant of ``pid`` as ``(pid, start time)``: launchers put ranks in other process groups
+    (hydra's proxies start their own sessions; Open MPI's ranks outlive a killed prterun), so killpg misses
+    them. The start time tells each from a later process that reuses its pid (:func:`signal_verified`)."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ppid, started = int(fields[1]), int(fields[19])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append((int(entry), started))
+    out: list[tuple[int, int]] = []
+    todo = [pid]
+    while todo and len(out) < 10_000:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c[0])
+    return out
 
 
 def pid_alive(pid: int) -> bool:

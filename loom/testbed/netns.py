@@ -474,33 +474,10 @@ class Testbed:
         return pids
 
 
-def _descendants(pid: int) -> list[tuple[int, int]]:
-    """Every live descendant of ``pid`` as ``(pid, start time)`` (hydra's proxies start their own sessions, so
-    killpg misses them); the start time tells it from a later process that reuses its pid."""
-    children: dict[int, list[tuple[int, int]]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            ppid, started = int(fields[1]), int(fields[19])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append((int(entry), started))
-    out: list[tuple[int, int]] = []
-    todo = [pid]
-    while todo and len(out) < 10_000:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c[0])
-    return out
-
-
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGTERM the launcher's process group (hydra then cleans up its ranks), SIGKILL after a grace period,
     and SIGKILL any descendant that lives in another session."""
-    family = _descendants(proc.pid)
+    family = _launch.descendants(proc.pid)
     for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)

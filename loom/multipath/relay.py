@@ -257,28 +257,33 @@ def alltoallv(
     np.fill_diagonal(demand, 0)
     if p == 1 or (plan is None and demand.max(initial=0) < min_bytes):
         return comm.alltoallv(tensor, sc, rc)
-    key = (id(topology), counts.tobytes(), row_bytes, min_bytes, chunk_bytes, id(plan),
-           tuple(sorted((planner or {}).items())))
-    hit = _CACHE.get(key)
-    if hit is None:
-        if plan is None:
-            # Warm start from this topology's last plan: a job's counts move a little from step to step.
-            kw = {"previous": _LAST.get(id(topology)), **(planner or {})}
-            pl = _LAST[id(topology)] = make_plan(topology, demand, min_bytes=min_bytes, **kw)
-        else:
-            pl = plan
-        msgs = schedule(counts, pl, row_bytes, chunk_bytes, min(_MAX_MESSAGES, comm.tag_ub))
-        hit = (pl.method, msgs)
-        _CACHE[key] = hit
-        if len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
-    else:
-        _CACHE.move_to_end(key)
-    _, msgs = hit
+    msgs = _messages(comm, topology, plan, counts, demand, row_bytes, min_bytes, chunk_bytes, planner)
     if all(len(m.hops) == 2 for m in msgs) and plan is None:
         # Every byte on its static route: exactly what MPI's alltoallv does, without the extra tags.
         return comm.alltoallv(tensor, sc, rc)
     return _execute(tensor, counts, msgs, comm.sub("relay"), window, chunk_bytes, row_bytes)
+
+
+def _messages(comm: Communicator, topology: Topology, plan: Plan | None, counts: np.ndarray, demand: np.ndarray,
+              row_bytes: int, min_bytes: int, chunk_bytes: int, planner: dict[str, Any] | None) -> list[Message]:
+    """The schedule for this demand: cached per (topology, counts, sizes); planned when ``plan`` is None, warm
+    started from this topology's last plan (a job's counts move a little from step to step)."""
+    key = (id(topology), counts.tobytes(), row_bytes, min_bytes, chunk_bytes, id(plan),
+           tuple(sorted((planner or {}).items())))
+    hit = _CACHE.get(key)
+    if hit is not None:
+        _CACHE.move_to_end(key)
+        return hit[1]
+    if plan is None:
+        kw = {"previous": _LAST.get(id(topology)), **(planner or {})}
+        pl = _LAST[id(topology)] = make_plan(topology, demand, min_bytes=min_bytes, **kw)
+    else:
+        pl = plan
+    msgs = schedule(counts, pl, row_bytes, chunk_bytes, min(_MAX_MESSAGES, comm.tag_ub))
+    _CACHE[key] = (pl.method, msgs)
+    if len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return msgs
 
 
 def _execute(tensor: Buffer, counts: np.ndarray, msgs: list[Message], comm: Communicator, window: int,

@@ -60,6 +60,16 @@ class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", Formatter)
         super().__init__(*args, **kwargs)
+        self.checks: list = []
+        """``check(namespace) -> message or None``: rules across arguments, reported like any usage error."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, rest = super().parse_known_args(args, namespace)
+        for check in self.checks:
+            msg = check(ns)
+            if msg:
+                self.error(msg)
+        return ns, rest
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -136,7 +146,8 @@ def add_topology(p: argparse.ArgumentParser, *, nodes: int | None = 2, per: int 
     ``topology`` is given); ``None`` defaults mean "the preset's value". Returns the group to add more to."""
     g = p.add_argument_group("topology")
     if topology is not None:
-        g.add_argument("-t", "--topology", default=topology, help="topology preset" + (f" ({presets})" if presets else ""))
+        g.add_argument("-t", "--topology", default=topology,
+                       help="topology preset" + (f" ({presets})" if presets else ""))
     tail = " (preset default when omitted)" if nodes is None else ""
     g.add_argument("-N", "--nodes", type=int, default=nodes, help="nodes" + tail)
     g.add_argument("-R", "--ranks-per-node", type=int, default=per, help="ranks per node (one NIC each)" + tail)

@@ -60,6 +60,16 @@ class ArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", Formatter)
         super().__init__(*args, **kwargs)
+        self.checks: list = []
+        """``check(namespace) -> message or None``: rules across arguments, reported like any usage error."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, rest = super().parse_known_args(args, namespace)
+        for check in self.checks:
+            msg = check(ns)
+            if msg:
+                self.error(msg)
+        return ns, rest
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

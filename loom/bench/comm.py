@@ -54,9 +54,9 @@ def _run_pair(size: int, args, comm: Communicator, mk_loom: Callable,
     fl = mk_loom(size)
     fr = mk_raw(size) if mk_raw is not None else None
     for _ in range(max(1, args.rounds)):
-        best_l = min(best_l, omb.time_op(fl, comm, warm, iters, max_seconds=args.max_seconds))
+        best_l = min(best_l, omb.time_op(fl, comm, warm, iters, max_seconds=args.max_seconds, nbytes=size))
         if fr is not None:
-            best_r = min(best_r, omb.time_op(fr, comm, warm, iters, max_seconds=args.max_seconds))
+            best_r = min(best_r, omb.time_op(fr, comm, warm, iters, max_seconds=args.max_seconds, nbytes=size))
     return best_l, (best_r if fr is not None else None)
 
 

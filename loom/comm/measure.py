@@ -50,6 +50,8 @@ def parser(prog: str, description: str, *, min_size: int = 1, max_size: int = 1 
     p.add_argument("--buffer", choices=("numpy", "torch"), default="numpy", help="buffer type")
     p.add_argument("--vs", choices=tuple(vs), default=default_vs, help="peer measured in the same run")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.checks.append(lambda a: f"--max-size {a.max_size} is below --min-size {a.min_size}; raise --max-size or "
+                              f"lower --min-size" if a.max_size < a.min_size else None)
     return p
 
 
@@ -74,29 +76,46 @@ def iterations(size: int, args: argparse.Namespace) -> tuple[int, int]:
     return args.warmup, args.iterations
 
 
-def time_op(fn: Callable[[], Any], comm, warmup: int, iters: int, *, max_seconds: float = 10.0) -> float:
+def time_op(fn: Callable[[], Any], comm, warmup: int, iters: int, *, max_seconds: float = 10.0,
+            nbytes: int = 0) -> float:
     """Mean seconds per call of ``fn`` on this rank (after a barrier and ``warmup`` calls).
 
     All ranks run the same number of iterations: the count is cut short only by agreement (rank 0 decides
-    from its clock and broadcasts every 64 iterations), so a collective loop never desynchronises.
+    from its clock and broadcasts), so a collective loop never desynchronises. The warm-up and the timed
+    loop are each bounded by ``max_seconds``, checked every 64 calls for small messages and after every
+    call above 1 MiB (``nbytes``) or once a call takes over ``max_seconds / 64``, so a loop overshoots its
+    bound by at most one call even when one call moves a window of large messages.
     """
-    for _ in range(warmup):
-        fn()
+    every = 1 if nbytes > _PER_CALL_CHECK else 64
+    _bounded(fn, comm, warmup, max_seconds, every)
     comm.barrier()
+    t0 = time.perf_counter()
+    done = _bounded(fn, comm, iters, max_seconds, every)
+    return (time.perf_counter() - t0) / max(done, 1)
+
+
+_PER_CALL_CHECK = 1 << 20  # bytes per call above which time_op checks its time bound after every call
+
+
+def _bounded(fn: Callable[[], Any], comm, n: int, max_seconds: float, every: int) -> int:
+    """Call ``fn`` up to ``n`` times, stopping (by rank 0's agreement) once ``max_seconds`` have passed."""
     done = 0
     t0 = time.perf_counter()
-    while done < iters:
-        block = min(64, iters - done)
+    while done < n:
+        block = 1 if done == 0 else min(every, n - done)  # the first call alone: it tells a slow call early
         for _ in range(block):
             fn()
         done += block
-        if done < iters:
-            stop = time.perf_counter() - t0 > max_seconds
+        if done < n:
+            elapsed = time.perf_counter() - t0
+            stop = elapsed > max_seconds
+            if every > 1 and elapsed / done > max_seconds / 64:
+                every = 1  # slow calls: check after each one from now on
             if comm.size > 1:
-                stop = comm.bcast_object(stop, 0)
+                stop, every = comm.bcast_object((stop, every), 0)
             if stop:
                 break
-    return (time.perf_counter() - t0) / done
+    return done
 
 
 @dataclass

@@ -68,6 +68,7 @@ def test_every_help_renders_and_short_flags_mean_one_thing(argv, monkeypatch):
     (["plan", "--nodes", "x"], "argument -N/--nodes: invalid int value"),
     (["plan", "--skew", "lopsided"], "lopsided"),
     (["bench", "latency", "-M", "lots"], "size 'lots' is not a byte count"),
+    (["bench", "compress", "--codec", "int8", "-m", "64K", "-M", "8K"], "--max-size 8192 is below --min-size 65536"),
     (["bench", "allreduce", "--codec", "int8"], "unrecognized arguments: --codec int8"),
     (["bench", "nope"], "invalid choice: 'nope'"),
     (["generate"], "the following arguments are required: --checkpoint"),

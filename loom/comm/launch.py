@@ -127,12 +127,7 @@ def survivor_flags(launcher: str | None = None) -> list[str]:
     see :func:`loom.dask.liveness.ignore_launcher_signal`). Open MPI keeps survivors only when built with
     ULFM and run with ``--with-ft ulfm``; that is not assumed here.
     """
-    launcher = launcher or mpiexec()
-    try:
-        out = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return ["-disable-auto-cleanup"] if "HYDRA" in out else []
+    return ["-disable-auto-cleanup"] if flavor(launcher) == MPICH else []
 
 
 def mpiexec_argv(n: int, argv: Sequence[str], *, extra: Sequence[str] = ()) -> list[str]:

@@ -999,11 +999,14 @@ class MPIComm(Comm):
         self._mark_closed()
         return CommClosedError(f"{self!r}: peer rank {self._chan.peer} died")
 
-    def _mark_closed(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._chan.send_close(abort=False)
-            self._finalizer.detach()
+    def _mark_closed(self, abort: bool = False) -> bool:
+        """Close this end once, sending CLOSE (or ABORT) to the peer; True if this call closed it."""
+        if self._closed:
+            return False
+        self._closed = True
+        self._chan.send_close(abort=abort)
+        self._finalizer.detach()
+        return True
 
     def _wake_reader(self) -> None:
         op = self._reader
@@ -1022,21 +1025,13 @@ class MPIComm(Comm):
 
     async def close(self):
         """Close cleanly: messages already written are still delivered, then the peer's reads raise."""
-        if self._closed:
-            return
-        self._closed = True
-        self._chan.send_close(abort=False)
-        self._finalizer.detach()
-        self._wake_reader()
+        if self._mark_closed(abort=False):
+            self._wake_reader()
 
     def abort(self) -> None:
         """Close at once; the peer's pending and later reads raise ``CommClosedError``."""
-        if self._closed:
-            return
-        self._closed = True
-        self._chan.send_close(abort=True)
-        self._finalizer.detach()
-        self._wake_reader()
+        if self._mark_closed(abort=True):
+            self._wake_reader()
 
     def closed(self) -> bool:
         """True once this end closed, or a read or write found the peer gone (as TCP's comm: a peer's close is

@@ -11,6 +11,7 @@ unit tests run them in one process (a 1-rank world) and ``tests/mpi/check_dask.p
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from typing import Any, Callable
@@ -32,6 +33,8 @@ __all__ = [
     "check_addresses",
     "check_split_frames",
     "check_close_wakes_reader",
+    "on_pair",
+    "ADDRESS_CHECKS",
     "run_all",
 ]
 
@@ -356,31 +359,39 @@ async def check_close_wakes_reader(addr: str) -> None:
     await b.close()
 
 
+def on_pair(check: Callable) -> Callable:
+    """``check(a, b)`` as a check of an address: it runs on a fresh connected pair to that address."""
+
+    @functools.wraps(check)
+    async def on_addr(addr: str) -> None:
+        await check(*await comm_pair(addr))
+
+    return on_addr
+
+
+# Every check that needs only an address somebody listens on, in the order ``run_all`` runs them.
+ADDRESS_CHECKS = (
+    check_client_server,
+    check_comm_closed_implicit,
+    check_comm_closed_explicit,
+    check_many_listeners,
+    check_deserialize,
+    check_deserialize_roundtrip,
+    check_deserialize_eoferror,
+    on_pair(check_repr),
+    on_pair(check_addresses),
+    check_split_frames,
+    check_close_wakes_reader,
+)
+
+
 async def run_all(addr: str, *, missing: str) -> list[str]:
-    """Every address-generic check on ``addr``; ``missing`` is an address nobody listens on."""
+    """Every address-generic check on ``addr``; ``missing`` is an address nobody listens on. Returns the names
+    of the checks run, in order."""
+    steps = [(check, addr) for check in ADDRESS_CHECKS]
+    steps.insert(3, (check_connect_timeout, missing))
     done = []
-    await check_client_server(addr)
-    done.append("client_server")
-    await check_comm_closed_implicit(addr)
-    done.append("comm_closed_implicit")
-    await check_comm_closed_explicit(addr)
-    done.append("comm_closed_explicit")
-    await check_connect_timeout(missing)
-    done.append("connect_timeout")
-    await check_many_listeners(addr)
-    done.append("many_listeners")
-    await check_deserialize(addr)
-    done.append("deserialize")
-    await check_deserialize_roundtrip(addr)
-    done.append("deserialize_roundtrip")
-    await check_deserialize_eoferror(addr)
-    done.append("deserialize_eoferror")
-    await check_repr(*await comm_pair(addr))
-    done.append("repr")
-    await check_addresses(*await comm_pair(addr))
-    done.append("addresses")
-    await check_split_frames(addr)
-    done.append("split_frames")
-    await check_close_wakes_reader(addr)
-    done.append("close_wakes_reader")
+    for check, target in steps:
+        await check(target)
+        done.append(check.__name__.removeprefix("check_"))
     return done

@@ -23,17 +23,22 @@ _NEGLIGIBLE = 40.0
 
 
 @njit(cache=True)
+def _add_path(links, p, f, out):
+    """``out[e] += f`` for every directed link ``e`` of path ``p``."""
+    for j in range(links.shape[1]):
+        e = links[p, j]
+        if e < 0:
+            break
+        out[e] += f
+
+
+@njit(cache=True)
 def loads(links, x, base, out):
     """``out = base + sum_p x_p [e in p]``."""
     out[:] = base
     for p in range(links.shape[0]):
-        f = x[p]
-        if f != 0.0:
-            for j in range(links.shape[1]):
-                e = links[p, j]
-                if e < 0:
-                    break
-                out[e] += f
+        if x[p] != 0.0:
+            _add_path(links, p, x[p], out)
 
 
 @njit(cache=True)
@@ -182,14 +187,8 @@ def _shifted(links, L, best, worst, t, out):
     out[:] = L
     for i in range(t.size):
         if t[i] > 0.0:
-            for side in range(2):
-                p = best[i] if side == 0 else worst[i]
-                sign = t[i] if side == 0 else -t[i]
-                for j in range(links.shape[1]):
-                    e = links[p, j]
-                    if e < 0:
-                        break
-                    out[e] += sign
+            _add_path(links, best[i], t[i], out)
+            _add_path(links, worst[i], -t[i], out)
 
 
 @njit(cache=True)

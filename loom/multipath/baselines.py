@@ -18,7 +18,7 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
 
-from .planner import Candidates, Plan, candidates, plan_from_flows
+from .planner import Candidates, Plan, _static_flows, candidates, plan_from_flows
 from .topology import Topology
 
 __all__ = ["single_path", "ecmp", "stripe", "lp_optimum", "BASELINES"]
@@ -29,32 +29,25 @@ def _inter(c: Candidates) -> np.ndarray:
     return node[c.pairs[:, 0]] != node[c.pairs[:, 1]] if len(c.pairs) else np.zeros(0, dtype=bool)
 
 
-def single_path(topology: Topology, demand: np.ndarray) -> Plan:
-    """All bytes on the static route."""
+def _plan_by_rule(topology: Topology, demand: np.ndarray, name: str, flows) -> Plan:
+    """The plan with bytes per path ``flows(c)`` over the candidates ``c``; its time includes finding the
+    candidates, as the planner's does."""
     t0 = time.perf_counter()
     c = candidates(topology, demand)
-    f = np.zeros(len(c.pair_of))
-    f[c.ptr[:-1]] = c.volume
-    return plan_from_flows(c, f, "single-path", time.perf_counter() - t0)
+    return plan_from_flows(c, flows(c), name, time.perf_counter() - t0)
 
 
-def ecmp(topology: Topology, demand: np.ndarray) -> Plan:
-    """One hashed path per pair between nodes (CRC32 of ``"s->d"``), static within a node."""
-    t0 = time.perf_counter()
-    c = candidates(topology, demand)
+def _ecmp_flows(c: Candidates) -> np.ndarray:
     f = np.zeros(len(c.pair_of))
     inter = _inter(c)
     for i, (s, d) in enumerate(c.pairs.tolist()):
         k = int(c.ptr[i + 1] - c.ptr[i])
         j = zlib.crc32(f"{s}->{d}".encode()) % k if inter[i] else 0
         f[c.ptr[i] + j] = c.volume[i]
-    return plan_from_flows(c, f, "ecmp", time.perf_counter() - t0)
+    return f
 
 
-def stripe(topology: Topology, demand: np.ndarray) -> Plan:
-    """Inter-node pairs split evenly over every rail path; intra-node pairs static."""
-    t0 = time.perf_counter()
-    c = candidates(topology, demand)
+def _stripe_flows(c: Candidates) -> np.ndarray:
     f = np.zeros(len(c.pair_of))
     inter = _inter(c)
     for i in range(len(c.volume)):
@@ -63,7 +56,22 @@ def stripe(topology: Topology, demand: np.ndarray) -> Plan:
             f[a:b] = c.volume[i] / (b - a)
         else:
             f[a] = c.volume[i]
-    return plan_from_flows(c, f, "stripe", time.perf_counter() - t0)
+    return f
+
+
+def single_path(topology: Topology, demand: np.ndarray) -> Plan:
+    """All bytes on the static route."""
+    return _plan_by_rule(topology, demand, "single-path", _static_flows)
+
+
+def ecmp(topology: Topology, demand: np.ndarray) -> Plan:
+    """One hashed path per pair between nodes (CRC32 of ``"s->d"``), static within a node."""
+    return _plan_by_rule(topology, demand, "ecmp", _ecmp_flows)
+
+
+def stripe(topology: Topology, demand: np.ndarray) -> Plan:
+    """Inter-node pairs split evenly over every rail path; intra-node pairs static."""
+    return _plan_by_rule(topology, demand, "stripe", _stripe_flows)
 
 
 def lp_optimum(topology: Topology, demand: np.ndarray, *, max_paths: int = 200_000) -> Plan:

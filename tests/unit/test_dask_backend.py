@@ -31,21 +31,14 @@ def test_entry_point_registers_mpi_scheme():
     assert isinstance(get_backend("mpi"), B.MPIBackend)
 
 
-def test_client_server():
-    run(C.check_client_server(ADDR))
+@pytest.mark.parametrize("check", C.ADDRESS_CHECKS, ids=lambda check: check.__name__)
+def test_conformance_check(check):
+    run(check(ADDR))
 
 
 def test_client_server_explicit_host_and_rank():
     eng = B.engine()
     run(C.check_client_server(f"mpi://{eng.host}/{eng.rank}", check_listen=lambda loc: loc.startswith(eng.host)))
-
-
-def test_comm_closed_implicit():
-    run(C.check_comm_closed_implicit(ADDR))
-
-
-def test_comm_closed_explicit():
-    run(C.check_comm_closed_explicit(ADDR))
 
 
 def test_connect_timeout_without_listener():
@@ -74,44 +67,6 @@ def test_connect_to_missing_rank_is_oserror():
             await B.MPIConnector().connect("5/1")
 
     run(main())
-
-
-def test_many_listeners():
-    run(C.check_many_listeners(ADDR))
-
-
-def test_deserialize():
-    run(C.check_deserialize(ADDR))
-
-
-def test_deserialize_roundtrip():
-    run(C.check_deserialize_roundtrip(ADDR))
-
-
-def test_deserialize_eoferror():
-    run(C.check_deserialize_eoferror(ADDR))
-
-
-def test_repr():
-    async def main():
-        await C.check_repr(*await C.comm_pair(ADDR))
-
-    run(main())
-
-
-def test_addresses():
-    async def main():
-        await C.check_addresses(*await C.comm_pair(ADDR))
-
-    run(main())
-
-
-def test_split_frames():
-    run(C.check_split_frames(ADDR))
-
-
-def test_close_wakes_reader():
-    run(C.check_close_wakes_reader(ADDR))
 
 
 def test_numpy_payloads_exact():

@@ -197,6 +197,10 @@ RESUMABLE: dict[str, frozenset[str]] = {
     # The checkpoint holds whole stages, so the replicas and shards can be laid out again; pp must match.
     "mesh": frozenset({"dp", "sp", "ep", "schedule"}),
     "data": frozenset({"micro_batches"}),
+    # The optimizer state is saved unsharded (ZeRO stage 1 gathers it), so the split can change on resume;
+    # multi-path routing moves the same bytes by other paths.
+    "zero": frozenset({"stage", "axes"}),
+    "multipath": frozenset({"enabled", "topology", "min_bytes"}),
 }
 """Config keys a ``--resume`` may change: how long, how often, where, and on how many replicas.
 Every other key (the model, optimizer, data, compression, precision) must equal the checkpoint's."""

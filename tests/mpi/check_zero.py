@@ -319,6 +319,9 @@ def check_train_zero_stage1_matches_stage0_and_reshards_on_resume(comm):
         for a, b in zip(runs[0][0], runs[1][0]):
             assert abs(a["loss"] - b["loss"]) < 1e-9, (extra, a["loss"], b["loss"])
         for n, t in runs[0][1].items():
+            if t.is_meta:  # under pp a rank materialises only its own stage; the other stages stay on meta
+                assert runs[1][1][n].is_meta, (extra, n)
+                continue
             assert (t - runs[1][1][n]).abs().max() < 1e-9, (extra, n)
     if "pp" in TRAIN_MESHES[comm.size][0].get("mesh", {}):
         return

@@ -57,7 +57,7 @@ def test_train_hf_config_exports_save_pretrained(tmp_path, mesh, capsys):
         got = hf(input_ids=x, use_cache=False).logits
     assert torch.equal(got, want)
 
-    assert generate(["-c", str(out / "checkpoints"), "-n", "8", "-t", "0"]) == 0
+    assert generate(["--checkpoint", str(out / "checkpoints"), "--tokens", "8", "--temperature", "0"]) == 0
     assert "# checkpoint" in capsys.readouterr().err
 
 

@@ -63,16 +63,16 @@ def test_sigkill_fails_fast_and_resume_continues(tmp_path):
                             start_new_session=True)
     try:
         ckdir = out / "checkpoints"
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # a hang bound: start-up alone can take minutes on a busy machine
         while not list(ckdir.glob("step_*.pt")):
             assert proc.poll() is None, f"job ended before its first checkpoint:\n{proc.stdout.read()}"
-            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            assert time.monotonic() < deadline, "no checkpoint within 600 s"
             time.sleep(0.2)
         pid = _rank_pid(str(out), 1)
         assert pid is not None, "rank 1's process not found"
         os.kill(pid, signal.SIGKILL)
         try:  # a job that outlives a dead rank hangs: the timeout fails it (how fast it dies is not asserted)
-            proc.wait(timeout=120)
+            proc.wait(timeout=300)
         except subprocess.TimeoutExpired:
             pytest.fail("job still running 120 s after a rank was SIGKILLed (hang?)")
         assert proc.returncode != 0, proc.stdout.read()

@@ -53,9 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-w", "--width", type=int, default=1024, help="hidden width of the residual blocks")
     p.add_argument("-d", "--depth", type=int, default=16, help="residual blocks (each width x width)")
     p.add_argument("-b", "--batch", type=int, default=16, help="global batch size (rows)")
-    p.add_argument("-m", "--micro-batches", default="auto",
+    p.add_argument("--micro-batches", default="auto",
                    help="micro-batches per replica batch: a number for every mode, or auto (each mode its best)")
-    p.add_argument("-s", "--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b",
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved"), default="1f1b",
                    help="pipeline schedule")
     p.add_argument("-i", "--iterations", type=int, default=10, help="timed steps per round")
     p.add_argument("-x", "--warmup", type=int, default=2, help="untimed steps per round")

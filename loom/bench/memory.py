@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .. import cli_args
 from ..comm import world
 from ..parallel.offload import MemoryTracker
 from .omb import Table
@@ -44,8 +45,7 @@ CONFIGS: dict[str, tuple[int, dict[str, dict[str, Any]]]] = {
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loom bench memory", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli_args.ArgumentParser(prog="loom bench memory", description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=4, help="global batch in sequences")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps measured (>= 2 includes Adam state)")

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .. import cli_args
 from ..comm import Communicator, world
 from ..parallel.offload import MemoryTracker
 from ..parallel.zero import ShardedDataParallel, reset_zero_stats, zero_stats
@@ -44,8 +45,7 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loom bench zero", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli_args.ArgumentParser(prog="loom bench zero", description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=parse_size, default=parse_size("48M"), help="capacity: memory per rank")
     p.add_argument("--width", type=int, default=256, help="capacity: features per residual block")
     p.add_argument("--batch", type=int, default=16, help="capacity and FSDP2: global batch (rows)")

@@ -75,10 +75,11 @@ def fill_dp(cfg: Config, size: int) -> int:
     return size // other
 
 
-def preflight(cfg: Config) -> None:
-    """What the trainer checks before its first collective, without communicating: the compression policy,
-    the corpus and the device. Raises :class:`ConfigError` (``--dry-run`` calls this; the trainer itself
-    runs the same checks)."""
+def preflight(cfg: Config) -> list[str]:
+    """What the trainer checks before its first collective, without communicating (``--dry-run`` calls this;
+    the trainer runs the same checks). A wrong setting (the compression policy) raises :class:`ConfigError`;
+    what this machine lacks for the run (the corpus, the device) is returned instead, for the dry-run to report
+    after its plan: a GPU job is often planned where there is no GPU, and the plan is what was asked for."""
     import torch
 
     from .data import load_corpus
@@ -86,9 +87,14 @@ def preflight(cfg: Config) -> None:
 
     if cfg.compress.policy != "none":
         compression_hook(cfg.compress.policy, None if cfg.compress.min_kb < 0 else int(cfg.compress.min_kb * 1024))
-    load_corpus(cfg.data)
+    problems = []
+    try:
+        load_corpus(cfg.data)
+    except (ConfigError, ValueError, OSError) as exc:
+        problems.append(str(exc))
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device = 'cuda' but torch sees no CUDA device; use train.device = 'cpu'")
+        problems.append("train.device = 'cuda' but torch sees no CUDA device; use train.device = 'cpu'")
+    return problems
 
 
 def claim(cfg: Config, *, resume: bool, overwrite: bool, dry_run: bool = False) -> None:
@@ -122,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, [*rest, f"--mesh.dp={fill_dp(cfg, size)}"])
         if size is not None:
             cfg.validate_world(size)
-        if args.dry_run:
-            preflight(cfg)
+        problems = preflight(cfg) if args.dry_run else []
         # Every rank checks the directory; rank 0 clears it on --overwrite before the trainer's first
         # collective, and nothing is written until after that collective.
         claim(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run)
@@ -132,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         if settings.launch_rank() == 0:
             print(plan(cfg, size))
+            for problem in problems:  # the real run stops here (exit 2); the plan above still holds
+                print(f"loom train: warning: this machine cannot run it as configured: {problem}", file=sys.stderr)
         return 0
 
     import torch

@@ -73,7 +73,7 @@ def test_every_help_renders_and_short_flags_mean_one_thing(argv, monkeypatch):
     (["bench", "nope"], "invalid choice: 'nope'"),
     (["generate"], "the following arguments are required: --checkpoint"),
     (["testbed", "show", "-N", "x"], "invalid int value"),
-    (["dask", "run"], "the following arguments are required: script"),
+    (["dask", "run"], "without a client script the cluster serves outside clients: give --tcp HOST:PORT"),
     (["dask", "run", "--ranks", "0", "x.py"], "--ranks 0 must be >= 1"),
     (["demo", "--ranks"], "--ranks needs a value"),
     (["nosuch"], "unknown command 'nosuch'"),

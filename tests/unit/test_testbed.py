@@ -149,7 +149,9 @@ def test_rank_env_and_mpmd_launch_line():
     segments = " ".join(argv[1:]).split(" : ")
     assert len(segments) == 4
     for g, seg in enumerate(segments):
-        assert seg.startswith(f"-n 1 ip netns exec {tb.rank_ns(g)} env ") and seg.endswith("A=1 python x.py")
+        # each emulated node gets its own host name (unshare --uts), so topology detection sees the nodes
+        assert seg.startswith(f"-n 1 ip netns exec {tb.rank_ns(g)} unshare --uts ") and seg.endswith("A=1 python x.py")
+        assert f" loomtb-node{g // 2} env " in seg
         assert f"LOOM_TESTBED_NODE={g // 2} " in seg
     with pytest.raises(ValueError, match="empty command"):
         tb.mpiexec_argv([])

@@ -621,6 +621,9 @@ def generate_text(model: nn.Module, model_cfg: Any, prompt: str, *, tokens: int,
     torch.manual_seed(seed)
     sample = temperature > 0
     extra = {"temperature": temperature, "top_k": top_k or None} if sample else {}
+    vocab = int(model.config.vocab_size)
+    if tok is None and vocab > 256:  # without a tokenizer the model speaks loom's bytes: no id past 255
+        extra["suppress_tokens"] = list(range(256, vocab))
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=sample,
                          pad_token_id=model.config.pad_token_id or 0, **extra)[0]
     return tok.decode(out, skip_special_tokens=True) if tok is not None else decode(out.tolist())

@@ -113,8 +113,6 @@ def extract(sections: Path = SECTIONS) -> list[Example]:
                          body)
             if ex.kind == "commands":
                 ex.commands = _commands(body)
-                if not ex.commands:
-                    continue  # output, not an example
             else:
                 n = re.search(r"mpiexec -n (\d+) python", body)
                 ex.ranks = int(n.group(1)) if n else 1
@@ -122,6 +120,8 @@ def extract(sections: Path = SECTIONS) -> list[Example]:
             marker = _MARKER.fullmatch(before[before.rfind("<!--"):]) if before.endswith("-->") else None
             if marker:
                 _apply(ex, marker.group(1))
+            if ex.kind == "commands" and not ex.commands and not ex.file:
+                continue  # output, not an example (a file=NAME block of any language is an input)
             found.append(ex)
     return found
 

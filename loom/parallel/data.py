@@ -30,22 +30,22 @@ from typing import Callable, Sequence
 
 import torch
 
+from .. import stats as _stats
 from ..comm import Communicator, Request
 
 __all__ = ["GradHook", "GradReducer", "allreduce_hook", "dp_stats", "reset_dp_stats"]
 
 GradHook = Callable[[torch.Tensor, Communicator, int], torch.Tensor]
 
-_STATS = {"exposed_comm_s": 0.0}
 
 
 def dp_stats() -> dict[str, float]:
     """Seconds every :class:`GradReducer` of this process spent blocked in :meth:`GradReducer.finish`."""
-    return dict(_STATS)
+    return {"exposed_comm_s": _stats.counters("time", "dp").get("exposed_comm_s", 0.0)}  # a registry view
 
 
 def reset_dp_stats() -> None:
-    _STATS["exposed_comm_s"] = 0.0
+    _stats.counters("time", "dp").clear()
 
 
 def allreduce_hook(flat: torch.Tensor, comm: Communicator, bucket_index: int) -> torch.Tensor:
@@ -171,7 +171,7 @@ class GradReducer:
         for res in self._results:
             if isinstance(res, Request):
                 res.wait()
-        _STATS["exposed_comm_s"] += time.perf_counter() - t0
+        _stats.add("time", "dp", exposed_comm_s=time.perf_counter() - t0)
         k = 0
         for b, vs in zip(self.buckets, self._views):
             for p, v in zip(b, vs):

@@ -66,25 +66,27 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from .. import stats as _stats
 from ..comm import Communicator, Mesh, Request
 from .data import GradReducer
 
 __all__ = ["ShardedDataParallel", "ShardedOptimizer", "zero_stats", "reset_zero_stats", "MANIFEST"]
 
 MAX_PENDING = 1  # outstanding gradient reduce-scatters (each holds a bucket's padded gradient)
-_STATS = {"exposed_comm_s": 0.0, "gathers": 0, "gather_waits": 0, "reduce_scatters": 0}
+# The counters live in the one stats registry (loom.stats, kind "time", scope "zero"); zero_stats() is a view.
+_ZERO_COUNTERS = ("exposed_comm_s", "gathers", "gather_waits", "reduce_scatters")
 MANIFEST = "manifest.json"
 
 
 def zero_stats() -> dict[str, float]:
     """Counters of every :class:`ShardedDataParallel` in this process: seconds blocked on communication
     (``exposed_comm_s``), parameter gathers posted, gathers not complete when needed, reduce-scatters."""
-    return dict(_STATS)
+    live = _stats.counters("time", "zero")
+    return {k: live.get(k, 0) for k in _ZERO_COUNTERS}
 
 
 def reset_zero_stats() -> None:
-    for k in _STATS:
-        _STATS[k] = 0 if isinstance(_STATS[k], int) else 0.0
+    _stats.counters("time", "zero").clear()
 
 
 def _wait(req: Request) -> Any:
@@ -93,7 +95,7 @@ def _wait(req: Request) -> Any:
         return req.wait()
     t0 = time.perf_counter()
     out = req.wait()
-    _STATS["exposed_comm_s"] += time.perf_counter() - t0
+    _stats.add("time", "zero", exposed_comm_s=time.perf_counter() - t0)
     return out
 
 
@@ -449,7 +451,7 @@ class ShardedDataParallel(nn.Module):
             else:
                 flat = self._padded_flat(b, grads, self.master_dtype)
             self._pending_rs.append((b.index, self._rs.ireduce_scatter(flat)))
-            _STATS["reduce_scatters"] += 1
+            _stats.add("time", "zero", reduce_scatters=1)
             for p in b.params:
                 p.grad = None
             self._drain(MAX_PENDING)
@@ -555,7 +557,7 @@ class ShardedDataParallel(nn.Module):
         else:
             req = self._rs.ireduce_scatter(grad)
         self._pending_rs.append((b.index, req))
-        _STATS["reduce_scatters"] += 1
+        _stats.add("time", "zero", reduce_scatters=1)
         b.posted = True
 
     def _post_ready(self) -> None:
@@ -595,12 +597,12 @@ class ShardedDataParallel(nn.Module):
         else:
             b.full = torch.empty(b.padded, dtype=self.compute_dtype)
             b.req = self._ag.iallgather(src, out=b.full)
-        _STATS["gathers"] += 1
+        _stats.add("time", "zero", gathers=1)
 
     def _ensure(self, b: _Bucket) -> None:
         if b.req is not None:
             if not b.req.test():
-                _STATS["gather_waits"] += 1
+                _stats.add("time", "zero", gather_waits=1)
             _wait(b.req)
             b.req = None
             self._bind(b)

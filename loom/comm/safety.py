@@ -41,6 +41,7 @@ _INSTALLED = False
 _CHECK = False
 _TIMEOUT: float | None = None
 _ORIGINALS: dict[str, Callable] = {}
+ABORT_GRACE_S = 0.5  # between writing the traceback and MPI_Abort (see _abort_hook)
 
 
 def _abort_hook(exc_type, exc, tb, where: str = "") -> None:
@@ -50,6 +51,10 @@ def _abort_hook(exc_type, exc, tb, where: str = "") -> None:
     sys.stderr.write(f"[rank {rank}] loom: uncaught {exc_type.__name__}{where}; aborting the job (MPI_Abort)\n")
     sys.stderr.flush()
     sys.stdout.flush()
+    # The launcher forwards a rank's output from a pipe; on MPI_Abort it kills the ranks and may exit before
+    # reading what is still in that pipe (seen on a loaded machine: an empty stderr). A moment's grace lets
+    # the traceback reach the user; it costs nothing on a job that is ending anyway.
+    time.sleep(ABORT_GRACE_S)
     MPI.COMM_WORLD.Abort(1)
 
 

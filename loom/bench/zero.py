@@ -62,42 +62,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Tracker(MemoryTracker):
-    """The live-storage tracker, also counting storages resized in place (FSDP2's unsharded parameters) and
-    looking through DTensors to their local shards."""
-
-    def _add(self, t: torch.Tensor) -> None:
-        local = getattr(t, "_local_tensor", None)
-        super()._add(t if local is None else local)
-
-    def _resized(self, st, nbytes: int) -> None:
-        key = st._cdata
-        if key in self._live:
-            old, _ = self._live.pop(key)
-            self.current -= old
-        self._live[key] = (nbytes, None)  # resized storages are freed by resizing to 0, not by deletion
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
-
-    def __enter__(self):
-        orig = torch.UntypedStorage.resize_
-        tracker = self
-
-        def resize_(st, n):
-            out = orig(st, n)
-            if not tracker._paused:
-                tracker._resized(st, int(n))
-            return out
-
-        self._orig_resize = orig
-        torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._orig_resize
-        return super().__exit__(*exc)
-
-
 def _persistent(model: nn.Module, opt: torch.optim.Optimizer, wrapper: Any = None) -> list[torch.Tensor]:
     """Every tensor alive between steps: parameters, gradients, optimizer state, the wrapper's buffers."""
     out = []
@@ -141,7 +105,7 @@ def _peak(comm, make: Callable[[], tuple]) -> tuple[int, Callable[[], None]]:
     """Peak live bytes (max over ``comm``) of one training step after a warm-up step, and the step."""
     step, model, opt, wrapper = make()
     step()
-    with _Tracker() as mem:
+    with MemoryTracker() as mem:
         mem.track(*_persistent(model, opt, wrapper))
         step()
     return (comm.allreduce_object(int(mem.peak), "max") if comm.size > 1 else int(mem.peak)), step

@@ -66,7 +66,9 @@ class MemoryTracker(TorchDispatchMode):
         print(mem.peak)
 
     On CUDA (``device="cuda"``) the allocator's ``max_memory_allocated`` is used and :meth:`track` is a no-op,
-    because the allocator already sees every device byte.
+    because the allocator already sees every device byte. On the CPU a DTensor counts as its local shard, and
+    a storage resized in place (``UntypedStorage.resize_``, how torch FSDP2 frees and refills unsharded
+    parameters) counts at its new size, freed when resized to zero.
     """
 
     def __init__(self, device: str | torch.device = "cpu"):
@@ -80,6 +82,9 @@ class MemoryTracker(TorchDispatchMode):
 
     # -- CPU accounting ------------------------------------------------------------------------------
     def _add(self, t: torch.Tensor) -> None:
+        local = getattr(t, "_local_tensor", None)  # a DTensor holds storage only through its local shard
+        if local is not None:
+            t = local
         if t.device.type != "cpu" or t.layout != torch.strided:
             return
         st = t.untyped_storage()
@@ -100,6 +105,15 @@ class MemoryTracker(TorchDispatchMode):
         self.current += n
         if self.current > self.peak:
             self.peak = self.current
+
+    def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        key = st._cdata
+        if key in self._live:
+            old, _ = self._live.pop(key)
+            self.current -= old
+        self._live[key] = (nbytes, None)  # a resized storage is freed by resizing to 0, not by deletion
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
 
     def track(self, *tensors: torch.Tensor) -> None:
         """Count tensors that were allocated before the tracker started (parameters, inputs)."""
@@ -125,6 +139,17 @@ class MemoryTracker(TorchDispatchMode):
             _ACTIVE.append(self)
             return self
         _ACTIVE.append(self)
+        orig = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(st, n):
+            out = orig(st, n)
+            if not tracker._paused:
+                tracker._resized(st, int(n))
+            return out
+
+        self._orig_resize = orig
+        torch.UntypedStorage.resize_ = resize_
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -134,6 +159,7 @@ class MemoryTracker(TorchDispatchMode):
             self.peak = torch.cuda.max_memory_allocated(self.device)
             self.current = torch.cuda.memory_allocated(self.device)
             return None
+        torch.UntypedStorage.resize_ = self._orig_resize
         return super().__exit__(*exc)
 
 

@@ -4,8 +4,9 @@ Each size is the *balanced* bytes per ordered pair; the skew reshapes the same t
 (:mod:`loom.multipath.demand`). Rows are bytes (``uint8``), so counts equal the demand matrix. Both sides
 move the identical buffers with identical counts; the multi-path side plans once per size (the plan is
 cached, as a training loop with stable routing would) and the peer is ``comm.alltoallv`` (MPI's
-``Alltoallv``: every pair on its static route). The topology is the running testbed's (inside
-``loom testbed run``), else ``--topology``.
+``Alltoallv``: every pair on its static route). The topology is ``--topology``: ``auto`` (the default) finds it
+from the machine as ``loom plan --topology auto`` does (:func:`loom.multipath.detect.detect`: the emulated
+testbed's nodes, rails and ``tc`` rates inside ``loom testbed run``, one shared-memory node otherwise).
 """
 
 from __future__ import annotations
@@ -17,30 +18,24 @@ from ..comm import measure as omb
 from ..comm import world
 from .demand import demand_matrix, parse_skew
 from .relay import alltoallv as mp_alltoallv
-from .detect import fit_preset
+from .detect import resolve
 from .topology import PRESETS, Topology
 
 __all__ = ["alltoallv_skew", "bench_topology"]
 
 
-def bench_topology(name: str, size: int) -> Topology:
-    """The testbed's own topology inside a testbed rank; else the preset ``name`` fitted to ``size`` ranks."""
-    try:
-        from loom.testbed import current_topology
-
-        d = current_topology()
-    except ImportError:
-        d = None
-    if d is not None:
-        return Topology.from_dict(d, name="testbed")
-    return fit_preset(name, size)
+def bench_topology(name: str, comm) -> Topology:
+    """``--topology`` for ``comm``'s ranks (collective): ``auto`` detected from the machine, a TOML file, or a
+    preset fitted to the job (:func:`loom.multipath.detect.resolve`)."""
+    return resolve(name, comm)
 
 
 def alltoallv_skew(argv: list[str]) -> int:
     p = omb.parser("multipath", "alltoallv with skewed counts: multi-path vs direct", min_size=1 << 20,
                    max_size=4 << 20, vs=("none", "direct"), default_vs="direct")
     p.add_argument("--skew", default="balanced", help="balanced | hot-pair | zipf-pairs:A | zipf-dest:A")
-    p.add_argument("--topology", default="shm", help=f"preset outside a testbed ({', '.join(PRESETS)})")
+    p.add_argument("--topology", default="auto",
+                   help=f"auto (found from the machine), a TOML file or a preset ({', '.join(PRESETS)})")
     p.add_argument("--seed", type=int, default=0, help="seed of the zipf rankings")
     p.add_argument("--min-bytes", type=omb.parse_size, default=1 << 20, help="multi-path threshold per pair")
     p.add_argument("--exchange", action="store_true",
@@ -53,7 +48,7 @@ def alltoallv_skew(argv: list[str]) -> int:
         p.error(str(exc))
     torch.set_num_threads(1)
     comm = world()
-    topo = bench_topology(args.topology, comm.size)
+    topo = bench_topology(args.topology, comm)
     cols = ["Size", "Latency (us)"]
     if args.vs == "direct":
         cols += ["direct (us)", "speedup"]

@@ -58,6 +58,8 @@ def alltoallv_skew(argv: list[str]) -> int:
                    help="inside `loom testbed run`: scale rail RAIL's tc rate by FACTOR for the middle phase and "
                         "compare learned capacities with the static plan (size -m)")
     p.add_argument("--steps", type=int, default=12, help="steps per phase with --degrade")
+    p.add_argument("--measure-every", type=int, default=1,
+                   help="with --degrade: measure one monitored call in this many (LinkMonitor.every)")
     args = p.parse_args(argv)
     try:
         parse_skew(args.skew)
@@ -144,7 +146,7 @@ def _degrade(args, comm, topo: Topology) -> int:
     x = np.full(sum(sc), comm.rank, dtype=np.uint8)
     bytes_ = demand.astype(float) * (1 - np.eye(p))
     static = make_plan(topo, bytes_, min_bytes=args.min_bytes)
-    mon = LinkMonitor(topology=topo)
+    mon = LinkMonitor(topology=topo, every=args.measure_every)
     kw = dict(topology=topo, min_bytes=args.min_bytes, chunk_bytes=args.chunk, counts=demand)
     for _ in range(2):  # warm-up: connections, compilation (not in the monitor: a fresh one follows)
         mp_alltoallv(x, sc, comm, rc, plan=static, **kw)
@@ -163,7 +165,8 @@ def _degrade(args, comm, topo: Topology) -> int:
                       ["Phase", "adaptive (us)", "static (us)", "speedup", f"rail{rail} adaptive (%)",
                        f"rail{rail} static (%)", "moved after (steps)"], rank=comm.rank,
                       meta={"ranks": p, "skew": args.skew, "topology": topo.describe(), "size": args.min_size,
-                            "steps per phase": n, "static": "planned once for the nominal capacities"})
+                            "steps per phase": n, "measured": f"one call in {args.measure_every}",
+                            "static": "planned once for the nominal capacities"})
     table.header()
     s_static = float(rail_shares(static)[rail])
     for k, phase in enumerate(("before", "during", "after")):

@@ -23,8 +23,11 @@ Estimate (:meth:`LinkMonitor.observe`, the same arithmetic on every rank, so eve
   ``c0_e * health_e``. With ``smoothing = 0.5`` a link halved in rate is estimated below 0.75 of nominal after
   one measured call and below 0.63 after two.
 * The plans use the capacities of the last *version*: a new version starts when some link's estimate moved by
-  more than ``replan`` (relative) since, so measurement noise does not re-plan every step, and a halved link
-  is re-planned for after two measured calls at the defaults (``replan = 0.15``).
+  more than ``replan`` (relative) since, and the next call re-plans for it. The planner's hysteresis keeps
+  the plan in force unless the new one is at least 5 % less congested, so noise that starts a version does
+  not move traffic; a coarser threshold would leave the plan up to that share off once a rail recovers (the
+  estimate approaches nominal geometrically, in ever smaller steps). A halved link is re-planned for after
+  one measured call at the defaults.
 
 A link the new plan unloads is no longer critical and keeps its last estimate; one the plan still loads (the
 planner balances the slow link to the same busy time as the others, so it usually stays critical) goes on
@@ -60,8 +63,9 @@ class LinkMonitor:
     """Weight of a new sample in the moving average of each link's health (0 < smoothing <= 1)."""
     critical: float = 0.5
     """A link is sampled when its predicted busy time is at least this share of the busiest link's (0..1]."""
-    replan: float = 0.15
-    """Re-plan when some link's estimate moved by more than this share since the capacities in force."""
+    replan: float = 0.05
+    """Re-plan when some link's estimate moved by more than this share since the capacities in force (the
+    planner's ``hysteresis`` then decides whether traffic moves)."""
     every: int = 1
     """Measure one call in this many (a measured call costs a barrier and an allreduce of #links floats)."""
     health: np.ndarray = field(init=False)

@@ -49,6 +49,7 @@ class PathTable:
         self.kinds = np.zeros((0, 1), dtype=np.int16)
         self.relays = np.full((0, 1, 1), -1, dtype=np.int32)
         self._objects: dict[tuple[int, int], Path] = {}
+        self._static: np.ndarray | None = None
         self._views: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def ensure(self, pid: np.ndarray) -> np.ndarray:
@@ -123,9 +124,12 @@ class PathTable:
     def static(self) -> np.ndarray:
         """``(P * P, l_max)``: the directed links of pair ``s * P + d``'s static route, -1 padded (built
         once; the diagonal's rows are empty)."""
-        from ._enumerate import enumerator
+        got = self._static
+        if got is None:
+            from ._enumerate import enumerator
 
-        return enumerator(self.topology).static
+            got = self._static = enumerator(self.topology).static
+        return got
 
     def view(self, pid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(ptr, pair_of, links, rows)`` of the pairs ``pid`` (see :class:`Candidates`); the last few pair

@@ -83,7 +83,8 @@ def test_cli_tears_down_on_signal(sig):
 
 
 # The halved rail loses traffic within this many steps (measured calls) of the change, and regains it within
-# this many of the restore (two samples pass the re-plan threshold; the plan in force follows one call later).
+# this many of the restore (each sample moves the estimate past the re-plan threshold; the plan follows one call
+# later, and the estimate needs a few samples to settle).
 DEGRADE_WITHIN = 3
 
 

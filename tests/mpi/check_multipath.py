@@ -188,7 +188,11 @@ def check_moe_exact_forward_backward(comm):
     rs = torch.randn(sum(lens), cfg.dim, generator=g, dtype=torch.float64)
     lo = sum(lens[:comm.rank])
     sl = slice(lo, lo + lens[comm.rank])
-    for mp in (None, {"topology": topo, "min_bytes": 0, "chunk_bytes": 64, "planner": {"hysteresis": 0.0}}):
+    from loom.multipath.links import LinkMonitor
+
+    base = {"topology": topo, "min_bytes": 0, "chunk_bytes": 64, "planner": {"hysteresis": 0.0}}
+    # The last variant learns link capacities from its own dispatches (measured calls, re-plans): still exact.
+    for mp in (None, base, {**base, "monitor": LinkMonitor(topology=topo, replan=0.01)}):
         layer = MoE(cfg, comm, multipath=mp)
         x = xs[sl].clone().requires_grad_(True)
         y = layer(x)

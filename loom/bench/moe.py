@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts-per-rank", type=int, default=2, help="experts on each ep rank")
     p.add_argument("--top-k", type=int, default=2, help="experts per token")
     p.add_argument("--hot-pair", type=float, default=6.0, help="bias of rank 0's tokens toward the last rank")
-    p.add_argument("--topology", default="shm", help="preset outside a testbed")
+    p.add_argument("--topology", default="auto", help="auto (found from the machine), a TOML file or a preset")
     p.add_argument("--min-bytes", type=omb.parse_size, default=1 << 20, help="multi-path threshold per pair")
     p.add_argument("--iterations", type=int, default=5, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per round")
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     comm = world()
-    topo = bench_topology(args.topology, comm.size)
+    topo = bench_topology(args.topology, comm)
     cfg = MoEConfig(dim=args.dim, hidden=args.hidden, experts=args.experts_per_rank * comm.size,
                     top_k=args.top_k, seed=1)
     direct = MoE(cfg, comm)

@@ -1,9 +1,12 @@
 """Candidate paths as arrays: a per-topology table filled once per pair, and the per-demand view planners use.
 
-Enumerating a pair's paths (:meth:`Topology.paths`) walks the graph in Python; a run-time planner asks for
-the same pairs every step. :class:`PathTable` (one per topology, :func:`path_table`) keeps every pair it has
-seen as padded integer arrays (paths x links, -1 padding) plus the static routes of *all* pairs as one sparse
-matrix, so :func:`candidates` is a handful of numpy gathers once the pairs are known.
+Enumerating a pair's paths one at a time (:meth:`Topology.paths`, the reference) walks the graph in Python;
+at 512 ranks the static routes of all 261,632 pairs and the candidates of ~14,000 took seconds. The first
+plan enumerates in batches instead (:mod:`loom.multipath._enumerate`: per-topology hop tables, then numpy
+over the pairs), and a run-time planner asks for the same pairs every step: :class:`PathTable` (one per
+topology, :func:`path_table`) keeps every pair it has seen as padded integer arrays (paths x links, -1
+padding) plus the static routes of *all* pairs, so :func:`candidates` is a handful of numpy gathers once the
+pairs are known.
 
 :class:`Candidates` holds the *flexible* pairs (those a planner may split) with every candidate path, and the
 rest as fixed traffic on their static routes, summed into per-link ``base`` loads: at 512 ranks a dense
@@ -22,8 +25,15 @@ from .topology import Path, Topology
 __all__ = ["Candidates", "PathTable", "candidates", "check_demand", "path_table"]
 
 
+def _kind_name(code: int) -> str:
+    return ("static", "direct", "relay")[code] if code < 3 else f"rail{code - 3}"
+
+
 class PathTable:
-    """Every candidate path of the pairs seen so far, as arrays (one table per :class:`Topology`)."""
+    """Every candidate path of the pairs seen so far, as arrays (one table per :class:`Topology`).
+
+    Pairs are enumerated in batches (:mod:`loom.multipath._enumerate`, the rules of :meth:`Topology.paths`);
+    :class:`Path` objects are built only when asked for (:meth:`path`)."""
 
     def __init__(self, topology: Topology):
         self.topology = topology
@@ -34,7 +44,11 @@ class PathTable:
         """``(pairs, k_max, l_max)`` directed-link indices of each path, -1 padded."""
         self.k = np.zeros(0, dtype=np.int64)
         """Candidate paths per enumerated pair."""
-        self.paths: list[list[Path]] = []
+        self.pair = np.zeros(0, dtype=np.int64)
+        """``s * P + d`` of each row."""
+        self.kinds = np.zeros((0, 1), dtype=np.int16)
+        self.relays = np.full((0, 1, 1), -1, dtype=np.int32)
+        self._objects: dict[tuple[int, int], Path] = {}
         self._static: np.ndarray | None = None
         self._views: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
 
@@ -42,37 +56,80 @@ class PathTable:
         """Enumerate the pairs ``pid = s * P + d`` not seen before; return their rows."""
         missing = np.unique(pid[self.slot[pid] < 0])
         if len(missing):
-            p = self.topology.size
-            new = [self.topology.paths(int(q) // p, int(q) % p) for q in missing.tolist()]
-            kmax = max(self.links.shape[1], max(len(ps) for ps in new))
-            lmax = max(self.links.shape[2], max(len(x.links) for ps in new for x in ps))
-            block = np.full((len(new), kmax, lmax), -1, dtype=np.int32)
-            for i, ps in enumerate(new):
-                for j, x in enumerate(ps):
-                    block[i, j, :len(x.links)] = x.links
-            old = self.links
-            grown = np.full((len(old) + len(new), kmax, lmax), -1, dtype=np.int32)
-            grown[:len(old), :old.shape[1], :old.shape[2]] = old
-            grown[len(old):] = block
-            self.slot[missing] = np.arange(len(old), len(old) + len(new))
-            self.links = grown
-            self.k = np.concatenate([self.k, [len(ps) for ps in new]]).astype(np.int64)
-            self.paths.extend(new)
+            self._append(missing, *self._enumerate(missing))
         return self.slot[pid]
+
+    def _enumerate(self, missing: np.ndarray):
+        t = self.topology
+        s, d = np.divmod(missing, t.size)
+        node = np.asarray(t.node_of)
+        inter = node[s] != node[d]
+        from ._enumerate import enumerator
+
+        parts = []
+        for m, how in ((inter, enumerator(t).inter_node), (~inter, enumerator(t).intra_node)):
+            if m.any():
+                parts.append((np.flatnonzero(m), *how(s[m], d[m])))
+        n = len(missing)
+        kmax = max(q[1].shape[1] for q in parts)
+        lmax = max(q[1].shape[2] for q in parts)
+        rmax = max(q[4].shape[2] for q in parts)
+        rows = np.full((n, kmax, lmax), -1, dtype=np.int32)
+        k = np.zeros(n, dtype=np.int64)
+        kinds = np.zeros((n, kmax), dtype=np.int16)
+        relays = np.full((n, kmax, rmax), -1, dtype=np.int32)
+        for where, r, kk, kd, rl in parts:
+            rows[where, :r.shape[1], :r.shape[2]] = r
+            k[where] = kk
+            kinds[where, :kd.shape[1]] = kd
+            relays[where, :rl.shape[1], :rl.shape[2]] = rl
+        return rows, k, kinds, relays
+
+    def _append(self, missing, rows, k, kinds, relays) -> None:
+        old = len(self.k)
+        shape = (old + len(missing), max(self.links.shape[1], rows.shape[1]), max(self.links.shape[2], rows.shape[2]))
+        grown = np.full(shape, -1, dtype=np.int32)
+        grown[:old, :self.links.shape[1], :self.links.shape[2]] = self.links
+        grown[old:, :rows.shape[1], :rows.shape[2]] = rows
+        self.links = grown
+        g_kinds = np.zeros(shape[:2], dtype=np.int16)
+        g_kinds[:old, :self.kinds.shape[1]] = self.kinds
+        g_kinds[old:, :kinds.shape[1]] = kinds
+        self.kinds = g_kinds
+        rmax = max(self.relays.shape[2], relays.shape[2])
+        g_rel = np.full((*shape[:2], rmax), -1, dtype=np.int32)
+        g_rel[:old, :self.relays.shape[1], :self.relays.shape[2]] = self.relays
+        g_rel[old:, :relays.shape[1], :relays.shape[2]] = relays
+        self.relays = g_rel
+        self.k = np.concatenate([self.k, k]).astype(np.int64)
+        self.pair = np.concatenate([self.pair, missing]).astype(np.int64)
+        self.slot[missing] = np.arange(old, old + len(missing))
+
+    def path(self, row: int, j: int) -> Path:
+        """Candidate ``j`` of table row ``row`` as a :class:`Path` (built on first use)."""
+        got = self._objects.get((row, j))
+        if got is None:
+            t = self.topology
+            s, d = divmod(int(self.pair[row]), t.size)
+            links = self.links[row, j]
+            links = tuple(int(e) for e in links[links >= 0])
+            names = [t.links[e].name.split(">") for e in links]
+            rel = self.relays[row, j]
+            got = self._objects[(row, j)] = Path(
+                src=s, dst=d, vertices=tuple([names[0][0]] + [b for _, b in names]), links=links,
+                relays=tuple(int(r) for r in rel[rel >= 0]), kind=_kind_name(int(self.kinds[row, j])))
+        return got
 
     @property
     def static(self) -> np.ndarray:
         """``(P * P, l_max)``: the directed links of pair ``s * P + d``'s static route, -1 padded (built
         once; the diagonal's rows are empty)."""
-        if self._static is None:
-            t = self.topology
-            p = t.size
-            routes = [t._links_of(t.static_route(s, d)) if s != d else () for s in range(p) for d in range(p)]
-            out = np.full((p * p, max(len(r) for r in routes)), -1, dtype=np.int32)
-            for i, r in enumerate(routes):
-                out[i, :len(r)] = r
-            self._static = out
-        return self._static
+        got = self._static
+        if got is None:
+            from ._enumerate import enumerator
+
+            got = self._static = enumerator(self.topology).static
+        return got
 
     def view(self, pid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(ptr, pair_of, links, rows)`` of the pairs ``pid`` (see :class:`Candidates`); the last few pair
@@ -163,7 +220,7 @@ class Candidates:
         """Every candidate path of the flexible pairs, grouped by pair (built on first use)."""
         if self._paths is None:
             table = path_table(self.topology)
-            self._paths = [table.paths[r][j] for r, j in self.rows.tolist()]
+            self._paths = [table.path(r, j) for r, j in self.rows.tolist()]
         return self._paths
 
     @property

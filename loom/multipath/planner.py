@@ -64,6 +64,8 @@ class Plan:
     """Wall time spent planning."""
     rounds: int = 0
     """Multiplicative-weights rounds run (0 when none were needed)."""
+    capacity: np.ndarray | None = None
+    """Bytes/s per directed link the plan was made for (``None``: the topology's own)."""
     loads: np.ndarray = field(init=False)
     """Bytes per directed link (:attr:`Topology.links` order)."""
 
@@ -81,7 +83,7 @@ class Plan:
     @property
     def utilization(self) -> np.ndarray:
         """Seconds of traffic per link (``load / capacity``; 0 for unlimited links)."""
-        return self.loads / self.topology.capacity
+        return self.loads / (self.topology.capacity if self.capacity is None else self.capacity)
 
     @property
     def congestion(self) -> float:
@@ -172,9 +174,25 @@ def _validate(epsilon: float, increments: int, hysteresis: float, reuse: float, 
         raise ValueError(f"reuse={reuse} must be >= 0 (0 = always re-plan)")
 
 
-def _reusable(previous: Plan | None, D: np.ndarray, topology: Topology, reuse: float) -> bool:
+def _capacity(topology: Topology, capacity) -> np.ndarray | None:
+    """``capacity`` as ``(#links,)`` bytes/s > 0 (``inf``: unlimited), or ``None`` for the topology's own."""
+    if capacity is None:
+        return None
+    cap = np.asarray(capacity, dtype=np.float64)
+    n = len(topology.links)
+    if cap.shape != (n,) or not (cap > 0).all() or np.isnan(cap).any():
+        raise ValueError(f"capacity has shape {cap.shape} or entries <= 0; give {n} bytes/s > 0 per directed link "
+                         f"of topology {topology.name!r} (Topology.links order, inf for unlimited)")
+    return cap
+
+
+def _reusable(previous: Plan | None, D: np.ndarray, topology: Topology, reuse: float,
+              capacity: np.ndarray | None) -> bool:
     if previous is None or reuse <= 0 or previous.topology is not topology:
         return False
+    if (previous.capacity is None) != (capacity is None) or (
+            capacity is not None and not np.array_equal(previous.capacity, capacity)):
+        return False  # the links changed: the old shares may be wrong however little the demand moved
     old = previous.demand
     return float(np.abs(D - old).sum()) <= reuse * float(old.sum())
 
@@ -190,6 +208,7 @@ def plan(
     previous: Plan | None = None,
     reuse: float = 0.02,
     patience: int = 4,
+    capacity: np.ndarray | None = None,
 ) -> Plan:
     """Plan multi-path routes for ``demand`` (bytes, ``(P, P)``, row = source) on ``topology``.
 
@@ -207,6 +226,9 @@ def plan(
         reuse: with ``previous``, return its shares re-applied without planning when the demand moved by at
             most this fraction (``sum |D - D_prev| <= reuse * sum D_prev``); 0 always plans.
         patience: stop the rounds after this many without a 0.1 % gain in congestion (0: run them all).
+        capacity: bytes/s per directed link to plan for instead of the topology's (measured capacities,
+            :class:`loom.multipath.links.LinkMonitor`); a ``previous`` plan made for other capacities is
+            re-planned, never reused.
 
     Returns:
         A feasible :class:`Plan` (every pair's flows sum to its demand).
@@ -215,12 +237,13 @@ def plan(
     t0 = time.perf_counter()
     D = check_demand(topology, demand)
     c = candidates(topology, D, min_bytes, trusted=True)
-    cap = topology.capacity
+    given = _capacity(topology, capacity)
+    cap = topology.capacity if given is None else given
     inv_c = np.where(np.isfinite(cap), 1.0 / cap, 0.0)
     static = _static_flows(c)
     carried = None if previous is None else _carry(previous, c)
-    if carried is not None and _reusable(previous, D, topology, reuse):
-        return Plan(cands=c, flows=carried, method="mwu(reused)", seconds=time.perf_counter() - t0)
+    if carried is not None and _reusable(previous, D, topology, reuse, given):
+        return Plan(cands=c, flows=carried, method="mwu(reused)", seconds=time.perf_counter() - t0, capacity=given)
     static_lam = _congestion(c, static, inv_c)
     best_x, best_lam, done = static, static_lam, 0
     if (np.diff(c.ptr) > 1).any() and static_lam > 0:
@@ -243,4 +266,5 @@ def plan(
     if carried is not None:
         if _congestion(c, carried, inv_c) <= _congestion(c, chosen, inv_c) * (1 + hysteresis):
             chosen, method = carried, "mwu(previous)"
-    return Plan(cands=c, flows=chosen, method=method, seconds=time.perf_counter() - t0, rounds=int(done))
+    return Plan(cands=c, flows=chosen, method=method, seconds=time.perf_counter() - t0, rounds=int(done),
+                capacity=given)

@@ -20,12 +20,17 @@ Plan of one call (every rank runs the same steps on the same inputs, so all agre
    (pipelining) and memory stays bounded. Processing in global id order with senders that never wait
    cannot deadlock: the lowest unfinished id is always inside every window it needs.
 5. **Progress**: one loop tests all outstanding requests with loom's adaptive back-off (no busy core).
+6. **Measure** (only with a ``monitor``, on its measured calls): a barrier before the move gives the ranks a
+   common start; final receivers note each message's arrival; one ``max`` allreduce of ``#links`` floats
+   gives every link's last arrival, which with the bytes each link carried updates the monitor's capacity
+   estimates (:mod:`loom.multipath.links`); the next call plans for them when they changed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -34,6 +39,8 @@ import numpy as np
 import torch
 
 from ..comm import Backoff, Communicator
+from .links import LinkMonitor
+from .paths import path_table
 from .planner import Plan, plan as make_plan
 from .topology import Topology
 
@@ -46,7 +53,8 @@ Buffer = torch.Tensor | np.ndarray
 _MAX_MESSAGES = 32000
 _CACHE: "OrderedDict[tuple, tuple[str, list[Message]]]" = OrderedDict()
 _CACHE_SIZE = 32
-# The last plan made per topology (by id; the planner ignores a previous plan of another topology object).
+# The last plan made per topology (by id; the planner ignores a previous plan of another topology object); a
+# monitored call keeps its plan in its monitor instead.
 _LAST: dict[int, Plan] = {}
 
 
@@ -61,6 +69,8 @@ class Message:
     offset: int
     """First row within the pair's block (source's send block == destination's receive block)."""
     rows: int
+    links: tuple[int, ...] = ()
+    """Directed links of the whole path (:attr:`Topology.links` indices)."""
 
 
 def _split_rows(n: int, shares: np.ndarray) -> list[int]:
@@ -82,10 +92,11 @@ def schedule(counts: np.ndarray, plan: Plan, row_bytes: int, chunk_bytes: int,
     """The messages of one call: every pair's rows split over its paths and chunked on relayed paths, at most
     ``max_messages`` of them (message ``id`` travels with tag ``id + 1``: pass the tag ceiling)."""
     c = plan.cands
+    static = path_table(plan.topology).static
     index = {(int(s), int(d)): i for i, (s, d) in enumerate(c.pairs.tolist())}
     chunk_rows = max(1, chunk_bytes // max(row_bytes, 1))
     relayed = 0
-    splits: list[tuple[int, int, list[tuple[tuple[int, ...], int]]]] = []
+    splits: list[tuple[int, int, list[tuple[tuple[int, ...], int, tuple[int, ...]]]]] = []
     p = counts.shape[0]
     for s in range(p):
         for d in range(p):
@@ -94,21 +105,22 @@ def schedule(counts: np.ndarray, plan: Plan, row_bytes: int, chunk_bytes: int,
                 continue
             i = index.get((s, d))
             if i is None:
-                splits.append((s, d, [((s, d), n)]))
+                route = static[s * p + d]
+                splits.append((s, d, [((s, d), n, tuple(route[route >= 0].tolist()))]))
                 continue
             a, b = int(c.ptr[i]), int(c.ptr[i + 1])
             rows = _split_rows(n, plan.flows[a:b])
-            parts = [(c.paths[a + k].hops, r) for k, r in enumerate(rows) if r > 0]
-            relayed += sum(r for h, r in parts if len(h) > 2)
+            parts = [(c.paths[a + k].hops, r, c.paths[a + k].links) for k, r in enumerate(rows) if r > 0]
+            relayed += sum(r for h, r, _ in parts if len(h) > 2)
             splits.append((s, d, parts))
     chunk_rows = max(chunk_rows, math.ceil(relayed / max(1, max_messages // 2)))
     out: list[Message] = []
     for _s, _d, parts in splits:
         off = 0
-        for hops, r in parts:
+        for hops, r, links in parts:
             step = chunk_rows if len(hops) > 2 else r
             for o in range(0, r, step):
-                out.append(Message(len(out), hops, off + o, min(step, r - o)))
+                out.append(Message(len(out), hops, off + o, min(step, r - o), links))
             off += r
     if len(out) > max_messages:
         raise ValueError(f"multipath alltoallv: {len(out)} messages exceed {max_messages} tags (the MPI's tag "
@@ -211,6 +223,7 @@ def alltoallv(
     window: int = 4,
     planner: dict[str, Any] | None = None,
     counts: np.ndarray | None = None,
+    monitor: LinkMonitor | None = None,
 ) -> tuple[Buffer, list[int]]:
     """``comm.alltoallv(tensor, send_counts, recv_counts)`` with multi-path routing.
 
@@ -228,6 +241,9 @@ def alltoallv(
         counts: the whole ``(P, P)`` row-count matrix (row = source), identical on every rank, when the
             caller already has it (an MoE that allgathers its expert counts): skips the agreement
             collective. Checked locally against this rank's ``send_counts``/``recv_counts`` only.
+        monitor: learned link capacities (:class:`loom.multipath.links.LinkMonitor`, of this topology): plans
+            are made for its capacities, warm-started from its plan in force, and its measured calls update
+            it (every rank must pass the same kind of monitor, fed the same calls).
 
     Returns:
         ``(received, recv_counts)`` exactly as ``comm.alltoallv`` returns them.
@@ -257,24 +273,52 @@ def alltoallv(
     np.fill_diagonal(demand, 0)
     if p == 1 or (plan is None and demand.max(initial=0) < min_bytes):
         return comm.alltoallv(tensor, sc, rc)
-    msgs = _messages(comm, topology, plan, counts, demand, row_bytes, min_bytes, chunk_bytes, planner)
-    if all(len(m.hops) == 2 for m in msgs) and plan is None:
+    if monitor is not None and monitor.topology is not topology:
+        raise ValueError(f"monitor measures topology {monitor.topology.name!r}, not this call's {topology.name!r}; "
+                         f"make one LinkMonitor(topology=...) per topology object")
+    msgs = _messages(comm, topology, plan, counts, demand, row_bytes, min_bytes, chunk_bytes, planner, monitor)
+    measure = monitor is not None and monitor.due()
+    if all(len(m.hops) == 2 for m in msgs) and plan is None and not measure:
         # Every byte on its static route: exactly what MPI's alltoallv does, without the extra tags.
         return comm.alltoallv(tensor, sc, rc)
-    return _execute(tensor, counts, msgs, comm.sub("relay"), window, chunk_bytes, row_bytes)
+    sub = comm.sub("relay")
+    if not measure:
+        return _execute(tensor, counts, msgs, sub, window, chunk_bytes, row_bytes)
+    sub.barrier()
+    arrived: dict[int, float] = {}
+    got = _execute(tensor, counts, msgs, sub, window, chunk_bytes, row_bytes, arrived)
+    _measured(sub, monitor, msgs, row_bytes, arrived)
+    return got
+
+
+def _measured(comm: Communicator, monitor: LinkMonitor, msgs: list[Message], row_bytes: int,
+              arrived: dict[int, float]) -> None:
+    """Per directed link: bytes carried (from the schedule) and the last arrival charged to it (max over
+    ranks); folded into ``monitor``."""
+    loads = np.zeros(len(monitor.topology.links))
+    for m in msgs:
+        np.add.at(loads, list(m.links), m.rows * row_bytes)
+    last = monitor.last_arrivals(loads, [m.links for m in msgs], [arrived.get(m.id) for m in msgs])
+    monitor.observe(loads, comm.allreduce(last, "max"))
 
 
 def _messages(comm: Communicator, topology: Topology, plan: Plan | None, counts: np.ndarray, demand: np.ndarray,
-              row_bytes: int, min_bytes: int, chunk_bytes: int, planner: dict[str, Any] | None) -> list[Message]:
-    """The schedule for this demand: cached per (topology, counts, sizes); planned when ``plan`` is None, warm
-    started from this topology's last plan (a job's counts move a little from step to step)."""
+              row_bytes: int, min_bytes: int, chunk_bytes: int, planner: dict[str, Any] | None,
+              monitor: LinkMonitor | None = None) -> list[Message]:
+    """The schedule for this demand: cached per (topology, counts, sizes, monitor version); planned when
+    ``plan`` is None, warm started from this topology's (or the monitor's) last plan (a job's counts move a
+    little from step to step), for the monitor's capacities when there is one."""
+    mon = None if monitor is None or plan is not None else (id(monitor), monitor.version)
     key = (id(topology), counts.tobytes(), row_bytes, min_bytes, chunk_bytes, id(plan),
-           tuple(sorted((planner or {}).items())))
+           tuple(sorted((planner or {}).items())), mon)
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
         return hit[1]
-    if plan is None:
+    if plan is None and monitor is not None:
+        kw = {"previous": monitor.plan, "capacity": monitor.capacity, **(planner or {})}
+        pl = monitor.plan = make_plan(topology, demand, min_bytes=min_bytes, **kw)
+    elif plan is None:
         kw = {"previous": _LAST.get(id(topology)), **(planner or {})}
         pl = _LAST[id(topology)] = make_plan(topology, demand, min_bytes=min_bytes, **kw)
     else:
@@ -286,9 +330,23 @@ def _messages(comm: Communicator, topology: Topology, plan: Plan | None, counts:
     return msgs
 
 
+def _arrival(arrived: dict[int, float] | None, mid: int, t0: float):
+    """The callback that notes message ``mid``'s arrival (None when not measuring)."""
+    if arrived is None:
+        return None
+
+    def note(_=None) -> None:
+        arrived[mid] = time.perf_counter() - t0
+
+    return note
+
+
 def _execute(tensor: Buffer, counts: np.ndarray, msgs: list[Message], comm: Communicator, window: int,
-             chunk_bytes: int, row_bytes: int) -> tuple[Buffer, list[int]]:
+             chunk_bytes: int, row_bytes: int, arrived: dict[int, float] | None = None) -> tuple[Buffer, list[int]]:
+    """Move the messages (steps 4 and 5 of the module's plan); ``arrived``: filled with the seconds from the
+    start to each message's arrival at this rank, for the messages this rank is the destination of."""
     me = comm.rank
+    t0 = time.perf_counter()
     x = tensor
     if isinstance(x, torch.Tensor):
         x = x.detach()
@@ -313,7 +371,7 @@ def _execute(tensor: Buffer, counts: np.ndarray, msgs: list[Message], comm: Comm
             pending.append((comm.isend(x[a:a + m.rows], h[1], tag=m.id + 1), None))
         if h[-1] == me:
             a = rdispl[h[0]] + m.offset
-            pending.append((comm.irecv(out[a:a + m.rows], h[-2], tag=m.id + 1), None))
+            pending.append((comm.irecv(out[a:a + m.rows], h[-2], tag=m.id + 1), _arrival(arrived, m.id, t0)))
         elif me in h[1:-1]:
             relay.append(m)
     if relay:
@@ -359,7 +417,5 @@ def _execute(tensor: Buffer, counts: np.ndarray, msgs: list[Message], comm: Comm
         else:
             d = backoff.next_delay()
             if d:
-                import time
-
                 time.sleep(d)
     return out, counts[:, me].tolist()

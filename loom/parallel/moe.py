@@ -197,18 +197,25 @@ def moe_reference(x: torch.Tensor, gate: torch.Tensor, w1: torch.Tensor, w2: tor
 
 
 def use_multipath(module: torch.nn.Module, comm: Communicator, *, topology: str = "auto",
-                  min_bytes: int = 1 << 20) -> int:
+                  min_bytes: int = 1 << 20, learn: bool = False) -> int:
     """Route every :class:`MoE` layer inside ``module`` over ``comm`` through the multi-path planner: each
     forward plans from that step's counts matrix (warm-started from the previous plan) and the dispatch and
     combine go through :func:`loom.multipath.alltoallv`. ``topology`` is ``auto``, a preset or a TOML file
-    (:func:`loom.multipath.detect.resolve`). Collective over ``comm`` for ``auto``. Returns the layers
-    switched (none on one rank, where there is nothing to route)."""
+    (:func:`loom.multipath.detect.resolve`). Collective over ``comm`` for ``auto``. ``learn``: the layers
+    share one :class:`loom.multipath.links.LinkMonitor`, so every dispatch and combine measures the links and
+    the plans follow a slow or congested rail. Returns the layers switched (none on one rank, where there is
+    nothing to route)."""
     if comm.size == 1:
         return 0
     from ..multipath.detect import resolve
 
     topo = resolve(topology, comm)
     layers = [m for m in module.modules() if isinstance(m, MoE)]
+    extra = {}
+    if learn:
+        from ..multipath.links import LinkMonitor
+
+        extra["monitor"] = LinkMonitor(topology=topo)
     for m in layers:
-        m.multipath = {"topology": topo, "min_bytes": int(min_bytes)}
+        m.multipath = {"topology": topo, "min_bytes": int(min_bytes), **extra}
     return len(layers)

@@ -8,7 +8,8 @@
 :mod:`loom.testbed.topology`). The command line is ``loom testbed run|check|show|clean``.
 """
 
-from .netns import NAME_PREFIX, Testbed, TestbedError, TestbedUnavailable, clean, leftovers, preflight, rank_env
+from .netns import (NAME_PREFIX, Testbed, TestbedError, TestbedUnavailable, clean, leftovers, preflight, rank_env,
+                    set_rail_rate)
 from .topology import RankInfo, Route, TestbedSpec, current_topology, ranks, routes, static_path, topology_dict
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "rank_env",
     "ranks",
     "routes",
+    "set_rail_rate",
     "static_path",
     "topology_dict",
 ]

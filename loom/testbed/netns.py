@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ..comm import launch as _launch
-from .topology import INTRA_IFACE, RAIL_IFACE, TestbedSpec, ranks, topology_dict
+from .topology import INTRA_IFACE, RAIL_IFACE, TestbedSpec, current_topology, ranks, topology_dict
 
 __all__ = [
     "Testbed",
@@ -52,6 +52,7 @@ __all__ = [
     "rank_env",
     "leftovers",
     "clean",
+    "set_rail_rate",
     "NAME_PREFIX",
 ]
 
@@ -217,6 +218,36 @@ def _burst(gbit: float) -> int:
     return max(128 * 1024, int(gbit * 1e9 / 8 * 0.002))
 
 
+def _tbf(gbit: float) -> str:
+    return f"root tbf rate {_rate(gbit)} burst {_burst(gbit)} latency 50ms"
+
+
+def set_rail_rate(rail: int, gbit: float, *, topology: Mapping[str, Any] | None = None) -> None:
+    """Change the rate of rail ``rail`` on a running testbed: both veth ends of every rank's NIC on that rail
+    (a degraded or congested rail, while a job runs). Needs root, like the testbed.
+
+    Args:
+        rail: the rail switch (0 .. rails - 1).
+        gbit: the new rate, Gbit/s each way (> 0; the testbed's ``rail_gbit`` restores it).
+        topology: the testbed's topology dict with its ``prefix``; inside a testbed rank, the running
+            testbed's (:func:`~loom.testbed.topology.current_topology`).
+    """
+    topo = topology if topology is not None else current_topology()
+    if topo is None or "prefix" not in topo:
+        raise TestbedError("set_rail_rate: no running testbed here; call Testbed.set_rail_rate, or run inside "
+                           "`loom testbed run`")
+    if isinstance(gbit, bool) or not isinstance(gbit, (int, float)) or not gbit > 0:
+        raise ValueError(f"gbit={gbit!r} must be a rate > 0 Gbit/s (the testbed's rail_gbit restores it)")
+    on = [int(r["rank"]) for r in topo["ranks"] if int(r["rail"]) == rail]
+    if not on:
+        raise ValueError(f"rail={rail!r}: the testbed has rails 0..{int(topo['rails']) - 1}")
+    prefix = topo["prefix"]
+    for g in on:
+        _run(["tc", "-n", f"{prefix}r{g}", "qdisc", "replace", "dev", RAIL_IFACE, *_tbf(gbit).split()])
+    _run(["tc", "-n", f"{prefix}sw", "-batch", "-"],
+         input="".join(f"qdisc replace dev k{g} {_tbf(gbit)}\n" for g in on))
+
+
 class Testbed:
     """An emulated multi-node, multi-rail cluster on this machine (needs root).
 
@@ -343,7 +374,7 @@ class Testbed:
             for iface, peer, gbit, on in ((RAIL_IFACE, f"k{info.rank}", spec.rail_gbit, True),
                                           (INTRA_IFACE, f"i{info.rank}", spec.intra_gbit, multi)):
                 if on and gbit > 0:
-                    qd = f"root tbf rate {_rate(gbit)} burst {_burst(gbit)} latency 50ms"
+                    qd = _tbf(gbit)
                     rank_tc.append(f"qdisc replace dev {iface} {qd}")
                     sw_tc.append(f"qdisc replace dev {peer} {qd}")
             if rank_tc:
@@ -451,6 +482,12 @@ class Testbed:
             if proc.poll() is not None:
                 self._proc = None
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    def set_rail_rate(self, rail: int, gbit: float) -> None:
+        """Change rail ``rail``'s rate while jobs run (:func:`set_rail_rate`)."""
+        if not self._namespaces:
+            raise TestbedError("the testbed is not built: use `with Testbed(...) as tb:` or call build() first")
+        set_rail_rate(rail, gbit, topology={**self.topology, "prefix": self.prefix})
 
     # --- observing -----------------------------------------------------------------------------------------
     def counters(self) -> dict[int, dict[str, dict[str, int]]]:

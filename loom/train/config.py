@@ -340,8 +340,11 @@ class MultipathConfig:
     """``auto`` (found from the machine), a preset (``testbed``, ``h100``, ``mesh``, ``shm``) or a TOML file."""
     min_bytes: int = 1 << 20
     """Pairs sending fewer bytes stay on their direct route (splitting small messages costs more than it saves)."""
+    learn: bool = False
+    """Measure the links during the dispatches and re-plan when one slows (:mod:`loom.multipath.links`)."""
 
     def __post_init__(self) -> None:
+        _need(isinstance(self.learn, bool), f"multipath.learn = {self.learn!r}; give true or false")
         _need(isinstance(self.topology, str) and bool(self.topology),
               f"multipath.topology = {self.topology!r}; give 'auto', a preset name or a TOML file")
         _at_least(self, "multipath", min_bytes=0)

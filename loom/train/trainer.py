@@ -208,7 +208,7 @@ class Trainer:
             from ..parallel.moe import use_multipath
 
             use_multipath(self.tm.module, ep_comm, topology=cfg.multipath.topology,
-                          min_bytes=cfg.multipath.min_bytes)
+                          min_bytes=cfg.multipath.min_bytes, learn=cfg.multipath.learn)
         self.model = self.tm.module
         if hasattr(self.tm, "tokenize_corpus"):  # a transformers checkpoint's own tokenizer
             self.corpus = self.tm.tokenize_corpus(self.corpus)

@@ -5,6 +5,7 @@ links carry the bytes, and the issue's rate criteria: 200 Mbit/s within +-20 %, 
 200 Mbit/s the links, not the 2-core CPU, are the bottleneck). Then teardown on timeout, exception and signals.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -78,4 +79,29 @@ def test_cli_tears_down_on_signal(sig):
     os.kill(proc.pid, sig)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + sig, (out, err)  # 130 / 143: interrupted, then torn down
+    _no_trace(prefix)
+
+
+# The halved rail loses traffic within this many steps (measured calls) of the change, and regains it within
+# this many of the restore (each sample moves the estimate past the re-plan threshold; the plan follows one call
+# later, and the estimate needs a few samples to settle).
+DEGRADE_WITHIN = 3
+
+
+def test_halved_rail_sheds_traffic_and_regains_it(tmp_path):
+    """`loom bench multipath --degrade 0:0.5` on the 2 x 2 testbed: rail 0's tc rate is halved for the middle
+    phase; the monitored plan's share of the rail bytes on rail 0 drops from the even split toward the
+    optimum 1/3, and returns when the rate does (asserted on the plans, never on times)."""
+    out = tmp_path / "degrade.json"
+    n = 6
+    with Testbed(nodes=2, ranks_per_node=2, rails=2, rail_gbit=0.2, intra_gbit=1) as tb:
+        proc = tb.run([sys.executable, "-m", "loom.cli", "bench", "multipath", "--degrade", "0:0.5", "--steps",
+                       str(n), "-m", "1M", "--skew", "hot-pair", "--json", str(out)], timeout=300, capture=True)
+        prefix = tb.prefix
+    assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+    share = [r["share"] for r in json.loads(out.read_text())["meta"]["trace"]]
+    before, during, after = share[:n], share[n:2 * n], share[2 * n:]
+    assert all(0.45 <= s <= 0.55 for s in before), before
+    assert all(s <= 0.42 for s in during[DEGRADE_WITHIN:]), during
+    assert all(s >= 0.44 for s in after[DEGRADE_WITHIN + 1:]), after
     _no_trace(prefix)

@@ -89,6 +89,31 @@ def check_planned_hot_pair(comm):
         assert pl.method == "mwu" and pl.moved_fraction() > 0.2, (pl.method, pl.moved_fraction())
 
 
+def check_monitored_equals_direct_and_agrees(comm):
+    """With a LinkMonitor every call is measured (a barrier, arrival times, one allreduce): delivery still equals
+    direct, and every rank ends with the same estimates, version and plan (they re-plan alike)."""
+    from loom.multipath.links import LinkMonitor
+
+    p = comm.size
+    topo = _topology(p)
+    g = seeded(comm, 4)
+    mon = LinkMonitor(topology=topo, replan=0.01)
+    for _ in range(4):
+        counts = _random_counts(g, p, 8, zeros=0.3)
+        counts[0, p - 1] += 2048
+        x = torch.randn((int(counts[comm.rank].sum()), 16), dtype=torch.float64)
+        sc = counts[comm.rank].tolist()
+        want, _ = comm.alltoallv(x, sc)
+        got, _ = alltoallv(x, sc, comm, topology=topo, min_bytes=1024, chunk_bytes=8192, monitor=mon,
+                           counts=counts)
+        assert torch.equal(got, want)
+    if p == 1:
+        return  # one rank: a local copy, nothing to measure
+    assert mon.calls == 4 and mon.measured == 4 and mon.plan is not None, (mon.calls, mon.measured)
+    seen = comm.allgather_object((mon.health.tobytes(), mon.version, mon.plan.flows.tobytes()))
+    assert all(s == seen[0] for s in seen), "ranks disagree on the learned capacities or the plan"
+
+
 def check_requires_grad_and_empty(comm):
     p = comm.size
     topo = _topology(p)
@@ -163,7 +188,11 @@ def check_moe_exact_forward_backward(comm):
     rs = torch.randn(sum(lens), cfg.dim, generator=g, dtype=torch.float64)
     lo = sum(lens[:comm.rank])
     sl = slice(lo, lo + lens[comm.rank])
-    for mp in (None, {"topology": topo, "min_bytes": 0, "chunk_bytes": 64, "planner": {"hysteresis": 0.0}}):
+    from loom.multipath.links import LinkMonitor
+
+    base = {"topology": topo, "min_bytes": 0, "chunk_bytes": 64, "planner": {"hysteresis": 0.0}}
+    # The last variant learns link capacities from its own dispatches (measured calls, re-plans): still exact.
+    for mp in (None, base, {**base, "monitor": LinkMonitor(topology=topo, replan=0.01)}):
         layer = MoE(cfg, comm, multipath=mp)
         x = xs[sl].clone().requires_grad_(True)
         y = layer(x)

@@ -219,3 +219,17 @@ def test_check_table_and_verdicts(capsys):
     assert body["intra"][-1] == "cpu"  # 1.5 of 10 configured, but >= 70 % of the 1.6 Gbit/s ceiling
     assert body["rails"][-1] == "low"  # 0.25 per flow: neither the link nor the CPU explains it
     assert body["no-limit"][-5:] == ["unlimited", "1.600", "-", "12.50", "-"]
+
+
+def test_set_rail_rate_rejects_bad_input(monkeypatch):
+    from loom.testbed import TestbedError, set_rail_rate, topology_dict
+    from loom.testbed.topology import TestbedSpec
+
+    monkeypatch.delenv("LOOM_TESTBED_TOPOLOGY", raising=False)
+    with pytest.raises(TestbedError, match="no running testbed"):
+        set_rail_rate(0, 0.1)
+    topo = {**topology_dict(TestbedSpec(nodes=2, ranks_per_node=2, rails=2)), "prefix": "loomtb-none-"}
+    with pytest.raises(ValueError, match="rails 0..1"):
+        set_rail_rate(2, 0.1, topology=topo)
+    with pytest.raises(ValueError, match="> 0"):
+        set_rail_rate(0, 0, topology=topo)

@@ -48,13 +48,23 @@ def test_manifest_is_written_last_and_atomically(tmp_path):
 @pytest.mark.parametrize("zero, match", [
     ({"stage": 5}, "zero.stage = 5"),
     ({"stage": 1, "axes": ["tp"]}, "zero.axes"),
-    ({"stage": 3}, "stages 2-3"),
+    ({"stage": 3, "bucket_mb": 0}, "zero.bucket_mb = 0"),
 ])
 def test_zero_config_refuses_bad_input(zero, match):
     from loom.train.config import ConfigError, config_from_dict
 
     with pytest.raises(ConfigError, match=match):
         config_from_dict({"zero": zero})
+
+
+def test_zero_stage_2_3_with_a_pipeline_is_refused_naming_the_fix():
+    from loom.train.config import ConfigError, config_from_dict
+
+    for stage in (2, 3):
+        with pytest.raises(ConfigError, match=f"zero.stage = {stage} with mesh.pp = 2.*use zero.stage = 1"):
+            config_from_dict({"zero": {"stage": stage}, "mesh": {"pp": 2}})
+    assert config_from_dict({"zero": {"stage": 1}, "mesh": {"pp": 2}}).zero.stage == 1
+    assert config_from_dict({"zero": {"stage": 3, "axes": ["dp", "sp"]}, "mesh": {"sp": 2}}).zero.stage == 3
 
 
 def test_zero_config_with_experts_is_refused_and_axes_parse():

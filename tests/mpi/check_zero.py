@@ -346,7 +346,7 @@ ZERO_MESHES = {1: [{"mesh": {"dp": 1}}], 2: [{"mesh": {"dp": 2}}], 3: [{"mesh": 
                4: [{"mesh": {"dp": 2, "sp": 2}, "zero": {"axes": ["dp", "sp"]}, **FPDT},
                    {"mesh": {"dp": 2, "sp": 2}, "zero": {"axes": ["dp"]}},
                    {"mesh": {"dp": 4}}]}
-SMALL_BUCKETS = {"bucket_mb": 0.02}  # several buckets in the tiny model: stage 3 gathers and frees for real
+SMALL_BUCKETS = {"bucket_mb": 0.0002}  # a bucket per module: stage 3 gathers and frees each (the head apart)
 
 
 def _full_params(tr) -> dict[str, torch.Tensor]:

@@ -29,8 +29,8 @@ Plan per stage (one training step: forward, ``loss.backward()`` one or more time
   it, binds the parameters to views of the gathered buffer and prefetches the next bucket; when the
   bucket's last owning module has run it is freed. Autograd's saved tensors that are views of a gathered
   buffer are saved as (bucket, size, stride, offset) by a saved-tensors hook and re-materialized on unpack;
-  a saved parameter itself is kept as the parameter (custom autograd functions differentiate with respect
-  to it) and its bucket gathered on unpack. Backward re-gathers buckets in descending order just in time
+  a saved parameter itself is kept as the parameter and its bucket gathered on unpack (a custom function
+  may save it while freed and read it in backward). Backward re-gathers buckets in descending order just in time
   (prefetching the one below), and frees a bucket as soon as all its parameters have their gradients,
   which are reduce-scattered as in stage 2. A module run *during* backward (activation recomputation,
   chunked maps) gathers its buckets as backward does and leaves them to be freed with their gradients.
@@ -721,7 +721,9 @@ class ShardedDataParallel(nn.Module):
     def _pack(self, t: torch.Tensor):
         ref = self._index_of.get(id(t))
         if ref is not None:
-            return ("param", ref[0], t)  # the parameter itself: a custom function may differentiate by it
+            # The parameter itself, its bucket gathered on unpack: backward code that reads a saved parameter
+            # without calling its module (a recomputed chunk) sees its values even if it was saved freed.
+            return ("param", ref[0], t)
         if self._live and t.layout == torch.strided:
             i = self._live.get(t.untyped_storage().data_ptr())
             if i is not None:

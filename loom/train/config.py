@@ -319,6 +319,10 @@ class ZeroConfig:
     """Mesh axes whose ranks share the split: ``["dp"]`` or ``["dp", "sp"]`` (sp ranks hold the same weights)."""
     bucket_mb: float = 25.0
     """Stages 2-3: MiB per bucket, the unit of a parameter gather and a gradient reduce-scatter."""
+    master_dtype: str = ""
+    """Stages 2-3: dtype of the flat shards AdamW steps, e.g. ``float32`` under ``train.dtype = bfloat16``
+    (the model computes in ``train.dtype`` on gathered copies; gradients are reduced in this dtype). Empty:
+    ``train.dtype``."""
 
     def __post_init__(self) -> None:
         _need(isinstance(self.stage, int) and not isinstance(self.stage, bool) and 0 <= self.stage <= 3,
@@ -329,6 +333,11 @@ class ZeroConfig:
               f"zero.axes = {self.axes!r} must be a list of mesh axes among 'dp', 'sp' (e.g. [\"dp\"] or "
               f"[\"dp\", \"sp\"]): the ranks that hold the same weights")
         _need(self.bucket_mb > 0, f"zero.bucket_mb = {self.bucket_mb} must be > 0 (MiB per bucket)")
+        _need(self.master_dtype in ("", "float32", "float64"),
+              f"zero.master_dtype = {self.master_dtype!r}; valid: '' (train.dtype), float32, float64")
+        _need(not self.master_dtype or self.stage >= 2,
+              f"zero.master_dtype = {self.master_dtype!r} needs zero.stage = 2 or 3 (the master copy lives in the "
+              f"flat shards); set zero.stage, or drop zero.master_dtype")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -407,6 +416,9 @@ class Config:
         _need(self.zero.stage < 2 or mesh.pp == 1,
               f"zero.stage = {self.zero.stage} with mesh.pp = {mesh.pp}: gradient and parameter sharding (stages "
               f"2-3) do not run under a pipeline; use zero.stage = 1 with pipelines, or mesh.pp = 1")
+        _need(self.zero.stage < 2 or self.train.device == "cpu",
+              f"zero.stage = {self.zero.stage} with train.device = {self.train.device!r}: ShardedDataParallel keeps "
+              f"its buckets in host memory; use train.device = 'cpu', or zero.stage = 1 on CUDA")
         if mesh.ep > 1:
             _need(m.ffn == "moe", f"mesh.ep = {mesh.ep} needs model.ffn = 'moe' (got {m.ffn!r})")
             _need(m.experts % mesh.ep == 0,

@@ -207,13 +207,15 @@ class Trainer:
             ep_comm = self.ep if self.ep is not None else self.comm.split(self.comm.rank, 0, name="ep")
         self.device = self._pick_device()
         self.dtype = _DTYPES[cfg.train.dtype]
+        # ZeRO 2-3 with a master dtype: the model is built (and its shards kept) in it, computing in train.dtype.
+        self.master_dtype = _DTYPES[cfg.zero.master_dtype] if cfg.zero.master_dtype else self.dtype
         torch.manual_seed(cfg.train.seed)
         sp_codec = self.policy.codec_for("sp") if self.policy is not None else None
         sp_min = self.policy.min_bytes if self.policy is not None else None
         sp_comm = TimedComm(self.sp, "sp", sp_codec, sp_min) if self.sp is not None else None
         # Under a pipeline the model is built on the meta device and HybridParallel materialises only this
         # rank's stage (the same weights as a whole build: each tensor's init depends only on its name).
-        self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.dtype, device=self.device,
+        self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.master_dtype, device=self.device,
                               meta=self.pp is not None)
         if cfg.multipath.enabled and ep_comm is not None:  # [multipath]: expert all-to-allv over planned paths
             from ..parallel.moe import use_multipath
@@ -281,7 +283,7 @@ class Trainer:
         keep = [m for m in (getattr(self.model, "head", None),) if isinstance(m, torch.nn.Module)]
         try:
             sdp = ShardedDataParallel(self.model, self.mesh[tuple(z.axes)], stage=z.stage, bucket_mb=z.bucket_mb,
-                                      reduce="sum", compress=self.policy, keep=keep)
+                                      reduce="sum", compress=self.policy, keep=keep, compute_dtype=self.dtype)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"zero.stage = {z.stage}: {exc}") from None
         sdp.scale = 1.0 / cfg.mesh.dp / (cfg.mesh.sp if "sp" in z.axes and not self._sp_share else 1)

@@ -49,6 +49,8 @@ def test_manifest_is_written_last_and_atomically(tmp_path):
     ({"stage": 5}, "zero.stage = 5"),
     ({"stage": 1, "axes": ["tp"]}, "zero.axes"),
     ({"stage": 3, "bucket_mb": 0}, "zero.bucket_mb = 0"),
+    ({"stage": 3, "master_dtype": "float16"}, "zero.master_dtype = 'float16'"),
+    ({"stage": 1, "master_dtype": "float32"}, "needs zero.stage = 2 or 3"),
 ])
 def test_zero_config_refuses_bad_input(zero, match):
     from loom.train.config import ConfigError, config_from_dict
@@ -64,6 +66,8 @@ def test_zero_stage_2_3_with_a_pipeline_is_refused_naming_the_fix():
         with pytest.raises(ConfigError, match=f"zero.stage = {stage} with mesh.pp = 2.*use zero.stage = 1"):
             config_from_dict({"zero": {"stage": stage}, "mesh": {"pp": 2}})
     assert config_from_dict({"zero": {"stage": 1}, "mesh": {"pp": 2}}).zero.stage == 1
+    with pytest.raises(ConfigError, match="zero.stage = 3 with train.device = 'cuda'.*use train.device = 'cpu'"):
+        config_from_dict({"zero": {"stage": 3}, "train": {"device": "cuda"}})
     assert config_from_dict({"zero": {"stage": 3, "axes": ["dp", "sp"]}, "mesh": {"sp": 2}}).zero.stage == 3
 
 

@@ -63,6 +63,7 @@ Every rank of the group must run the same modules in the same order at stage 3 (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -438,17 +439,24 @@ class ShardedDataParallel(nn.Module):
         """Run ``fn(*args, **kwargs)`` as this module's forward (e.g. ``sdp.call(model.loss, x, y)`` for a
         model whose training entry point is not ``forward``): at stage 3 its parameters are gathered just in
         time and autograd's saved tensors are tracked as in :meth:`forward`."""
-        if self.stage < 3:
+        with self.forward_context():
             return fn(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """The context one forward runs in (stage 3: gathers kept buckets, tracks saved tensors, and frees on
+        exit); for callers that run the module's pieces themselves, such as a pipeline's micro-batches."""
+        if self.stage < 3:
+            yield
+            return
         self._fwd_next = 0
         self._fwd_ran = [0] * len(self.buckets)
         for i in self._keep:  # read outside any hook: gathered now, in the same order on every rank
             self._post_gather(self.buckets[i])
             self._ensure(self.buckets[i])
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            out = fn(*args, **kwargs)
+            yield
         self._forward_end()
-        return out
 
     def sync_grads(self) -> None:
         """Finish this step's gradient reduction: afterwards ``shards[b].grad`` holds this rank's reduced block."""

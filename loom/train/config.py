@@ -314,7 +314,8 @@ class ZeroConfig:
     """0: every rank keeps everything; 1: the optimizer state is split over ``axes`` (loom.parallel
     .ShardedOptimizer); 2: the gradients too, reduce-scattered during backward; 3: the parameters too,
     gathered bucket by bucket just in time (2-3: loom.parallel.ShardedDataParallel, checkpoints one file per
-    rank plus a manifest that ``--resume`` reshards to another dp size). Stages 2-3 need ``mesh.pp = 1``."""
+    rank plus a manifest that ``--resume`` reshards to another dp size; under a pipeline each stage shards its
+    own layers)."""
     axes: list = field(default_factory=lambda: ["dp"])
     """Mesh axes whose ranks share the split: ``["dp"]`` or ``["dp", "sp"]`` (sp ranks hold the same weights)."""
     bucket_mb: float = 25.0
@@ -411,11 +412,6 @@ class Config:
         _need(self.zero.stage == 0 or mesh.ep == 1,
               f"zero.stage = {self.zero.stage} with mesh.ep = {mesh.ep}: expert weights differ across ep ranks and "
               f"sharding the optimizer state over dp x ep is not wired yet; use zero.stage = 0 or mesh.ep = 1")
-        # HybridParallel runs a stage's micro-batches and averages its gradients over dp itself; sharding the
-        # gradients and parameters under it is not wired (DeepSpeed's pipeline engine refuses ZeRO-2/3 too).
-        _need(self.zero.stage < 2 or mesh.pp == 1,
-              f"zero.stage = {self.zero.stage} with mesh.pp = {mesh.pp}: gradient and parameter sharding (stages "
-              f"2-3) do not run under a pipeline; use zero.stage = 1 with pipelines, or mesh.pp = 1")
         _need(self.zero.stage < 2 or self.train.device == "cpu",
               f"zero.stage = {self.zero.stage} with train.device = {self.train.device!r}: ShardedDataParallel keeps "
               f"its buckets in host memory; use train.device = 'cpu', or zero.stage = 1 on CUDA")

@@ -22,14 +22,16 @@ Step plan (every rank, mesh ``dp x pp x ep x sp``, ``sp`` fastest):
    warm-up + cosine learning rate of this step.
 
 ZeRO (``[zero]``): stage 1 wraps the optimizer in ``loom.parallel.ShardedOptimizer`` over the ``zero.axes``
-ranks and leaves steps 2-3 as they are. Stages 2-3 (no pipeline) wrap the model in
+ranks and leaves steps 2-3 as they are. Stages 2-3 wrap the model (under a pipeline: this rank's stage, with
+HybridParallel's own dp reduction off and each micro-batch's forward in the wrapper's context) in
 ``loom.parallel.ShardedDataParallel`` over those ranks instead: it reduce-scatters the gradients during
 backward (through the policy's dp codec and error feedback when compressing) with the factor ``1 / dp``
 (a share-of-mean loss sums over sp; a local mean is also divided by sp), sp is summed afterwards when it is
 not among the axes, and AdamW steps this rank's flat shards, the decoupled weight decay applied by a mask
-to the elements of matrices (vectors take none, as in the unsharded groups). Checkpoints then add one file
-per rank plus a manifest (``step_N.zero/``, resharded by ``--resume`` at another dp size) next to the usual
-stage file, which holds the full model for ``loom generate``.
+to the elements of matrices (vectors take none, as in the unsharded groups); the clipping norm is summed over
+the group and the pipeline stages. Checkpoints then add one file per rank plus a manifest (``step_N.zero/``,
+per pipeline stage ``stageK/``, resharded by ``--resume`` at another dp size) before the usual stage file,
+which holds the stage's full parameters for ``loom generate``.
 5. **Book-keeping.** Loss and peak memory reduced as Python objects (not counted as training traffic);
    bytes per mesh axis are the deltas of ``loom.comm.stats()``; the uncompressed equivalent adds back what
    ``loom.compress.stats()`` says compression saved on that axis.
@@ -275,18 +277,26 @@ class Trainer:
 
         Gradients are summed over the group and scaled by ``1 / dp``: the loss is this rank's share of the
         sequence mean (summed over sp) or, without one, a local mean (then also divided by sp when sp is in
-        the group). The LM head is kept gathered through forward: the loss reads its weight directly.
+        the group). The LM head is kept gathered through forward: the loss reads its weight directly. Under a
+        pipeline the wrapped module is this rank's stage (its units of the pipeline view, whose modules all
+        run through their hooks), HybridParallel leaves the dp reduction to it and runs every micro-batch's
+        forward in its ``forward_context``.
         """
         from ..parallel import ShardedDataParallel
 
         cfg, z = self.cfg, self.cfg.zero
-        keep = [m for m in (getattr(self.model, "head", None),) if isinstance(m, torch.nn.Module)]
+        module, keep = self.model, [m for m in (getattr(self.model, "head", None),) if isinstance(m, torch.nn.Module)]
+        if self.hybrid is not None:
+            module = torch.nn.ModuleList([u for u in self.tm.pipeline if any(not p.is_meta for p in u.parameters())])
+            keep = []
         try:
-            sdp = ShardedDataParallel(self.model, self.mesh[tuple(z.axes)], stage=z.stage, bucket_mb=z.bucket_mb,
+            sdp = ShardedDataParallel(module, self.mesh[tuple(z.axes)], stage=z.stage, bucket_mb=z.bucket_mb,
                                       reduce="sum", compress=self.policy, keep=keep, compute_dtype=self.dtype)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"zero.stage = {z.stage}: {exc}") from None
         sdp.scale = 1.0 / cfg.mesh.dp / (cfg.mesh.sp if "sp" in z.axes and not self._sp_share else 1)
+        if self.hybrid is not None:
+            self.hybrid.forward_context = sdp.forward_context
         return sdp
 
     def _decay_masks(self) -> list[torch.Tensor]:
@@ -305,6 +315,8 @@ class Trainer:
         (``zero.axes`` without sp) one subdirectory per sp rank: same blocks, but their own error feedback."""
         from ..parallel.zero import MANIFEST
 
+        if self.stages > 1:  # one ZeRO layout per pipeline stage
+            zero_dir = zero_dir / f"stage{self.stage}"
         split = self.sp is not None and "sp" not in self.cfg.zero.axes
         if write:
             return zero_dir / f"sp{self.sp_rank}" if split else zero_dir
@@ -312,6 +324,16 @@ class Trainer:
             if (d / MANIFEST).exists():
                 return d
         return zero_dir  # load_sharded names what is missing
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's trained parameters (its pipeline stage's) by model name, whole: under ZeRO 2-3 gathered
+        from the shards (collective over the zero axes), else copies of the live ones."""
+        named = dict(self.model.named_parameters())
+        if self.sdp is None:
+            return {n: named[n].detach().cpu().clone() for n in self.param_names}
+        full = self.sdp.state_dict()  # keys of the wrapped module (the model, or this stage's units)
+        key = {id(p): n for n, p in self.sdp.module.named_parameters()}
+        return {n: full[key[id(named[n])]].detach().cpu() for n in self.param_names}
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         """AdamW over this rank's parameters (no weight decay on vectors), sharded under ZeRO stage 1; under
@@ -338,7 +360,8 @@ class Trainer:
             return HybridParallel(self.tm.pipeline, partitions=cfg.mesh.pp, replicas=cfg.mesh.dp,
                                   micro_batches=cfg.data.micro_batches, schedule=schedule, balance="params",
                                   mesh=self.mesh, grad_hook=self.hook, compression=self.policy,
-                                  bucket_mb=cfg.compress.bucket_mb, device=self.device, dtype=self.dtype)
+                                  bucket_mb=cfg.compress.bucket_mb, device=self.device, dtype=self.master_dtype,
+                                  reduce_dp=cfg.zero.stage < 2)
         except ValueError as exc:
             raise ConfigError(f"pipeline setup: {exc}") from None
 
@@ -439,8 +462,7 @@ class Trainer:
         if self.sdp is not None:  # one file per rank + manifest; the stage file then holds the full model only
             zero_dir = ckpt.zero_path(self.ckpt_dir, step)
             self.sdp.save_sharded(self._zero_files(zero_dir, write=True), self.opt)
-            full = self.sdp.state_dict()  # collective over the zero axes
-            model = {n: full[n].detach().cpu() for n in self.param_names}
+            model = self.full_parameters()
             optim = None
         sharded = self.opt.state_dict() if self.cfg.zero.stage == 1 else None  # collective over the zero axes
         if self.dp_rank == 0 and self.sp_rank == 0 and self.sdp is None:
@@ -574,7 +596,10 @@ class Trainer:
     def _sharded_clip(self) -> float:
         grads = [sh.grad for sh in self.sdp.shards]
         sq = sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))
-        norm = float(self.sdp.comm.allreduce(sq.reshape(1), op="sum")[0].sqrt())
+        sq = self.sdp.comm.allreduce(sq.reshape(1), op="sum")
+        if self.pp is not None:  # every stage's shards
+            sq = self.pp.allreduce(sq, op="sum")
+        norm = float(sq[0].sqrt())
         limit = self.cfg.optim.grad_clip
         if limit > 0 and norm > limit:
             scale = limit / (norm + 1e-6)

@@ -347,7 +347,6 @@ ZERO_MESHES = {1: [{"mesh": {"dp": 1}}], 2: [{"mesh": {"dp": 2}}, {"mesh": {"pp"
                3: [{"mesh": {"dp": 3}}],
                4: [{"mesh": {"dp": 2, "sp": 2}, "zero": {"axes": ["dp", "sp"]}, **FPDT},
                    {"mesh": {"dp": 2, "sp": 2}, "zero": {"axes": ["dp"]}},
-                   {"mesh": {"dp": 4}},
                    {"mesh": {"dp": 2, "pp": 2}, **PIPE},
                    # dp x pp x sp needs 8 ranks with every axis > 1; here dp = 1, the ZeRO group spans sp
                    {"mesh": {"pp": 2, "sp": 2}, "zero": {"axes": ["dp", "sp"]}, **PIPE, **FPDT}]}

@@ -371,6 +371,8 @@ def check_train_zero_stages_2_3_match_one_rank(comm):
     the group or summed after it), dp x pp and pp x sp (FPDT) with two micro-batches equals the one-rank run:
     losses, held-out losses and every parameter after 4 AdamW steps with warm-up, weight decay and clipping,
     fp64, to 1e-9."""
+    import shutil
+
     root = comm.bcast_object(tempfile.mkdtemp(prefix="loom-zero23-") if comm.rank == 0 else None)
     solo = comm.split(comm.rank, name="solo")
     ref, ref_recs = _zero_train(solo, root, f"ref{comm.rank}")
@@ -391,6 +393,9 @@ def check_train_zero_stages_2_3_match_one_rank(comm):
                 assert err < 1e-9, (extra, stage, n, err)
             if tr.sdp.comm.size > 1:  # the ZeRO group's traffic is counted on its axis
                 assert set(recs[-1]["bytes"]) & {"dp", "dp+sp"}, recs[-1]["bytes"]
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _resume_bit_exact(comm, root: str, mesh: dict) -> None:

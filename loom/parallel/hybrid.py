@@ -23,6 +23,7 @@ With ``loss_fn`` a mean over the batch, gradients equal single-process training 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -120,6 +121,12 @@ class HybridParallel:
             whole model never exists on one rank; its weights equal a plain build from the same seed.
         device: where a meta model's stage is materialised.
         dtype: the dtype a meta model's stage is cast to after initialisation (``None``: as built).
+        reduce_dp: average the stage's gradients over ``dp`` (``False``: leave them to a
+            :class:`~loom.parallel.ShardedDataParallel` over this stage, which reduce-scatters them itself).
+
+    Attributes:
+        forward_context: ``None``, or a callable returning the context manager every micro-batch forward
+            runs in (a ``ShardedDataParallel``'s ``forward_context`` at ZeRO stage 3).
 
     Raises:
         ValueError: ``partitions x replicas`` differs from the ranks available, more partitions than layers,
@@ -134,7 +141,7 @@ class HybridParallel:
                  grad_hook: GradHook | None = None, compression: Any = None,
                  sample_inputs: Any = None, bucket_mb: float = 25.0, leaf_modules: Sequence[type] = (),
                  virtual_stages: int = 2, init: Callable[[str, torch.Tensor], None] | None = None,
-                 device: Any = "cpu", dtype: torch.dtype | None = None):
+                 device: Any = "cpu", dtype: torch.dtype | None = None, reduce_dp: bool = True):
         self.config = HybridConfig(partitions=partitions, replicas=replicas, micro_batches=micro_batches,
                                    schedule=schedule, balance=balance, bucket_mb=bucket_mb,
                                    virtual_stages=virtual_stages)
@@ -180,11 +187,13 @@ class HybridParallel:
         self._params = [t for t in self._tensors() if t.requires_grad]
         self._tie_shared()
         self.reducer: GradReducer | None = None
+        self.forward_context: Callable[[], Any] | None = None
         if self.replicas > 1:
             with torch.no_grad():
                 for t in self._tensors():
                     t.copy_(self.dp.bcast(t.detach().clone(), 0))
-            self.reducer = GradReducer(self._params, self.dp, grad_hook=grad_hook, bucket_mb=bucket_mb)
+            if reduce_dp:
+                self.reducer = GradReducer(self._params, self.dp, grad_hook=grad_hook, bucket_mb=bucket_mb)
 
     # ------------------------------------------------------------------ setup
     def _comms(self, comm, mesh, pp, dp) -> tuple[Communicator, Communicator]:
@@ -336,6 +345,9 @@ class HybridParallel:
         if self.graph.kind in ("fx", "sequential", "export", "transformers") and self.model.training != training:
             self.model.train(training)
 
+    def _context(self) -> Any:
+        return self.forward_context() if self.forward_context is not None else contextlib.nullcontext()
+
     def _key(self, mb: tuple) -> tuple:
         return tuple((tuple(t.shape), t.dtype) for t in mb)
 
@@ -361,7 +373,8 @@ class HybridParallel:
                 tgt = None
                 if st.last:
                     tgt = tgts[i][0] if len(tgts[i]) == 1 else tgts[i]
-                slot, _ = st.forward(self._key(mbs[i]), mbs[i], tgt, loss_fn)
+                with self._context():
+                    slot, _ = st.forward(self._key(mbs[i]), mbs[i], tgt, loss_fn)
                 if slot.loss is not None:
                     total += float(slot.loss.detach())  # host scalar (a CUDA loss syncs here)
                 slots[(k, i)] = slot
@@ -399,7 +412,8 @@ class HybridParallel:
             tgt = None
             if st.last and tgts[i] is not None:
                 tgt = tgts[i][0] if len(tgts[i]) == 1 else tgts[i]
-            slot, out = st.forward(self._key(mbs[i]), mbs[i], tgt, loss_fn, grad=False)
+            with self._context():
+                slot, out = st.forward(self._key(mbs[i]), mbs[i], tgt, loss_fn, grad=False)
             if slot.loss is not None:
                 total += float(slot.loss)
             if st.last:

@@ -28,9 +28,15 @@ Plan per stage (one training step: forward, ``loss.backward()`` one or more time
   ``iallgather`` (and every earlier one not yet posted, so all ranks post them in bucket order), waits for
   it, binds the parameters to views of the gathered buffer and prefetches the next bucket; when the
   bucket's last owning module has run it is freed. Autograd's saved tensors that are views of a gathered
-  buffer are saved as (bucket, size, stride, offset) by a saved-tensors hook and re-materialized on unpack:
-  backward re-gathers buckets in descending order just in time (prefetching the one below), and frees a
-  bucket as soon as all its parameters have their gradients, which are reduce-scattered as in stage 2.
+  buffer are saved as (bucket, size, stride, offset) by a saved-tensors hook and re-materialized on unpack;
+  a saved parameter itself is kept as the parameter and its bucket gathered on unpack (a custom function
+  may save it while freed and read it in backward). Backward re-gathers buckets in descending order just in time
+  (prefetching the one below), and frees a bucket as soon as all its parameters have their gradients,
+  which are reduce-scattered as in stage 2. A module run *during* backward (activation recomputation,
+  chunked maps) gathers its buckets as backward does and leaves them to be freed with their gradients.
+  Buckets of the ``keep`` modules (parameters read outside their module's own forward, such as an LM head
+  weight the loss multiplies by directly, or a tied embedding) are gathered when forward starts and kept
+  until their gradients are reduced.
 
 Communication: gathers and reduce-scatters run on two duplicates of the group, so each keeps its own order.
 MPICH makes no asynchronous progress, so every hook tests the outstanding requests (:meth:`_progress`), and a
@@ -57,6 +63,7 @@ Every rank of the group must run the same modules in the same order at stage 3 (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -87,6 +94,11 @@ def zero_stats() -> dict[str, float]:
 
 def reset_zero_stats() -> None:
     _stats.counters("time", "zero").clear()
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is executing a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _wait(req: Request) -> Any:
@@ -228,12 +240,19 @@ class ShardedDataParallel(nn.Module):
             error feedback on the gradient reduce-scatter; ``None``: exact.
         param_codec: codec of the stage-3 parameter gathers (default ``"int8"`` when ``compress`` is given).
         micro_batches: stage 0 only: ``backward()`` calls per step (stages 1-3 reduce after every backward).
+        keep: stage 3: modules whose parameters are used outside their own forward (e.g. ``model.head`` when
+            the loss reads ``head.weight`` directly); their buckets stay gathered from the start of forward
+            until backward has reduced their gradients.
+
+    The gradient reduction's factor is :attr:`scale` (``1 / P`` for ``"avg"``, ``1`` for ``"sum"``); a caller
+    whose loss is not a plain mean over the group (a sequence-parallel share of the mean, summed over ``sp``
+    but averaged over ``dp``) may set it before the first backward.
     """
 
     def __init__(self, module: nn.Module, group: Communicator | Mesh, *, stage: int = 3,
                  axes: str | Sequence[str] | None = None, bucket_mb: float = 25.0,
                  compute_dtype: torch.dtype | None = None, reduce: str = "avg", micro_batches: int = 1,
-                 compress: Any = None, param_codec: str | None = None):
+                 compress: Any = None, param_codec: str | None = None, keep: Sequence[nn.Module] = ()):
         super().__init__()
         _check_args(module, stage, bucket_mb, reduce, micro_batches)
         comm = _group(group, axes)
@@ -273,6 +292,8 @@ class ShardedDataParallel(nn.Module):
                 self._hooks.append(m.register_forward_pre_hook(self._pre_hook(bs)))
                 self._hooks.append(m.register_forward_hook(self._post_hook(bs)))
         self._index_of = {id(q): (b.index, i) for b in self.buckets for i, q in enumerate(b.params)}
+        self._keep = sorted({self._index_of[id(p)][0] for m in keep for p in m.parameters()
+                             if id(p) in self._index_of}) if stage == 3 else []
         self._live: dict[int, int] = {}  # storage address of a gathered bucket -> its index (stage 3)
         self._fwd_next = 0
         self._fwd_ran = [0] * len(self.buckets)
@@ -412,14 +433,30 @@ class ShardedDataParallel(nn.Module):
                 yield f"{prefix}shards.{i}", sh
 
     def forward(self, *args, **kwargs):
+        return self.call(self.module, *args, **kwargs)
+
+    def call(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """Run ``fn(*args, **kwargs)`` as this module's forward (e.g. ``sdp.call(model.loss, x, y)`` for a
+        model whose training entry point is not ``forward``): at stage 3 its parameters are gathered just in
+        time and autograd's saved tensors are tracked as in :meth:`forward`."""
+        with self.forward_context():
+            return fn(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """The context one forward runs in (stage 3: gathers kept buckets, tracks saved tensors, and frees on
+        exit); for callers that run the module's pieces themselves, such as a pipeline's micro-batches."""
         if self.stage < 3:
-            return self.module(*args, **kwargs)
+            yield
+            return
         self._fwd_next = 0
         self._fwd_ran = [0] * len(self.buckets)
+        for i in self._keep:  # read outside any hook: gathered now, in the same order on every rank
+            self._post_gather(self.buckets[i])
+            self._ensure(self.buckets[i])
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            out = self.module(*args, **kwargs)
+            yield
         self._forward_end()
-        return out
 
     def sync_grads(self) -> None:
         """Finish this step's gradient reduction: afterwards ``shards[b].grad`` holds this rank's reduced block."""
@@ -474,11 +511,16 @@ class ShardedDataParallel(nn.Module):
         """Reduce the gradients, clip (``max_norm``), ``optimizer.step()``, refresh the parameters, zero grads."""
         self.sync_grads()
         norm = self.clip_grad_norm_(max_norm) if max_norm is not None else None
+        self.update(optimizer)
+        self.zero_grad()
+        return norm
+
+    def update(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` on the shards, then (stages 1-2) the updated blocks gathered into the module's
+        parameters; for loops that reduce (:meth:`sync_grads`) and clip themselves."""
         optimizer.step()
         if self.stage in (1, 2):
             self._gather_all()
-        self.zero_grad()
-        return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.stage == 0:
@@ -651,6 +693,10 @@ class ShardedDataParallel(nn.Module):
 
     def _pre_hook(self, bs: list[int]):
         def hook(module, args):
+            if _in_backward():  # recomputed in backward: gathered as backward gathers
+                for i in bs:
+                    self._need_backward(i)
+                return
             for i in bs:
                 self._need_forward(i)
             self._progress()
@@ -658,9 +704,12 @@ class ShardedDataParallel(nn.Module):
 
     def _post_hook(self, bs: list[int]):
         def hook(module, args, out):
+            if _in_backward():  # the recomputed graph still reads the parameters: freed with their gradients
+                return
             for i in bs:
                 self._fwd_ran[i] += 1
-                if self._fwd_ran[i] >= self.buckets[i].owners and i != len(self.buckets) - 1:
+                if (self._fwd_ran[i] >= self.buckets[i].owners and i != len(self.buckets) - 1
+                        and i not in self._keep):
                     self._free(self.buckets[i])
             self._progress()
         return hook
@@ -670,14 +719,19 @@ class ShardedDataParallel(nn.Module):
             self._post_gather(self.buckets[self._fwd_next])
             self._fwd_next += 1
         # The last bucket is the first one backward needs: keep it rather than gather it again.
-        keep = len(self.buckets) - 1 if torch.is_grad_enabled() else -1
+        keep = {len(self.buckets) - 1, *self._keep} if torch.is_grad_enabled() else ()
         for b in self.buckets:
-            if b.index == keep:
+            if b.index in keep:
                 self._ensure(b)
             else:
                 self._free(b)
 
     def _pack(self, t: torch.Tensor):
+        ref = self._index_of.get(id(t))
+        if ref is not None:
+            # The parameter itself, its bucket gathered on unpack: backward code that reads a saved parameter
+            # without calling its module (a recomputed chunk) sees its values even if it was saved freed.
+            return ("param", ref[0], t)
         if self._live and t.layout == torch.strided:
             i = self._live.get(t.untyped_storage().data_ptr())
             if i is not None:
@@ -687,6 +741,9 @@ class ShardedDataParallel(nn.Module):
     def _unpack(self, saved):
         if isinstance(saved, torch.Tensor):
             return saved
+        if saved[0] == "param":
+            self._need_backward(saved[1])  # binds the parameter to its gathered bucket
+            return saved[2]
         i, size, stride, offset = saved
         self._need_backward(i)
         return self.buckets[i].full.as_strided(size, stride, offset)

@@ -31,8 +31,8 @@ from typing import Any
 
 from .config import ConfigError
 
-__all__ = ["save", "load", "latest", "stage_path", "prune", "resolve", "capture_rng", "restore_rng", "FORMAT",
-           "RESUMABLE", "config_changes", "run_files", "claim_run_dir", "clear_run_dir", "RunDirError"]
+__all__ = ["save", "load", "latest", "stage_path", "zero_path", "prune", "resolve", "capture_rng", "restore_rng",
+           "FORMAT", "RESUMABLE", "config_changes", "run_files", "claim_run_dir", "clear_run_dir", "RunDirError"]
 
 FORMAT = 1
 _NAME = re.compile(r"step_(\d{6,})\.stage(\d+)\.pt$")
@@ -40,6 +40,12 @@ _NAME = re.compile(r"step_(\d{6,})\.stage(\d+)\.pt$")
 
 def stage_path(directory: str | Path, step: int, stage: int = 0) -> Path:
     return Path(directory) / f"step_{step:06d}.stage{stage}.pt"
+
+
+def zero_path(directory: str | Path, step: int) -> Path:
+    """The sharded state of ``step`` under ZeRO stages 2-3: a directory of one file per rank plus a manifest
+    (``ShardedDataParallel.save_sharded``), written before the step's stage file."""
+    return Path(directory) / f"step_{step:06d}.zero"
 
 
 def capture_rng() -> dict[str, Any]:
@@ -151,6 +157,7 @@ def prune(directory: str | Path, keep: int, stages: int = 1, current: int | None
         if step < oldest_kept:
             for p in files.values():
                 p.unlink(missing_ok=True)
+            shutil.rmtree(zero_path(directory, step), ignore_errors=True)
 
 
 def _stages_of(path: Path) -> int:
@@ -197,8 +204,9 @@ RESUMABLE: dict[str, frozenset[str]] = {
     # The checkpoint holds whole stages, so the replicas and shards can be laid out again; pp must match.
     "mesh": frozenset({"dp", "sp", "ep", "schedule"}),
     "data": frozenset({"micro_batches"}),
-    # The optimizer state is saved unsharded (ZeRO stage 1 gathers it), so the split can change on resume;
-    # multi-path routing moves the same bytes by other paths.
+    # Stage 1 saves the optimizer state unsharded and stages 2-3 reshard theirs, so the split can change on
+    # resume (within 0-1 or within 2-3: the trainer checks); multi-path routing moves the same bytes by other
+    # paths.
     "zero": frozenset({"stage", "axes"}),
     "multipath": frozenset({"enabled", "topology", "min_bytes"}),
 }
@@ -264,6 +272,8 @@ def clear_run_dir(out: str | Path, ckpt_dir: str | Path) -> None:
         p.unlink(missing_ok=True)
     for tmp in Path(ckpt_dir).glob(".step_*.tmp.*") if Path(ckpt_dir).is_dir() else ():
         tmp.unlink(missing_ok=True)
+    for shards in Path(ckpt_dir).glob("step_*.zero") if Path(ckpt_dir).is_dir() else ():
+        shutil.rmtree(shards, ignore_errors=True)
     plots = Path(out) / "plots"
     if plots.is_dir() and not any(plots.iterdir()):
         shutil.rmtree(plots, ignore_errors=True)

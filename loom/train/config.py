@@ -311,10 +311,19 @@ class ZeroConfig:
     """Sharded data parallelism (ZeRO): which state is split over which mesh axes."""
 
     stage: int = 0
-    """0: every rank keeps the whole optimizer state; 1: it is split over ``axes`` (loom.parallel
-    .ShardedOptimizer). Stages 2-3 (gradients, parameters) are ``loom.parallel.ShardedDataParallel``."""
+    """0: every rank keeps everything; 1: the optimizer state is split over ``axes`` (loom.parallel
+    .ShardedOptimizer); 2: the gradients too, reduce-scattered during backward; 3: the parameters too,
+    gathered bucket by bucket just in time (2-3: loom.parallel.ShardedDataParallel, checkpoints one file per
+    rank plus a manifest that ``--resume`` reshards to another dp size; under a pipeline each stage shards its
+    own layers)."""
     axes: list = field(default_factory=lambda: ["dp"])
     """Mesh axes whose ranks share the split: ``["dp"]`` or ``["dp", "sp"]`` (sp ranks hold the same weights)."""
+    bucket_mb: float = 25.0
+    """Stages 2-3: MiB per bucket, the unit of a parameter gather and a gradient reduce-scatter."""
+    master_dtype: str = ""
+    """Stages 2-3: dtype of the flat shards AdamW steps, e.g. ``float32`` under ``train.dtype = bfloat16``
+    (the model computes in ``train.dtype`` on gathered copies; gradients are reduced in this dtype). Empty:
+    ``train.dtype``."""
 
     def __post_init__(self) -> None:
         _need(isinstance(self.stage, int) and not isinstance(self.stage, bool) and 0 <= self.stage <= 3,
@@ -324,9 +333,12 @@ class ZeroConfig:
         _need(isinstance(self.axes, list) and self.axes and all(a in ("dp", "sp") for a in self.axes),
               f"zero.axes = {self.axes!r} must be a list of mesh axes among 'dp', 'sp' (e.g. [\"dp\"] or "
               f"[\"dp\", \"sp\"]): the ranks that hold the same weights")
-        _need(self.stage < 2, f"zero.stage = {self.stage}: loom train shards the optimizer state (stage 1); "
-                              f"gradient and parameter sharding (stages 2-3) are in loom.parallel.ShardedDataParallel "
-                              f"and not wired into loom train yet; use zero.stage = 1")
+        _need(self.bucket_mb > 0, f"zero.bucket_mb = {self.bucket_mb} must be > 0 (MiB per bucket)")
+        _need(self.master_dtype in ("", "float32", "float64"),
+              f"zero.master_dtype = {self.master_dtype!r}; valid: '' (train.dtype), float32, float64")
+        _need(not self.master_dtype or self.stage >= 2,
+              f"zero.master_dtype = {self.master_dtype!r} needs zero.stage = 2 or 3 (the master copy lives in the "
+              f"flat shards); set zero.stage, or drop zero.master_dtype")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -403,6 +415,9 @@ class Config:
         _need(self.zero.stage == 0 or mesh.ep == 1,
               f"zero.stage = {self.zero.stage} with mesh.ep = {mesh.ep}: expert weights differ across ep ranks and "
               f"sharding the optimizer state over dp x ep is not wired yet; use zero.stage = 0 or mesh.ep = 1")
+        _need(self.zero.stage < 2 or self.train.device == "cpu",
+              f"zero.stage = {self.zero.stage} with train.device = {self.train.device!r}: ShardedDataParallel keeps "
+              f"its buckets in host memory; use train.device = 'cpu', or zero.stage = 1 on CUDA")
         if mesh.ep > 1:
             _need(m.ffn == "moe", f"mesh.ep = {mesh.ep} needs model.ffn = 'moe' (got {m.ffn!r})")
             _need(m.experts % mesh.ep == 0,

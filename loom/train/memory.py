@@ -6,9 +6,11 @@ The prediction follows what the code keeps alive, term by term, for the most loa
   them in the parameter dtype), for this rank's stage as ``HybridParallel`` splits it (min-max parameter
   count, :func:`loom.parallel.partition.balance`) and this rank's experts (``experts / ep``). ZeRO (a
   ``[zero]`` section with ``stage`` 0-3 and ``axes``) divides ``O`` (stage >= 1), ``G`` (>= 2) and ``W`` (3) by
-  the product ``Z`` of those axes' sizes, and adds its buffers: one gradient bucket before its
-  reduce-scatter (stage >= 2); at stage 3 two gathered layers (the one computing and the one prefetched) and
-  one layer's full gradient.
+  the product ``Z`` of those axes' sizes, and adds its buffers: one gradient bucket of ``zero.bucket_mb``
+  before its reduce-scatter (stage >= 2); at stage 3 two gathered layers (the one computing and the one
+  prefetched), one layer's full gradient and, on the last stage, the LM head, which ``loom train`` keeps
+  gathered from the start of forward until its gradient is reduced when there is no pipeline (the loss reads
+  its weight directly; a pipeline's last stage calls the head as a module, gathered like any other).
 * **activations** of one micro-batch of ``t = rows x seq_len / sp`` tokens on this rank, per block, from
   the tensors autograd saves (``e`` = bytes per element, ``h`` hidden, ``F`` FFN width, ``kv`` = key/value
   width after Ulysses replicates k/v heads up to ``sp``):
@@ -189,10 +191,10 @@ def estimate(cfg: Config, zero: tuple[int, tuple[str, ...]] | None = None) -> li
             o //= z
         if zstage >= 2:
             g //= z
-            zbuf += min(int(cfg.compress.bucket_mb * 2**20), e * n)
+            zbuf += min(int(getattr(getattr(cfg, "zero", None), "bucket_mb", cfg.compress.bucket_mb) * 2**20), e * n)
         if zstage >= 3:
             w //= z
-            zbuf += 3 * layer
+            zbuf += 3 * layer + (e * units[-1] if last and cfg.mesh.pp == 1 else 0)
         saved, host, work = _block(cfg, d)
         loss_saved, loss_work = _loss(cfg, d, last)
         flight = _in_flight(cfg, s)

@@ -20,6 +20,18 @@ Step plan (every rank, mesh ``dp x pp x ep x sp``, ``sp`` fastest):
    any mesh matches one rank up to summation order (and codec error).
 4. **Update.** Global-norm clipping (norm summed over pipeline stages and expert shards), AdamW with the
    warm-up + cosine learning rate of this step.
+
+ZeRO (``[zero]``): stage 1 wraps the optimizer in ``loom.parallel.ShardedOptimizer`` over the ``zero.axes``
+ranks and leaves steps 2-3 as they are. Stages 2-3 wrap the model (under a pipeline: this rank's stage, with
+HybridParallel's own dp reduction off and each micro-batch's forward in the wrapper's context) in
+``loom.parallel.ShardedDataParallel`` over those ranks instead: it reduce-scatters the gradients during
+backward (through the policy's dp codec and error feedback when compressing) with the factor ``1 / dp``
+(a share-of-mean loss sums over sp; a local mean is also divided by sp), sp is summed afterwards when it is
+not among the axes, and AdamW steps this rank's flat shards, the decoupled weight decay applied by a mask
+to the elements of matrices (vectors take none, as in the unsharded groups); the clipping norm is summed over
+the group and the pipeline stages. Checkpoints then add one file per rank plus a manifest (``step_N.zero/``,
+per pipeline stage ``stageK/``, resharded by ``--resume`` at another dp size) before the usual stage file,
+which holds the stage's full parameters for ``loom generate``.
 5. **Book-keeping.** Loss and peak memory reduced as Python objects (not counted as training traffic);
    bytes per mesh axis are the deltas of ``loom.comm.stats()``; the uncompressed equivalent adds back what
    ``loom.compress.stats()`` says compression saved on that axis.
@@ -45,6 +57,7 @@ from ..stats import Axis, flat_axis
 from ..compress import stats as compress_stats
 from ..parallel import HybridParallel
 from ..parallel.offload import transfer_stats
+from ..parallel.zero import zero_stats
 from . import checkpoint as ckpt
 from .config import Config, ConfigError, config_to_dict
 from .data import batch_windows, load_corpus
@@ -196,13 +209,15 @@ class Trainer:
             ep_comm = self.ep if self.ep is not None else self.comm.split(self.comm.rank, 0, name="ep")
         self.device = self._pick_device()
         self.dtype = _DTYPES[cfg.train.dtype]
+        # ZeRO 2-3 with a master dtype: the model is built (and its shards kept) in it, computing in train.dtype.
+        self.master_dtype = _DTYPES[cfg.zero.master_dtype] if cfg.zero.master_dtype else self.dtype
         torch.manual_seed(cfg.train.seed)
         sp_codec = self.policy.codec_for("sp") if self.policy is not None else None
         sp_min = self.policy.min_bytes if self.policy is not None else None
         sp_comm = TimedComm(self.sp, "sp", sp_codec, sp_min) if self.sp is not None else None
         # Under a pipeline the model is built on the meta device and HybridParallel materialises only this
         # rank's stage (the same weights as a whole build: each tensor's init depends only on its name).
-        self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.dtype, device=self.device,
+        self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.master_dtype, device=self.device,
                               meta=self.pp is not None)
         if cfg.multipath.enabled and ep_comm is not None:  # [multipath]: expert all-to-allv over planned paths
             from ..parallel.moe import use_multipath
@@ -226,6 +241,7 @@ class Trainer:
         self.param_names = [n for n, p in self.model.named_parameters() if id(p) in ids]
         named = dict(self.model.named_parameters())
         self.params = [named[n] for n in self.param_names]
+        self.sdp = self._make_sharded() if cfg.zero.stage >= 2 else None
         self.opt = self._make_optimizer()
         self.start_step = 0
         self.resumed_from_nothing = False
@@ -256,9 +272,77 @@ class Trainer:
             raise ConfigError("train.device = 'cuda' but torch sees no CUDA device; use train.device = 'cpu'")
         return torch.device("cuda", self.comm.rank % torch.cuda.device_count())
 
+    def _make_sharded(self):
+        """ZeRO stages 2-3: the model in ``ShardedDataParallel`` over the ``zero.axes`` ranks.
+
+        Gradients are summed over the group and scaled by ``1 / dp``: the loss is this rank's share of the
+        sequence mean (summed over sp) or, without one, a local mean (then also divided by sp when sp is in
+        the group). The LM head is kept gathered through forward: the loss reads its weight directly. Under a
+        pipeline the wrapped module is this rank's stage (its units of the pipeline view, whose modules all
+        run through their hooks), HybridParallel leaves the dp reduction to it and runs every micro-batch's
+        forward in its ``forward_context``.
+        """
+        from ..parallel import ShardedDataParallel
+
+        cfg, z = self.cfg, self.cfg.zero
+        module, keep = self.model, [m for m in (getattr(self.model, "head", None),) if isinstance(m, torch.nn.Module)]
+        if self.hybrid is not None:
+            module = torch.nn.ModuleList([u for u in self.tm.pipeline if any(not p.is_meta for p in u.parameters())])
+            keep = []
+        try:
+            sdp = ShardedDataParallel(module, self.mesh[tuple(z.axes)], stage=z.stage, bucket_mb=z.bucket_mb,
+                                      reduce="sum", compress=self.policy, keep=keep, compute_dtype=self.dtype)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"zero.stage = {z.stage}: {exc}") from None
+        sdp.scale = 1.0 / cfg.mesh.dp / (cfg.mesh.sp if "sp" in z.axes and not self._sp_share else 1)
+        if self.hybrid is not None:
+            self.hybrid.forward_context = sdp.forward_context
+        return sdp
+
+    def _decay_masks(self) -> list[torch.Tensor]:
+        """Per flat shard: which of its elements belong to matrices (they take weight decay)."""
+        out = []
+        r = self.sdp.comm.rank
+        for b in self.sdp.buckets:
+            mask = torch.zeros(b.padded, dtype=torch.bool)
+            for p, off in zip(b.params, b.offsets):
+                mask[off:off + p.numel()] = p.ndim >= 2
+            out.append(mask[r * b.shard:(r + 1) * b.shard])
+        return out
+
+    def _zero_files(self, zero_dir: Path, write: bool = False) -> Path:
+        """Where this rank's ZeRO group keeps its files: ``zero_dir`` itself, or when sp ranks are separate groups
+        (``zero.axes`` without sp) one subdirectory per sp rank: same blocks, but their own error feedback."""
+        from ..parallel.zero import MANIFEST
+
+        if self.stages > 1:  # one ZeRO layout per pipeline stage
+            zero_dir = zero_dir / f"stage{self.stage}"
+        split = self.sp is not None and "sp" not in self.cfg.zero.axes
+        if write:
+            return zero_dir / f"sp{self.sp_rank}" if split else zero_dir
+        for d in (zero_dir / f"sp{self.sp_rank}", zero_dir, zero_dir / "sp0"):  # saved by another split: replica 0
+            if (d / MANIFEST).exists():
+                return d
+        return zero_dir  # load_sharded names what is missing
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's trained parameters (its pipeline stage's) by model name, whole: under ZeRO 2-3 gathered
+        from the shards (collective over the zero axes), else copies of the live ones."""
+        named = dict(self.model.named_parameters())
+        if self.sdp is None:
+            return {n: named[n].detach().cpu().clone() for n in self.param_names}
+        full = self.sdp.state_dict()  # keys of the wrapped module (the model, or this stage's units)
+        key = {id(p): n for n, p in self.sdp.module.named_parameters()}
+        return {n: full[key[id(named[n])]].detach().cpu() for n in self.param_names}
+
     def _make_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW over this rank's parameters (no weight decay on vectors), sharded under ZeRO stage 1."""
+        """AdamW over this rank's parameters (no weight decay on vectors), sharded under ZeRO stage 1; under
+        stages 2-3 over this rank's flat shards, the decay applied by :meth:`update`."""
         cfg, o = self.cfg, self.cfg.optim
+        if self.sdp is not None:
+            self._decay = self._decay_masks()
+            return torch.optim.AdamW(list(self.sdp.parameters()), lr=o.lr, betas=(o.beta1, o.beta2),
+                                     weight_decay=0.0, foreach=False)
         opt = torch.optim.AdamW(
             [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": o.weight_decay},
              {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}],
@@ -276,7 +360,8 @@ class Trainer:
             return HybridParallel(self.tm.pipeline, partitions=cfg.mesh.pp, replicas=cfg.mesh.dp,
                                   micro_batches=cfg.data.micro_batches, schedule=schedule, balance="params",
                                   mesh=self.mesh, grad_hook=self.hook, compression=self.policy,
-                                  bucket_mb=cfg.compress.bucket_mb, device=self.device, dtype=self.dtype)
+                                  bucket_mb=cfg.compress.bucket_mb, device=self.device, dtype=self.master_dtype,
+                                  reduce_dp=cfg.zero.stage < 2)
         except ValueError as exc:
             raise ConfigError(f"pipeline setup: {exc}") from None
 
@@ -301,6 +386,21 @@ class Trainer:
         missing = [n for n in self.param_names if n not in state["model"]]
         if missing:
             raise ConfigError(f"checkpoint step {step} lacks parameters {missing[:3]}...; it is not from this model")
+        if (state.get("zero") is not None) != (self.sdp is not None):
+            was = "2-3 (sharded files)" if state.get("zero") else "0-1 (one file)"
+            raise ConfigError(f"checkpoint {self.ckpt_dir} step {step} was written at zero.stage {was} and this run "
+                              f"has zero.stage = {self.cfg.zero.stage}; stages 0-1 and 2-3 keep the optimizer state "
+                              f"in different layouts: resume with a zero.stage in the checkpoint's range")
+        if self.sdp is not None:
+            self.sdp.load_sharded(self._zero_files(self.ckpt_dir / state["zero"]), self.opt)  # reshards
+        else:
+            self._load_full(state)
+        self._restore_compression(state, step)
+        ckpt.restore_rng(state["rng"])
+        self.start_step = int(state["step"])
+
+    def _load_full(self, state: dict[str, Any]) -> None:
+        """Parameters and optimizer state from a one-file checkpoint (stages 0-1)."""
         named = dict(self.model.named_parameters())
         optim = state["optim"]
         with torch.no_grad():
@@ -315,9 +415,6 @@ class Trainer:
                     if k in st:
                         st[k] = self._my_shard(n, st[k])
         self.opt.load_state_dict(optim)
-        self._restore_compression(state, step)
-        ckpt.restore_rng(state["rng"])
-        self.start_step = int(state["step"])
 
     def _compression_states(self) -> dict[int, Any] | None:
         """Every rank's compression state by world rank, gathered to its stage's checkpoint writer (``None`` on
@@ -361,8 +458,14 @@ class Trainer:
         the whole stage whatever the mesh."""
         path = None
         compress = self._compression_states()
-        sharded = self.opt.state_dict() if self.cfg.zero.stage else None  # collective over the zero axes
-        if self.dp_rank == 0 and self.sp_rank == 0:
+        zero_dir = None
+        if self.sdp is not None:  # one file per rank + manifest; the stage file then holds the full model only
+            zero_dir = ckpt.zero_path(self.ckpt_dir, step)
+            self.sdp.save_sharded(self._zero_files(zero_dir, write=True), self.opt)
+            model = self.full_parameters()
+            optim = None
+        sharded = self.opt.state_dict() if self.cfg.zero.stage == 1 else None  # collective over the zero axes
+        if self.dp_rank == 0 and self.sp_rank == 0 and self.sdp is None:
             named = dict(self.model.named_parameters())
             model = {n: self._gather(n, named[n]) for n in self.param_names}
             optim = sharded if sharded is not None else self.opt.state_dict()
@@ -374,21 +477,24 @@ class Trainer:
                     # state_dict() shares the live state dicts: build new ones instead of editing them
                     optim["state"][idx] = {k: (self._gather(n, v) if k in ("exp_avg", "exp_avg_sq") else v)
                                            for k, v in st.items()}
-            if self.ep_rank == 0:
-                payload = {
-                    "format": ckpt.FORMAT, "step": step, "config": config_to_dict(self.cfg),
-                    "stage": self.stage, "stages": self.stages, "params": list(self.param_names),
-                    "model": model, "optim": optim, "rng": ckpt.capture_rng(),
-                }
-                if compress is not None:
-                    payload["compress"] = compress
-                path = ckpt.save(ckpt.stage_path(self.ckpt_dir, step, self.stage), payload)
+        if self.dp_rank == 0 and self.sp_rank == 0 and self.ep_rank == 0:
+            payload = {
+                "format": ckpt.FORMAT, "step": step, "config": config_to_dict(self.cfg),
+                "stage": self.stage, "stages": self.stages, "params": list(self.param_names),
+                "model": model, "optim": optim, "rng": ckpt.capture_rng(),
+            }
+            if compress is not None:
+                payload["compress"] = compress
+            if zero_dir is not None:
+                payload["zero"] = zero_dir.name
+            # Written after the sharded files: a complete stage file means a complete step.
+            path = ckpt.save(ckpt.stage_path(self.ckpt_dir, step, self.stage), payload)
         self.comm.barrier()  # every stage file exists before anyone prunes or moves on
         if self.comm.rank == 0:
             ckpt.prune(self.ckpt_dir, self.cfg.checkpoint.keep, self.stages, current=step)
             if hasattr(self.tm, "save_pretrained"):  # transformers models: also the save_pretrained layout
                 merged = None
-                if self.stages > 1:
+                if self.stages > 1 or self.sdp is not None:
                     merged = {}
                     for s in range(self.stages):
                         merged.update(ckpt.load(ckpt.stage_path(self.ckpt_dir, step, s))["model"])
@@ -458,6 +564,8 @@ class Trainer:
         ``HybridParallel.train_step``; with ``ep`` the replicated buckets are then averaged over ``ep`` and the
         expert ones divided by it, which comes to the same.
         """
+        if self.sdp is not None:
+            return self._sharded_sync()
         t0 = time.perf_counter()
         if self.sp is not None:
             self._flat_sync(self.sp, use_hook=False, op="sum" if self._sp_share else "avg")
@@ -472,8 +580,52 @@ class Trainer:
             self._flat_sync(None, use_hook=False, expert=True, scale=1.0 / self.ep.size)
         return time.perf_counter() - t0
 
+    def _sharded_sync(self) -> float:
+        """ZeRO 2-3: finish the reduce-scatters (their blocked time is counted in ``zero_stats()``), then sum
+        (share of the mean) or average the shards' gradients over sp when sp is not in the group; returns
+        the seconds of that sp reduction."""
+        self.sdp.sync_grads()
+        if self.sp is None or "sp" in self.cfg.zero.axes:
+            return 0.0
+        t0 = time.perf_counter()
+        op = "sum" if self._sp_share else "avg"
+        for sh in self.sdp.shards:  # every sp rank holds the same layout of blocks
+            sh.grad = self.sp.allreduce(sh.grad, op=op)
+        return time.perf_counter() - t0
+
+    def _sharded_clip(self) -> float:
+        grads = [sh.grad for sh in self.sdp.shards]
+        sq = sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+        sq = self.sdp.comm.allreduce(sq.reshape(1), op="sum")
+        if self.pp is not None:  # every stage's shards
+            sq = self.pp.allreduce(sq, op="sum")
+        norm = float(sq[0].sqrt())
+        limit = self.cfg.optim.grad_clip
+        if limit > 0 and norm > limit:
+            scale = limit / (norm + 1e-6)
+            for g in grads:
+                g.mul_(scale)
+        return norm
+
+    def update(self) -> None:
+        """The optimizer step; under ZeRO 2-3 the masked decoupled weight decay first (AdamW's own
+        ``p *= 1 - lr wd``, on matrix elements only) and the updated blocks gathered after (stage 2)."""
+        if self.sdp is None:
+            self.opt.step()
+            return
+        wd = self.cfg.optim.weight_decay
+        if wd:
+            factor = 1 - self.opt.param_groups[0]["lr"] * wd
+            with torch.no_grad():
+                for sh, mask in zip(self.sdp.shards, self._decay):
+                    sh[mask] = sh[mask] * factor
+        self.sdp.update(self.opt)
+        self.sdp.zero_grad()
+
     def clip(self) -> float:
         """Clip the global gradient norm (summed over pipeline stages) to ``optim.grad_clip``; returns the norm."""
+        if self.sdp is not None:
+            return self._sharded_clip()
         sq = torch.zeros((), dtype=torch.float64)
         sq_ex = torch.zeros((), dtype=torch.float64)
         for n, p in zip(self.param_names, self.params):
@@ -499,7 +651,7 @@ class Trainer:
         """Loss (mean over this rank's tokens, or over dp x pp under a pipeline) after filling ``.grad``."""
         if self.hybrid is not None:
             return self.hybrid.train_step(x, y, self.tm.loss_fn)
-        loss = self.tm.loss(x, y)
+        loss = self.sdp.call(self.tm.loss, x, y) if self.sdp is not None else self.tm.loss(x, y)
         loss.backward()
         return self._as_mean(float(loss.detach()))
 
@@ -522,6 +674,8 @@ class Trainer:
             x, y = self.local_batch(self.corpus.heldout, k, stream_id=1)
             if self.hybrid is not None:
                 tot += self.hybrid.eval_step(x, y, self.tm.loss_fn)
+            elif self.sdp is not None:
+                tot += self._as_mean(float(self.sdp.call(self.tm.loss, x, y)))
             else:
                 tot += self._as_mean(float(self.tm.loss(x, y)))
         self.model.train()
@@ -551,7 +705,7 @@ class Trainer:
         for step in range(self.start_step, stop):
             t0 = time.perf_counter()
             before, saved0, off0 = _wire_bytes(), _saved_bytes(), _offload_bytes()
-            sp0 = COMM_TIME.get("sp", 0.0)
+            sp0, zero0 = COMM_TIME.get("sp", 0.0), zero_stats()["exposed_comm_s"]
             lr = lr_at(step, cfg)
             for g in self.opt.param_groups:
                 g["lr"] = lr
@@ -560,12 +714,13 @@ class Trainer:
             loss = self.forward_backward(x, y)
             sync_s = self.sync_grads()
             gnorm = self.clip()
-            self.opt.step()
+            self.update()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             step_s = time.perf_counter() - t0
             after, saved1, off1 = _wire_bytes(), _saved_bytes(), _offload_bytes()
-            comm_s = sync_s + (COMM_TIME.get("sp", 0.0) - sp0)  # before eval, whose all-to-alls are not the step's
+            zero_s = zero_stats()["exposed_comm_s"] - zero0  # ZeRO: time blocked on gathers and reduce-scatters
+            comm_s = sync_s + zero_s + (COMM_TIME.get("sp", 0.0) - sp0)  # before eval (not the step's traffic)
             done = step + 1
             # pp ranks of a replica already agree on the loss; averaging over everyone is still the global mean.
             loss_avg = comm.allreduce_object(loss) / comm.size
@@ -574,7 +729,7 @@ class Trainer:
             if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
                 eval_loss = self.evaluate()
             by_axis: dict[str, dict[str, int]] = {}
-            for axis in (Axis.DP, flat_axis(Axis.DP, Axis.EP), Axis.EP, Axis.PP, Axis.SP):
+            for axis in (Axis.DP, flat_axis(Axis.DP, Axis.EP), flat_axis(Axis.DP, Axis.SP), Axis.EP, Axis.PP, Axis.SP):
                 wire = after.get(axis, 0) - before.get(axis, 0)
                 if wire:
                     raw = wire + saved1.get(axis, 0) - saved0.get(axis, 0)
@@ -584,7 +739,7 @@ class Trainer:
             rec = {
                 "kind": "step", "step": done, "loss": loss_avg, "eval_loss": eval_loss, "lr": lr, "grad_norm": gnorm,
                 "tokens": done * tokens, "tokens_per_s": tokens / step_s, "step_time": step_s,
-                "time": {"compute": max(0.0, step_s - comm_s), "comm": comm_s, "offload": 0.0},
+                "time": {"compute": max(0.0, step_s - comm_s), "comm": comm_s, "offload": 0.0, "zero": zero_s},
                 "bytes": by_axis, "offload_bytes": off1 - off0,
                 "compress_ratio": (raw_all / wire_all) if wire_all else 1.0, "peak_mem": peak,
             }

@@ -94,3 +94,26 @@ def test_sigkill_fails_fast_and_resume_continues(tmp_path):
     recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(1, steps[-1] + 5))
     assert (out / "plots" / "loss.png").exists()
+
+
+def test_zero3_job_writes_shards_that_resume_at_another_dp_size_and_generate(tmp_path):
+    """`loom train --zero.stage=3` at dp = 2 writes one file per rank plus a manifest next to the stage file;
+    `--resume` at dp = 1 reshards them and continues; `loom generate` reads the stage file's full model."""
+    out = tmp_path / "run"
+    args = [f"--train.out={out}", "--zero.stage=3", "--zero.bucket_mb=0.01", "--train.eval_every=0",
+            "--train.progress=lines", "--train.plots=false"]
+    first = _train(2, *args, "--mesh.dp=2", "--train.steps=4", timeout=180)
+    assert first.returncode == 0, first.stdout + first.stderr
+    shards = out / "checkpoints" / "step_000004.zero"
+    man = json.loads((shards / "manifest.json").read_text())
+    assert man["world"] == 2 and man["stage"] == 3, man
+    assert sorted(p.name for p in shards.iterdir()) == sorted(man["files"] + ["manifest.json"])
+    again = _train(1, *args, "--mesh.dp=1", "--train.steps=6", "--resume", timeout=180)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from {out / 'checkpoints'} at step 4" in again.stdout, again.stdout
+    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6] and all(r["loss"] < 6 for r in recs)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    gen = subprocess.run([sys.executable, "-m", "loom.cli", "generate", "--checkpoint", str(out / "checkpoints"),
+                          "--tokens", "8"], env=env, capture_output=True, text=True, timeout=120)
+    assert gen.returncode == 0, gen.stdout + gen.stderr

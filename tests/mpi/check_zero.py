@@ -341,6 +341,133 @@ def check_train_zero_stage1_matches_stage0_and_reshards_on_resume(comm):
         assert abs(a["loss"] - b["loss"]) < 1e-9 * max(1.0, abs(b["loss"])), (a["loss"], b["loss"])
 
 
+FPDT = {"sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}}
+PIPE = {"data": {"micro_batches": 2}}
+ZERO_MESHES = {1: [{"mesh": {"dp": 1}}], 2: [{"mesh": {"dp": 2}}, {"mesh": {"pp": 2}, **PIPE}],
+               3: [{"mesh": {"dp": 3}}],
+               4: [{"mesh": {"dp": 2, "sp": 2}, "zero": {"axes": ["dp", "sp"]}, **FPDT},
+                   {"mesh": {"dp": 2, "sp": 2}, "zero": {"axes": ["dp"]}},
+                   {"mesh": {"dp": 2, "pp": 2}, **PIPE},
+                   # dp x pp x sp needs 8 ranks with every axis > 1; here dp = 1, the ZeRO group spans sp
+                   {"mesh": {"pp": 2, "sp": 2}, "zero": {"axes": ["dp", "sp"]}, **PIPE, **FPDT}]}
+SMALL_BUCKETS = {"bucket_mb": 0.0002}  # a bucket per module: stage 3 gathers and frees each (the head apart)
+
+
+def _full_params(tr) -> dict[str, torch.Tensor]:
+    """This rank's trained parameters, whole (collective under ZeRO 2-3: the shards are gathered)."""
+    return tr.full_parameters()
+
+
+def _zero_train(comm, root: str, tag: str, *parts, resume: bool = False, until: int | None = None):
+    from loom.train.trainer import Trainer
+
+    tr = Trainer(_train_cfg(TRAIN, {"train": {"eval_every": 2, "eval_batches": 1}}, *parts), comm,
+                 out=f"{root}/{tag}", resume=resume, quiet=True)
+    return tr, tr.run(until)
+
+
+def check_train_zero_stages_2_3_match_one_rank(comm):
+    """loom train at [zero] stage 2 and 3 (small buckets) on dp, dp x sp with FPDT chunks and offload (sp in
+    the group or summed after it), dp x pp and pp x sp (FPDT) with two micro-batches equals the one-rank run:
+    losses, held-out losses and every parameter after 4 AdamW steps with warm-up, weight decay and clipping,
+    fp64, to 1e-9."""
+    import shutil
+
+    root = comm.bcast_object(tempfile.mkdtemp(prefix="loom-zero23-") if comm.rank == 0 else None)
+    solo = comm.split(comm.rank, name="solo")
+    ref, ref_recs = _zero_train(solo, root, f"ref{comm.rank}")
+    want = _full_params(ref)
+    for i, extra in enumerate(ZERO_MESHES[comm.size]):
+        for stage in (2, 3):
+            zero = {"zero": {**extra.get("zero", {}), **SMALL_BUCKETS, "stage": stage}}
+            tr, recs = _zero_train(comm, root, f"m{i}s{stage}", extra, zero)
+            assert len(tr.sdp.buckets) > 2, len(tr.sdp.buckets)
+            for a, b in zip(recs, ref_recs):
+                assert abs(a["loss"] - b["loss"]) < 1e-9 * abs(b["loss"]), (extra, stage, a["loss"], b["loss"])
+                if b["eval_loss"] is not None:
+                    assert abs(a["eval_loss"] - b["eval_loss"]) < 1e-9 * abs(b["eval_loss"]), (extra, stage)
+            got = _full_params(tr)
+            assert got and set(got) <= set(want), (extra, sorted(got))  # under pp: this rank's stage
+            for n, t in got.items():
+                err = float((t - want[n]).abs().max())
+                assert err < 1e-9, (extra, stage, n, err)
+            if tr.sdp.comm.size > 1:  # the ZeRO group's traffic is counted on its axis
+                assert set(recs[-1]["bytes"]) & {"dp", "dp+sp"}, recs[-1]["bytes"]
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _resume_bit_exact(comm, root: str, mesh: dict) -> None:
+    base = {"train": {"dtype": "float32", "steps": 6}, "zero": {"stage": 3, "axes": ["dp", "sp"], **SMALL_BUCKETS},
+            "compress": {"policy": "hybrid", "min_kb": 0}}
+    whole, want = _zero_train(comm, root, "full", base, mesh)
+    full = _full_params(whole)
+    cut = {"checkpoint": {"every": 3, "keep": 1}}
+    _, got = _zero_train(comm, root, "cut", base, mesh, cut, until=4)  # killed after step 4
+    assert list(Path(root, "cut/checkpoints/step_000003.zero").rglob("manifest.json"))
+    again, rest = _zero_train(comm, root, "cut", base, mesh, cut, resume=True)
+    assert again.start_step == 3 and [r["step"] for r in rest] == [4, 5, 6], again.start_step
+    for a, b in zip(got[:3] + rest, want):
+        assert a["loss"] == b["loss"], ("resume changed the loss", mesh, a["step"], a["loss"], b["loss"])
+    for n, t in _full_params(again).items():
+        assert torch.equal(t, full[n]), (mesh, n)
+    if comm.size > 1 and comm.rank == 0:
+        files = [p for p in Path(root, "cut/checkpoints/step_000006.zero").rglob("*") if p.is_file()]
+        assert len(files) == comm.size + again.stages, files  # one file per rank plus a manifest per stage
+
+
+def check_train_zero3_resume_is_bit_exact_under_hybrid_and_reshards(comm):
+    """Stage 3 under the hybrid policy (int4 + error feedback on the reduce-scatter, int8 gathers, bf16 sp
+    all-to-alls), on dp x sp and (4 ranks) dp x pp: a run killed after step 4 and resumed from its step-3
+    sharded checkpoint equals the uninterrupted run bit for bit (fp32). Then the exact stage-3 run at P ranks,
+    resumed at one rank from its step-2 checkpoint (one file per rank + manifest, resharded), continues it
+    to 1e-9."""
+    import shutil
+
+    root = comm.bcast_object(tempfile.mkdtemp(prefix="loom-zero3-resume-") if comm.rank == 0 else None)
+    meshes = [{"mesh": {"dp": 2, "sp": comm.size // 2}} if comm.size % 2 == 0 else {"mesh": {"dp": comm.size}}]
+    if comm.size == 4:
+        meshes.append({"mesh": {"dp": 2, "pp": 2}, **PIPE})
+    for i, mesh in enumerate(meshes):
+        _resume_bit_exact(comm, f"{root}/r{i}", mesh)
+    # exact run at P ranks, resumed at one rank from its step-2 checkpoint
+    exact = {"zero": {"stage": 3, **SMALL_BUCKETS}}
+    _, ref = _zero_train(comm, root, "p", {"mesh": {"dp": comm.size}}, exact)
+    solo = comm.split(comm.rank, name="solo")
+    mine = f"{root}/solo{comm.rank}"
+    shutil.copytree(f"{root}/p/checkpoints", f"{mine}/checkpoints")
+    for f in Path(mine, "checkpoints").glob("step_000004*"):
+        shutil.rmtree(f) if f.is_dir() else f.unlink()
+    tr, recs = _zero_train(solo, root, f"solo{comm.rank}", exact, resume=True)
+    assert tr.start_step == 2, tr.start_step
+    for a, b in zip(recs, ref[2:]):
+        assert abs(a["loss"] - b["loss"]) < 1e-9 * abs(b["loss"]), (a["loss"], b["loss"])
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def check_train_zero3_bf16_compute_with_fp32_master(comm):
+    """train.dtype = bfloat16 with zero.master_dtype = float32 at stage 3: AdamW steps fp32 shards, the model
+    computes on bf16 gathered copies, and the losses stay within 2 % of the fp32 one-rank run."""
+    import shutil
+
+    root = comm.bcast_object(tempfile.mkdtemp(prefix="loom-zero3-bf16-") if comm.rank == 0 else None)
+    solo = comm.split(comm.rank, name="solo")
+    _, ref = _zero_train(solo, root, f"ref{comm.rank}", {"train": {"dtype": "float32"}})
+    mixed = {"train": {"dtype": "bfloat16"}, "zero": {"stage": 3, "master_dtype": "float32", **SMALL_BUCKETS}}
+    tr, recs = _zero_train(comm, root, "bf16", {"mesh": {"dp": comm.size}}, mixed)
+    assert all(sh.dtype == torch.float32 for sh in tr.sdp.shards) and tr.sdp.compute_dtype == torch.bfloat16
+    assert all(v.dtype == torch.float32 for v in _full_params(tr).values())
+    for a, b in zip(recs, ref):
+        assert abs(a["loss"] - b["loss"]) < 0.02 * b["loss"], (a["step"], a["loss"], b["loss"])
+    assert any(a["loss"] != b["loss"] for a, b in zip(recs, ref))  # the bf16 compute really ran
+    comm.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def check_comm_nonblocking_ops_it_relies_on(comm):
     """ireduce_scatter, and iallreduce / iallgather in place (out=), against their blocking forms."""
     p, r = comm.size, comm.rank

@@ -48,13 +48,24 @@ def test_manifest_is_written_last_and_atomically(tmp_path):
 @pytest.mark.parametrize("zero, match", [
     ({"stage": 5}, "zero.stage = 5"),
     ({"stage": 1, "axes": ["tp"]}, "zero.axes"),
-    ({"stage": 3}, "stages 2-3"),
+    ({"stage": 3, "bucket_mb": 0}, "zero.bucket_mb = 0"),
+    ({"stage": 3, "master_dtype": "float16"}, "zero.master_dtype = 'float16'"),
+    ({"stage": 1, "master_dtype": "float32"}, "needs zero.stage = 2 or 3"),
 ])
 def test_zero_config_refuses_bad_input(zero, match):
     from loom.train.config import ConfigError, config_from_dict
 
     with pytest.raises(ConfigError, match=match):
         config_from_dict({"zero": zero})
+
+
+def test_zero_stages_compose_with_pipelines_and_sp_but_not_cuda():
+    from loom.train.config import ConfigError, config_from_dict
+
+    assert config_from_dict({"zero": {"stage": 3}, "mesh": {"pp": 2}}).zero.stage == 3
+    with pytest.raises(ConfigError, match="zero.stage = 3 with train.device = 'cuda'.*use train.device = 'cpu'"):
+        config_from_dict({"zero": {"stage": 3}, "train": {"device": "cuda"}})
+    assert config_from_dict({"zero": {"stage": 3, "axes": ["dp", "sp"]}, "mesh": {"sp": 2}}).zero.stage == 3
 
 
 def test_zero_config_with_experts_is_refused_and_axes_parse():

@@ -10,15 +10,21 @@ from tests.checks import CHECKS, ELSEWHERE
 
 pytestmark = pytest.mark.mpi
 
-CASES = [(c, n) for c in CHECKS for n in c.ranks if n > 1]
+CASES = [(c, n, ()) for c in CHECKS for n in c.ranks if n > 1] + [(c, n, names) for c in CHECKS for n, names in c.only]
 
 
-@pytest.mark.parametrize("checks, n", CASES, ids=[f"{c.script.split('/')[-1][:-3]}-{n}" for c, n in CASES])
-def test_checks_pass_on_ranks(checks, n):
+@pytest.mark.parametrize("checks, n, names", CASES,
+                         ids=[f"{c.script.split('/')[-1][:-3]}-{n}" for c, n, _ in CASES])
+def test_checks_pass_on_ranks(checks, n, names):
     if checks.needs:
         pytest.importorskip(checks.needs)
-    proc = run_ranks(n, checks.script, timeout=checks.timeout)
-    assert_all_checks_passed(proc, checks.script)
+    env = {"LOOM_ONLY": ",".join(names)} if names else None
+    proc = run_ranks(n, checks.script, timeout=checks.timeout, env=env)
+    if names:
+        missing = [k for k in names if f"PASS {k} " not in proc.stdout]
+        assert not missing, f"{checks.script} on {n} ranks: no PASS from {missing}\n{proc.stdout}"
+    else:
+        assert_all_checks_passed(proc, checks.script)
 
 
 def test_every_check_script_is_in_the_table():

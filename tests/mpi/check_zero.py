@@ -348,8 +348,9 @@ ZERO_MESHES = {1: [{"mesh": {"dp": 1}}], 2: [{"mesh": {"dp": 2}}, {"mesh": {"pp"
                4: [{"mesh": {"dp": 2, "sp": 2}, "zero": {"axes": ["dp", "sp"]}, **FPDT},
                    {"mesh": {"dp": 2, "sp": 2}, "zero": {"axes": ["dp"]}},
                    {"mesh": {"dp": 2, "pp": 2}, **PIPE},
-                   # dp x pp x sp needs 8 ranks with every axis > 1; here dp = 1, the ZeRO group spans sp
-                   {"mesh": {"pp": 2, "sp": 2}, "zero": {"axes": ["dp", "sp"]}, **PIPE, **FPDT}]}
+                   # dp = 1 here, the ZeRO group spans sp; the 8-rank launch has every axis > 1
+                   {"mesh": {"pp": 2, "sp": 2}, "zero": {"axes": ["dp", "sp"]}, **PIPE, **FPDT}],
+               8: [{"mesh": {"dp": 2, "pp": 2, "sp": 2}, "zero": {"axes": ["dp", "sp"]}, **PIPE, **FPDT}]}
 SMALL_BUCKETS = {"bucket_mb": 0.0002}  # a bucket per module: stage 3 gathers and frees each (the head apart)
 
 

@@ -21,9 +21,11 @@ Wire plan (all on COMM_WORLD, tags in the upper half of the running MPI's ``MPI_
 2. **Messages.** ``write`` serialises with Dask's ``to_frames`` and sends one MPI message: a header
    (``kind, nframes, chunk``, each frame's size and flag) followed by every frame below 64 KiB inline.
    Larger frames follow as separate messages on the same tag (MPI keeps their order), each split into
-   chunks of at most ``chunk`` bytes (default 512 MiB; "very large frames split"), received zero-copy into
-   fresh buffers. CUDA frames (``__cuda_array_interface__``) are flagged and travel as device tensors,
-   zero-copy when the MPI is CUDA-aware and staged through the host by loom.comm otherwise.
+   chunks of at most ``chunk`` bytes (default 512 MiB; "very large frames split"), received by MPI straight
+   into their slices of one host block per message (:mod:`loom.dask.frames`: as TCP's one read buffer, so
+   Dask's shards of a split frame join without a copy; blocks above 1 MiB recycled). CUDA frames
+   (``__cuda_array_interface__``) are flagged and travel as device tensors once their producing stream is
+   done, zero-copy when the MPI is CUDA-aware and staged through the host by loom.comm otherwise.
    ``write`` returns once the sends are posted (like TCP's write buffer); the requests are kept until done.
    Serialisation is Dask's (``protocol.dumps``/``loads``, offloaded to a thread above Dask's
    ``distributed.comm.offload`` size exactly as its ``to_frames``/``from_frames`` do), called inline below it.
@@ -88,6 +90,7 @@ from loom import settings
 from loom.comm import ANY_SOURCE, Request, poller, world
 from loom.comm import doorbell
 
+from . import frames as frames_mod
 from . import liveness
 
 __all__ = ["MPIBackend", "MPIComm", "MPIConnector", "MPIListener", "parse_mpi_address", "set_spin", "tag_window",
@@ -102,7 +105,7 @@ _CONNECT, _CANCEL, _ACCEPT, _REFUSE = 1, 2, 3, 4
 # Kinds on a connection's tags.
 _DATA, _CLOSE = 1, 2
 # Frame flags in the header.
-_INLINE, _HOST, _CUDA = 0, 1, 2
+_INLINE, _HOST, _CUDA = 0, frames_mod.HOST, frames_mod.CUDA
 
 #: frames below this many bytes travel inside the header message
 INLINE_MAX = 64 * 1024
@@ -724,6 +727,12 @@ class _ReadOp:
         flags = np.frombuffer(buf, np.uint8, n, 24 + 8 * n).tolist()
         mv = memoryview(buf)
         off = 24 + 9 * n
+        # Every host frame lands in its slice of one block, in frame order (see loom.dask.frames): Dask's shards
+        # of one split frame are then adjacent, and its merge of them is a view, not a copy.
+        total = sum(size for size, flag in zip(sizes, flags) if flag == _HOST)
+        block = frames_mod.POOL.take(total) if total else None
+        view = memoryview(block) if total else None
+        at = 0
         frames: list = []
         chan = self.chan
         comm = chan.eng.comm
@@ -733,13 +742,12 @@ class _ReadOp:
                 off += size
                 continue
             if flag == _CUDA:
-                import torch
-
-                target = torch.empty(size, dtype=torch.uint8, device="cuda")
+                target = frames_mod.cuda_block(size)
                 frames.append(target)
             else:
-                target = np.empty(size, np.uint8)
-                frames.append(memoryview(target))
+                target = block[at:at + size]
+                frames.append(view[at:at + size])
+                at += size
             for lo in range(0, max(size, 1), chunk):
                 self.reqs.append(comm.irecv(target[lo:lo + chunk], chan.peer, chan.recv_tag))
                 chan.n_recv += 1
@@ -770,13 +778,44 @@ def _plain_loads(frame):
         return _NOT_PLAIN
 
 
-def _frame_array(frame):
-    """A frame as something loom.comm can send: a uint8 numpy view, or a CUDA uint8 tensor."""
-    if hasattr(frame, "__cuda_array_interface__"):
-        import torch
+def _address(arr: np.ndarray) -> int:
+    return arr.__array_interface__["data"][0]
 
-        return torch.as_tensor(frame, device="cuda").view(torch.uint8).reshape(-1), _CUDA
-    return np.frombuffer(ensure_memoryview(frame), np.uint8), _HOST
+
+def _layout(frames: list) -> tuple[list[int], bytearray, list, int]:
+    """Each frame's size, flag and what to send (``(sizes, flags, arrays, inline bytes)``).
+
+    Frames below :data:`INLINE_MAX` travel inside the header, except one that continues the previous separate
+    frame in memory (the last shard of a frame Dask split): it is sent separately too, so that the receiver's
+    block holds every shard of the frame side by side and Dask joins them without a copy.
+    """
+    n = len(frames)
+    sizes = [0] * n
+    flags = bytearray(n)
+    arrays: list = [None] * n
+    inline = 0
+    prev_end = -1  # end address of the previous frame when it was sent separately from host memory
+    for i, f in enumerate(frames):
+        if hasattr(f, "__cuda_array_interface__"):
+            arr, flag = frames_mod.frame_array(f)
+            prev_end = -1
+        else:
+            mv = f if type(f) is bytes else ensure_memoryview(f)
+            size = len(mv) if type(mv) is bytes else mv.nbytes
+            arr = None
+            if size < INLINE_MAX and (prev_end < 0 or not size
+                                      or _address(arr := np.frombuffer(mv, np.uint8)) != prev_end):
+                sizes[i] = size
+                arrays[i] = mv
+                inline += size
+                prev_end = -1
+                continue
+            arr, flag = (arr if arr is not None else np.frombuffer(mv, np.uint8)), _HOST
+            prev_end = _address(arr) + size
+        sizes[i] = arr.nbytes
+        flags[i] = flag
+        arrays[i] = arr
+    return sizes, flags, arrays, inline
 
 
 class MPIComm(Comm):
@@ -952,25 +991,7 @@ class MPIComm(Comm):
             chan.sends.append(req)
             chan.prune()
             return len(head), [req]
-        sizes = [0] * n
-        flags = bytearray(n)
-        arrays: list = [None] * n
-        inline = 0
-        for i, f in enumerate(frames):
-            if hasattr(f, "__cuda_array_interface__"):
-                arr, flag = _frame_array(f)
-            else:
-                mv = f if type(f) is bytes else ensure_memoryview(f)
-                size = len(mv) if type(mv) is bytes else mv.nbytes
-                if size < INLINE_MAX:
-                    sizes[i] = size
-                    arrays[i] = mv
-                    inline += size
-                    continue
-                arr, flag = np.frombuffer(mv, np.uint8), _HOST
-            sizes[i] = arr.nbytes
-            flags[i] = flag
-            arrays[i] = arr
+        sizes, flags, arrays, inline = _layout(frames)
         chunk = CHUNK_BYTES
         head = bytearray(24 + 9 * n + inline)
         struct.pack_into(f"<3Q{n}Q", head, 0, _DATA, n, chunk, *sizes)

@@ -228,6 +228,58 @@ def check_doorbell_wakes_sleeping_reader(comm):
     comm.iallreduce(np.zeros(1)).wait()
 
 
+def check_large_frames_equal_over_mpi_and_tcp(comm):
+    """Large payloads echoed by the next rank over mpi:// and over tcp:// come back bit-exact and equal: a
+    fp64 array split into shards (distributed.comm.shard forced to 4 MiB on both transports, so mpi:// joins
+    the shards in its receive block), an odd-sized one, and an object pickled with out-of-band buffers."""
+    import dask
+
+    shard = B.MPIComm.max_shard_size
+    B.MPIComm.max_shard_size = 4 << 20
+
+    async def main():
+        served: list[int] = []
+        all_served = asyncio.Event()
+
+        async def echo(c):
+            try:
+                msg = await c.read()
+                await c.write({"x": to_serialize(msg["x"]), "y": to_serialize(msg["y"]), "obj": to_serialize(msg["obj"])})
+                await c.read()
+            except CommClosedError:
+                pass
+            finally:
+                served.append(1)
+                if len(served) == 2:
+                    all_served.set()
+
+        listeners = [await listen("mpi://", echo), await listen("tcp://127.0.0.1", echo)]
+        addresses = comm.allgather_object([lst.contact_address for lst in listeners])
+        rng = np.random.default_rng(comm.rank)
+        x = rng.standard_normal((10 << 20) // 8 + 5)
+        y = rng.integers(0, 255, (3 << 20) + 7, dtype=np.uint8)
+        obj = [rng.standard_normal(70_000), "text", {"k": rng.integers(0, 9, 300_000)}]
+        got = []
+        for address in addresses[(comm.rank + 1) % comm.size]:
+            c = await connect(address, timeout=30)
+            await c.write({"x": to_serialize(x), "y": to_serialize(y), "obj": to_serialize(obj)})
+            got.append(await c.read())
+            await c.close()
+        for r in got:
+            assert np.array_equal(r["x"], x) and np.array_equal(r["y"], y)
+            assert np.array_equal(r["obj"][0], obj[0]) and r["obj"][1] == "text"
+            assert np.array_equal(r["obj"][2]["k"], obj[2]["k"])
+        await asyncio.wait_for(all_served.wait(), 60)
+        for lst in listeners:
+            lst.stop()
+
+    try:
+        with dask.config.set({"distributed.comm.shard": "4MiB"}):
+            _run(main())
+    finally:
+        B.MPIComm.max_shard_size = shard
+
+
 def check_tags_within_the_mpi_ceiling(comm):
     """Every tag this rank used or will use fits the running MPI's MPI_TAG_UB (LOOM_TAG_UB may force it down)."""
     import os

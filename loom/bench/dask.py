@@ -178,6 +178,9 @@ def _quiet_barrier(comm, poll_s: float = 0.02) -> None:
 def _comm_tables(comm, args, doc: dict) -> None:
     sizes = omb.sizes(args.min_size, args.max_size)
     transports = ["mpi", "tcp"]
+    from loom.dask.backend import start
+
+    start()  # every rank: mpi:// on its own duplicate communicator
     _quiet_barrier(comm)
     best = None
     # Only ranks 0 and 1 work here (the others sleep in _quiet_barrier), so they spin as ranks with a core each

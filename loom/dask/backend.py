@@ -5,8 +5,10 @@ COMM_WORLD, and a *port*, a number unique within that rank's process (listeners 
 from one counter). ``mpi://`` alone listens on this rank with a fresh port; ``mpi://RANK/PORT`` (no host)
 also connects.
 
-Wire plan (all on COMM_WORLD, tags in the upper half of the running MPI's ``MPI_TAG_UB``, at most
-``[2**24, 2**28)``, so they never meet loom's own small point-to-point tags; see :func:`tag_window`):
+Wire plan (on COMM_WORLD's ``"dask"`` duplicate when every rank called :func:`start`, as loom's Dask entry
+points do, so mpi:// traffic never meets another subsystem's; tags in the upper half of the running MPI's
+``MPI_TAG_UB``, at most ``[2**24, 2**28)``, which also keeps them apart from loom's own small point-to-point
+tags where the engine runs on COMM_WORLD itself; see :func:`tag_window`):
 
 1. **Set-up, over MPI only.** Every rank has one *control tag* (the window's first). A connector allocates a
    fresh tag pair ``(t, t + 1)`` for what *it* receives, pre-posts a receive for the reply on ``t`` and sends
@@ -93,8 +95,8 @@ from loom.comm import doorbell
 from . import frames as frames_mod
 from . import liveness
 
-__all__ = ["MPIBackend", "MPIComm", "MPIConnector", "MPIListener", "parse_mpi_address", "set_spin", "tag_window",
-           "SCHEME"]
+__all__ = ["MPIBackend", "MPIComm", "MPIConnector", "MPIListener", "parse_mpi_address", "set_spin", "start",
+           "tag_window", "SCHEME"]
 
 logger = logging.getLogger(__name__)
 
@@ -195,8 +197,8 @@ class _Engine:
     liveness thread never take it: they append to ``dropped`` (a deque: atomic append) or flip flags.
     """
 
-    def __init__(self) -> None:
-        self.comm = world()
+    def __init__(self, comm) -> None:
+        self.comm = comm  # COMM_WORLD's "dask" duplicate (see start()), or COMM_WORLD itself
         self.rank = self.comm.rank
         self.size = self.comm.size
         self.host = socket.gethostname().replace("/", "_") or "localhost"
@@ -485,12 +487,38 @@ _ENGINE_LOCK = threading.Lock()
 
 
 def engine() -> _Engine:
-    """The process's mpi:// engine (creates it, and initialises MPI, on first use)."""
+    """The process's mpi:// engine (creates it, and initialises MPI, on first use).
+
+    Made here, outside :func:`start`, it runs on COMM_WORLD itself in a world of several ranks (a duplicate
+    is collective, and ranks reach their first use of mpi:// at different times); in a world of one rank on
+    the ``"dask"`` duplicate, as after :func:`start`.
+    """
     global _ENGINE
     if _ENGINE is None:
+        w = world()
+        comm = w.sub("dask") if w.size == 1 else w
         with _ENGINE_LOCK:
             if _ENGINE is None:
-                _ENGINE = _Engine()
+                _ENGINE = _Engine(comm)
+    return _ENGINE
+
+
+def start() -> _Engine:
+    """Collective over COMM_WORLD: start this rank's engine on COMM_WORLD's ``"dask"`` duplicate
+    (``world().sub("dask")``), where mpi:// tags never meet another subsystem's messages nor the user's.
+
+    ``loom dask run``, :func:`loom.dask.initialize`, :func:`loom.dask.launcher.serve` and ``loom bench dask``
+    call it on every rank before any mpi:// traffic. Idempotent. If any rank already made its engine on its own
+    (:func:`engine` used first), every rank keeps COMM_WORLD, so that all ranks agree on the communicator.
+    """
+    global _ENGINE
+    w = world()
+    made = _ENGINE is not None and _ENGINE.comm is w
+    if w.allreduce_object(int(made), "max"):
+        return engine()
+    with _ENGINE_LOCK:
+        if _ENGINE is None:
+            _ENGINE = _Engine(w.sub("dask"))
     return _ENGINE
 
 

@@ -17,6 +17,7 @@ from loom.dask import backend as B
 from loom.testing import mpi_checks
 
 CLIENTS = 3  # concurrent connections from each rank to each rank
+_CONNECT_WORDS = 8  # a message the size of a CONNECT request
 
 
 def _run(coro):
@@ -244,7 +245,7 @@ def check_large_frames_equal_over_mpi_and_tcp(comm):
         async def echo(c):
             try:
                 msg = await c.read()
-                await c.write({"x": to_serialize(msg["x"]), "y": to_serialize(msg["y"]), "obj": to_serialize(msg["obj"])})
+                await c.write({k: to_serialize(msg[k]) for k in ("x", "y", "obj")})
                 await c.read()
             except CommClosedError:
                 pass
@@ -280,6 +281,37 @@ def check_large_frames_equal_over_mpi_and_tcp(comm):
         B.MPIComm.max_shard_size = shard
 
 
+def check_traffic_on_its_own_communicator(comm):
+    """mpi:// runs on COMM_WORLD's "dask" duplicate: a world message that carries the backend's control tag
+    reaches its receiver instead of the backend's dispatcher, while connections to every rank keep working."""
+    eng = B.engine()
+    assert eng.comm is comm.sub("dask") and eng.comm.mpi != comm.mpi, "mpi:// is not on its own communicator"
+    dest, source = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    stray = comm.isend(np.full(_CONNECT_WORDS, comm.rank, np.uint64), dest, eng.ctrl_tag)
+
+    async def main():
+        listener = await listen("mpi://", lambda c: c.close())
+        addresses = comm.allgather_object(listener.contact_address)
+        c = await connect(addresses[dest], timeout=30)
+        await c.close()
+        await asyncio.sleep(0.1)  # the dispatcher polls its control tag meanwhile
+        got = np.zeros(_CONNECT_WORDS, np.uint64)
+
+        async def recv():
+            await comm.irecv(got, source, eng.ctrl_tag)
+
+        try:
+            await asyncio.wait_for(recv(), 20)
+        except asyncio.TimeoutError:
+            raise AssertionError("mpi://'s dispatcher took a world message on its control tag") from None
+        assert (got == source).all(), got
+        await stray
+        comm.allgather_object(None)  # every rank has its message before any listener stops
+        listener.stop()
+
+    _run(main())
+
+
 def check_tags_within_the_mpi_ceiling(comm):
     """Every tag this rank used or will use fits the running MPI's MPI_TAG_UB (LOOM_TAG_UB may force it down)."""
     import os
@@ -294,4 +326,5 @@ def check_tags_within_the_mpi_ceiling(comm):
 
 
 if __name__ == "__main__":
+    B.start()  # as loom's Dask entry points do: mpi:// on its own duplicate of COMM_WORLD
     mpi_checks(globals())

@@ -80,7 +80,7 @@ from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
 from distributed.comm.registry import Backend
 import msgpack as _msgpack
 from distributed import protocol
-from distributed.protocol.serialize import msgpack_decode_default
+from distributed.protocol.serialize import Serialize, msgpack_decode_default
 from distributed.protocol.utils import msgpack_opts
 from distributed.comm.utils import OFFLOAD_THRESHOLD as _OFFLOAD
 from distributed.comm.utils import from_frames, to_frames
@@ -106,6 +106,9 @@ SCHEME = "mpi"
 _CONNECT, _CANCEL, _ACCEPT, _REFUSE = 1, 2, 3, 4
 # Kinds on a connection's tags.
 _DATA, _CLOSE = 1, 2
+#: set in a DATA header's kind when the sender's serialisation copied nothing large (see _copy_cost): the
+#: receiver's deserialisation is then as cheap, and runs inline whatever the message's size
+_CHEAP = 1 << 8
 # Frame flags in the header.
 _INLINE, _HOST, _CUDA = 0, frames_mod.HOST, frames_mod.CUDA
 
@@ -678,12 +681,13 @@ def _finalize_channel(chan: _Channel) -> None:
 class _ReadOp:
     """Pollable for one ``read``: header, then the separate frames; result is the frame list."""
 
-    __slots__ = ("comm", "chan", "frames", "reqs", "head", "head_req", "misses")
+    __slots__ = ("comm", "chan", "frames", "reqs", "head", "head_req", "misses", "cheap")
 
     def __init__(self, comm: "MPIComm"):
         self.comm = comm
         self.chan = comm._chan
         self.misses = 0
+        self.cheap = False  # the message's header carried _CHEAP
         self.frames: list | None = None
         self.reqs: list[Request] = []
         self.head: np.ndarray | None = None
@@ -746,8 +750,9 @@ class _ReadOp:
 
     def _start(self, buf: np.ndarray) -> None:
         kind, n, chunk = _HEAD.unpack_from(buf, 0)
-        if kind != _DATA:
+        if kind & ~_CHEAP != _DATA:
             raise CommClosedError(f"{self.comm!r}: unexpected message kind {int(kind)} on the data tag")
+        self.cheap = bool(kind & _CHEAP)
         if n == 1 and buf[32] == _INLINE:  # the common small message: one inline frame
             self.frames = [memoryview(buf)[33:]]
             return
@@ -804,6 +809,27 @@ def _plain_loads(frame):
         return _msgpack.loads(frame, object_hook=msgpack_decode_default, use_list=False, **msgpack_opts)
     except Exception:  # noqa: BLE001
         return _NOT_PLAIN
+
+
+def _copy_cost(msg, depth: int = 0) -> int:
+    """Bytes of ``msg`` that Dask's serialisation copies or pickles (-1: unknown): its ``sizeof`` less the
+    contiguous numpy arrays of plain dtypes behind ``to_serialize`` (as a worker's ``get_data`` reply carries
+    them), which Dask's numpy serializer frames as views of the array. Small dicts, lists and tuples are
+    looked into, two levels deep; anything else counts whole, as Dask counts it."""
+    t = type(msg)
+    if t is Serialize:
+        x = msg.data
+        if type(x) is np.ndarray and not x.dtype.hasobject and (x.flags.c_contiguous or x.flags.f_contiguous):
+            return 0
+    elif depth < 3 and (t is dict or t is list or t is tuple) and len(msg) <= 16:
+        total = 0
+        for item in (msg.values() if t is dict else msg):
+            cost = _copy_cost(item, depth + 1)
+            if cost < 0:
+                return -1
+            total += cost
+        return total + 64 * len(msg)  # keys, msgpack's framing
+    return safe_sizeof(msg, default_size=-1)
 
 
 def _address(arr: np.ndarray) -> int:
@@ -918,7 +944,8 @@ class MPIComm(Comm):
             msg = _plain_loads(frames[0])
             if msg is not _NOT_PLAIN:
                 return msg
-        if not (_OFFLOAD and self.allow_offload and self.deserialize) or sum(map(nbytes, frames)) <= _OFFLOAD:
+        if (op.cheap or not (_OFFLOAD and self.allow_offload and self.deserialize)
+                or sum(map(nbytes, frames)) <= _OFFLOAD):
             # Dask's from_frames without its coroutine (it too deserialises inline below the offload threshold).
             try:
                 return protocol.loads(frames, deserialize=self.deserialize, deserializers=deserializers)
@@ -968,27 +995,16 @@ class MPIComm(Comm):
             import dask
 
             MPIComm.max_shard_size = dask.utils.parse_bytes(dask.config.get("distributed.comm.shard"))
-        size = len(msg) if type(msg) is bytes else None  # sizeof(bytes) is its len
-        if not (_OFFLOAD and self.allow_offload) or 0 <= (size if size is not None else
-                                                           safe_sizeof(msg, default_size=-1)) <= _OFFLOAD:
-            # Dask's to_frames without its coroutine: it too serialises inline below the offload threshold.
-            frames = _plain_frames(msg)
-            if frames is None:
-                context = {"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options}
-                try:
-                    frames = list(protocol.dumps(msg, serializers=serializers, on_error=on_error, context=context,
-                                                 frame_split_size=MPIComm.max_shard_size))
-                except Exception:
-                    logger.info("Unserializable Message: %s", msg)
-                    raise
-        else:
+        frames = self._serialise_inline(msg, serializers, on_error)
+        cheap = frames is not None
+        if frames is None:
             context = {"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options}
             frames = await to_frames(msg, allow_offload=self.allow_offload, serializers=serializers,
                                      on_error=on_error, context=context, frame_split_size=MPIComm.max_shard_size)
         if self._closed:
             raise CommClosedError(f"{self!r} was closed while serialising")
         try:
-            n, reqs = self._send_frames(frames)
+            n, reqs = self._send_frames(frames, cheap)
         except BaseException:
             self.abort()
             raise
@@ -1007,7 +1023,30 @@ class MPIComm(Comm):
         self._last_write = time.perf_counter()
         return n
 
-    def _send_frames(self, frames: list) -> tuple[int, list[Request]]:
+    def _serialise_inline(self, msg, serializers, on_error) -> list | None:
+        """Dask's ``to_frames`` inline when what it would copy is at most Dask's offload size
+        (``distributed.comm.offload``); ``None`` when it belongs in Dask's offload thread (``to_frames``).
+
+        Dask decides by the message's whole size; past that size, arrays that serialise as views
+        (:func:`_copy_cost`) do not count here, since a thread hop costs more than framing them (``loom bench
+        dask`` above 10 MiB). A message framed inline is marked cheap to deserialise too (:data:`_CHEAP`).
+        """
+        if _OFFLOAD and self.allow_offload:
+            size = len(msg) if type(msg) is bytes else safe_sizeof(msg, default_size=-1)  # sizeof(bytes) is len
+            if not 0 <= size <= _OFFLOAD and (type(msg) is bytes or not 0 <= _copy_cost(msg) <= _OFFLOAD):
+                return None
+        frames = _plain_frames(msg)
+        if frames is None:
+            context = {"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options}
+            try:
+                frames = list(protocol.dumps(msg, serializers=serializers, on_error=on_error, context=context,
+                                             frame_split_size=MPIComm.max_shard_size))
+            except Exception:
+                logger.info("Unserializable Message: %s", msg)
+                raise
+        return frames
+
+    def _send_frames(self, frames: list, cheap: bool = False) -> tuple[int, list[Request]]:
         chan = self._chan
         n = len(frames)
         if n == 1 and type(frames[0]) is bytes and len(frames[0]) < INLINE_MAX:  # the common small message
@@ -1022,7 +1061,7 @@ class MPIComm(Comm):
         sizes, flags, arrays, inline = _layout(frames)
         chunk = CHUNK_BYTES
         head = bytearray(24 + 9 * n + inline)
-        struct.pack_into(f"<3Q{n}Q", head, 0, _DATA, n, chunk, *sizes)
+        struct.pack_into(f"<3Q{n}Q", head, 0, _DATA | (_CHEAP if cheap else 0), n, chunk, *sizes)
         head[24 + 8 * n:24 + 9 * n] = flags
         off = 24 + 9 * n
         for i in range(n):

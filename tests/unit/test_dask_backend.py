@@ -462,3 +462,41 @@ def test_block_pool_sizes_and_capacity():
     del again
     assert pool.held == 7 << 20, "a block comes back once its array is gone"
 
+
+
+def test_arrays_that_serialise_as_views_skip_the_offload_thread(monkeypatch):
+    """Above Dask's offload size (10 MiB) to_frames/from_frames run in a thread; a message whose bulk is numpy
+    arrays behind to_serialize is framed and read inline (nothing is copied), anything else still goes through
+    the thread, as over TCP."""
+    from distributed.protocol import to_serialize
+
+    calls: list[str] = []
+    to_frames, from_frames = B.to_frames, B.from_frames
+
+    async def counted_to(*args, **kwargs):
+        calls.append("to_frames")
+        return await to_frames(*args, **kwargs)
+
+    async def counted_from(*args, **kwargs):
+        calls.append("from_frames")
+        return await from_frames(*args, **kwargs)
+
+    monkeypatch.setattr(B, "to_frames", counted_to)
+    monkeypatch.setattr(B, "from_frames", counted_from)
+    x = np.random.default_rng(3).standard_normal((12 << 20) // 8)
+    y = np.random.default_rng(4).standard_normal((24 << 20) // 8)[::2]  # 12 MiB, strided
+    assert B._copy_cost({"op": "get_data", "data": {"k": to_serialize(x)}}) < 1 << 20
+    assert B._copy_cost({"data": {"k": to_serialize(y)}}) > 10 << 20  # strided: Dask copies it
+    assert B._copy_cost({"data": x}) > 10 << 20  # not behind to_serialize: pickled
+
+    async def main():
+        a, b = await C.comm_pair(ADDR)
+        await a.write({"status": "OK", "data": {"k": to_serialize(x)}})
+        got = await b.read()
+        assert np.array_equal(got["data"]["k"], x) and calls == []
+        await a.write({"x": to_serialize(y)})
+        assert np.array_equal((await b.read())["x"], y) and calls == ["to_frames", "from_frames"]
+        await a.close()
+        await b.close()
+
+    run(main())

@@ -11,7 +11,10 @@
    on the same device.
 3. **Direct path with a real MPI**, only when ``MPI.Query_cuda_support()`` says the MPI is CUDA-aware: the
    same collectives on device buffers without staging.
-4. **FPDT's host pool:** chunks put, prefetched one ahead and popped come back bit-exact; ``free()`` returns
+4. **Dask CUDA frames** (``loom.dask.frames.frame_array``): a buffer exported by another library with
+   ``__cuda_array_interface__`` version 3 names the stream that produced it; with that stream still busy, the
+   frame comes back as a flat uint8 device tensor only after the stream is idle, with the producer's values.
+5. **FPDT's host pool:** chunks put, prefetched one ahead and popped come back bit-exact; ``free()`` returns
    while the side stream's copy is still in flight (it used to block the host with ``event.synchronize()``),
    and a reused pinned buffer is not overwritten before its last copy finished (values checked after a
    slow copy is queued ahead of the reuse).
@@ -93,6 +96,27 @@ def check_direct_collectives_if_cuda_aware() -> str:
     return "ok"
 
 
+class _Exported:
+    """A CUDA buffer as another library exports it: ``__cuda_array_interface__`` version 3 with its stream."""
+
+    def __init__(self, t: torch.Tensor, stream: torch.cuda.Stream):
+        self._t = t  # keeps the memory alive
+        self.__cuda_array_interface__ = {**t.__cuda_array_interface__, "version": 3, "stream": stream.cuda_stream}
+
+
+def check_dask_cuda_frames() -> None:
+    from loom.dask import frames
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        t = _queued(4.0)
+    assert not side.query(), "the producing kernel finished too soon to tell"
+    arr, flag = frames.frame_array(_Exported(t, side))
+    assert side.query(), "frame_array handed a CUDA frame over while its producer stream was busy"
+    assert flag == frames.CUDA and arr.dtype == torch.uint8 and arr.numel() == t.numel() * 4
+    assert arr.data_ptr() == t.data_ptr() and float(arr.view(torch.float32)[-1]) == 4.0
+
+
 def check_host_pool() -> None:
     from loom.parallel.offload import HostPool
 
@@ -124,7 +148,7 @@ def main() -> int:
         print("gpu_check: no CUDA device; nothing to check", file=sys.stderr)
         return 2
     checks = [check_handoff_waits_for_the_stream, check_staged_collectives, check_direct_collectives_if_cuda_aware,
-              check_host_pool]
+              check_dask_cuda_frames, check_host_pool]
     for check in checks:
         note = check()
         print(f"PASS {check.__name__}{': ' + note if isinstance(note, str) else ''}", flush=True)

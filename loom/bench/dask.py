@@ -2,13 +2,14 @@
 
 Plan (one invocation on ``--ranks N`` ranks; started outside MPI without ``--ranks`` it launches 4):
 
-1. **Reference**: loom.comm's blocking ``send``/``recv`` ping-pong between ranks 0 and 1 (the MPI floor).
-2. **Comm ping-pong**: rank 1 listens on ``mpi://`` and ``tcp://127.0.0.1`` with an echo handler, rank 0
-   connects to both and, per power-of-two size from ``-m`` to ``-M``, times ``write`` + ``read`` round trips,
-   the two transports interleaved round by round (best round kept). Messages up to 8 KiB are a ``bytes``
+1. **Comm ping-pong**: rank 1 listens on ``mpi://`` and ``tcp://127.0.0.1`` with an echo handler, rank 0
+   connects to both and, per power-of-two size from ``-m`` to ``-M``, times ``write`` + ``read`` round trips.
+   Each round also times the reference, raw loom.comm's blocking ``send``/``recv`` ping-pong of the same size
+   into a reused buffer (the MPI floor; rank 0 asks rank 1 for it over the mpi:// comm): the three are
+   interleaved round by round and each keeps its best round. Messages up to 8 KiB are a ``bytes``
    object (inside Dask's msgpack frame); larger ones a numpy buffer behind ``to_serialize`` (its own frame,
    zero-copy), as Dask sends task data. Latency is half the round trip; bandwidth is size / latency.
-3. **Applications** on 1 scheduler (rank 0) + 1 client (rank 1) + workers (ranks 2..), ``--cycles`` clusters
+2. **Applications** on 1 scheduler (rank 0) + 1 client (rank 1) + workers (ranks 2..), ``--cycles`` clusters
    per transport, started in ``--order`` cycle after cycle, each application's best cluster kept:
    ``(x + x.T).sum()`` of a persisted random numpy-backed dask array (``--array``
    square in ``--chunk`` blocks), a dataframe merge of two persisted pandas-backed frames (``--rows`` rows
@@ -75,6 +76,17 @@ def _msg(size: int):
     return {"x": to_serialize(np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8))}  # incompressible
 
 
+def _raw_pingpong(comm, peer: int, buf: np.ndarray, n: int, serve: bool) -> None:
+    """``n`` round trips of ``buf`` over loom.comm's blocking send/recv (the raw reference)."""
+    for _ in range(n):
+        if serve:
+            comm.recv(buf, peer, tag=11)
+            comm.send(buf, peer, tag=11)
+        else:
+            comm.send(buf, peer, tag=11)
+            comm.recv(buf, peer, tag=11)
+
+
 async def _echo_server(comm, transports: list[str]) -> None:
     from distributed.comm import CommClosedError, listen
     from distributed.protocol import to_serialize
@@ -86,6 +98,10 @@ async def _echo_server(comm, transports: list[str]) -> None:
         try:
             while True:
                 m = await c.read()
+                if isinstance(m, dict) and "raw" in m:  # the client times raw loom.comm in this round
+                    _raw_pingpong(comm, 0, np.ones(m["size"], np.uint8), m["raw"], serve=True)
+                    await c.write("done")
+                    continue
                 await c.write({"x": to_serialize(m["x"])} if isinstance(m, dict) else m)
         except CommClosedError:
             pass
@@ -101,31 +117,50 @@ async def _echo_server(comm, transports: list[str]) -> None:
         lst.stop()
 
 
+async def _time_raw(comm, ctl, size: int, warm: int, iters: int) -> float:
+    """Seconds per one-way message of raw loom.comm send/recv, rank 1 serving (asked over the ``ctl`` comm)."""
+    buf = np.ones(size, np.uint8)
+    await ctl.write({"raw": warm + iters, "size": size})
+    _raw_pingpong(comm, 1, buf, warm, serve=False)
+    t0 = time.perf_counter()
+    _raw_pingpong(comm, 1, buf, iters, serve=False)
+    dt = (time.perf_counter() - t0) / iters / 2
+    await ctl.read()
+    return dt
+
+
+async def _time_comm(c, msg, warm: int, iters: int, max_seconds: float) -> float:
+    """Seconds per one-way message of Dask ``write`` + ``read`` round trips on comm ``c``."""
+    for _ in range(warm):
+        await c.write(msg)
+        await c.read()
+    t0 = time.perf_counter()
+    done = 0
+    while done < iters:
+        await c.write(msg)
+        await c.read()
+        done += 1
+        if time.perf_counter() - t0 > max_seconds:
+            break
+    return (time.perf_counter() - t0) / done / 2
+
+
 async def _ping_client(comm, args, transports: list[str], sizes: list[int]) -> dict[str, dict[int, float]]:
+    """Per size, rounds of raw loom.comm, then each transport, interleaved; the best round of each is kept."""
     from distributed.comm import connect
 
     addresses = comm.recv_object(1, tag=13)
     comms = {t: await connect(a, timeout=60) for t, a in zip(transports, addresses)}
-    best: dict[str, dict[int, float]] = {t: {} for t in transports}
+    best: dict[str, dict[int, float]] = {t: {} for t in ["raw", *transports]}
     for size in sizes:
         msg = _msg(size)
         warm, iters = omb.iterations(size, args)
         for _ in range(max(1, args.rounds)):
+            raw = await _time_raw(comm, comms["mpi"], size, warm, iters)
+            best["raw"][size] = min(best["raw"].get(size, float("inf")), raw)
             for t in transports:
-                c = comms[t]
-                for _ in range(warm):
-                    await c.write(msg)
-                    await c.read()
-                t0 = time.perf_counter()
-                done = 0
-                while done < iters:
-                    await c.write(msg)
-                    await c.read()
-                    done += 1
-                    if time.perf_counter() - t0 > args.max_seconds:
-                        break
-                rtt = (time.perf_counter() - t0) / done
-                best[t][size] = min(best[t].get(size, float("inf")), rtt / 2)
+                lat = await _time_comm(comms[t], msg, warm, iters, args.max_seconds)
+                best[t][size] = min(best[t].get(size, float("inf")), lat)
     for c in comms.values():
         await c.close()
     return best
@@ -140,38 +175,12 @@ def _quiet_barrier(comm, poll_s: float = 0.02) -> None:
         time.sleep(poll_s)
 
 
-def _loom_pingpong(comm, args, sizes: list[int]) -> dict[int, float]:
-    """loom.comm send/recv ping-pong between ranks 0 and 1 only (rank 0 picks each count and tells rank 1)."""
-    out = {}
-    if comm.rank > 1:
-        return out
-    for size in sizes:
-        buf = np.ones(size, np.uint8)
-        warm, iters = omb.iterations(size, args)
-        best = float("inf")
-        for _ in range(max(1, args.rounds)):
-            if comm.rank == 0:
-                comm.send_object(warm + iters, 1, tag=12)
-                for _ in range(warm):
-                    comm.send(buf, 1, tag=11)
-                    comm.recv(buf, 1, tag=11)
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    comm.send(buf, 1, tag=11)
-                    comm.recv(buf, 1, tag=11)
-                best = min(best, (time.perf_counter() - t0) / iters / 2)
-            else:
-                for _ in range(comm.recv_object(0, tag=12)):
-                    comm.recv(buf, 0, tag=11)
-                    comm.send(buf, 0, tag=11)
-        out[size] = best
-    return out
-
-
 def _comm_tables(comm, args, doc: dict) -> None:
     sizes = omb.sizes(args.min_size, args.max_size)
     transports = ["mpi", "tcp"]
-    ref = _loom_pingpong(comm, args, sizes)
+    from loom.dask.backend import start
+
+    start()  # every rank: mpi:// on its own duplicate communicator
     _quiet_barrier(comm)
     best = None
     # Only ranks 0 and 1 work here (the others sleep in _quiet_barrier), so they spin as ranks with a core each
@@ -188,26 +197,32 @@ def _comm_tables(comm, args, doc: dict) -> None:
     if dedicated and comm.rank < 2:
         set_spin(poll_us=before[0], inline_us=before[1])
     _quiet_barrier(comm)
+    if comm.rank == 0:
+        _print_comm_tables(comm, best, sizes, doc, dedicated)
+
+
+def _print_comm_tables(comm, best: dict, sizes: list[int], doc: dict, dedicated: bool) -> None:
     meta = {"ranks": "0 <-> 1" + (" (a core each: mpi:// spins 1 ms, inline 50 us)" if dedicated else ""),
-            "peer": "tcp://127.0.0.1 (Dask's TCP comm)", "reference": "loom.comm send/recv"}
-    lat = omb.Table("Dask comm Latency Test (mpi:// vs tcp://)",
+            "peer": "tcp://127.0.0.1 (Dask's TCP comm)",
+            "reference": "raw loom.comm send/recv of the same sizes into a reused buffer, rounds interleaved"}
+    lat = omb.Table("Dask comm Latency Test (mpi:// vs tcp:// vs raw loom.comm)",
                     ["Size", "mpi (us)", "tcp (us)", "tcp/mpi", "loom.comm (us)", "mpi/loom.comm"],
                     rank=comm.rank, meta=meta)
-    bw = omb.Table("Dask comm Bandwidth Test (ping-pong, mpi:// vs tcp://)",
-                   ["Size", "mpi (MB/s)", "tcp (MB/s)", "mpi/tcp"], rank=comm.rank, meta=meta)
-    if comm.rank == 0:
-        lat.header()
-        for s in sizes:
-            m, t = best["mpi"][s], best["tcp"][s]
-            lat.add(s, m * 1e6, t * 1e6, t / m, ref[s] * 1e6, m / ref[s])
-        print(flush=True)
-        bw.header()
-        for s in sizes:
-            m, t = best["mpi"][s], best["tcp"][s]
-            bw.add(s, s / m / 1e6, s / t / 1e6, t / m)
-        print(flush=True)
-        doc["latency"] = lat.rows
-        doc["bandwidth"] = bw.rows
+    bw = omb.Table("Dask comm Bandwidth Test (ping-pong, mpi:// vs tcp:// vs raw loom.comm)",
+                   ["Size", "mpi (MB/s)", "tcp (MB/s)", "mpi/tcp", "loom.comm (MB/s)", "mpi/loom.comm"],
+                   rank=comm.rank, meta=meta)
+    lat.header()
+    for s in sizes:
+        m, t, r = best["mpi"][s], best["tcp"][s], best["raw"][s]
+        lat.add(s, m * 1e6, t * 1e6, t / m, r * 1e6, m / r)
+    print(flush=True)
+    bw.header()
+    for s in sizes:
+        m, t, r = best["mpi"][s], best["tcp"][s], best["raw"][s]
+        bw.add(s, s / m / 1e6, s / t / 1e6, t / m, s / r / 1e6, r / m)
+    print(flush=True)
+    doc["latency"] = lat.rows
+    doc["bandwidth"] = bw.rows
 
 
 def _inc(i: int) -> int:

@@ -5,8 +5,10 @@ COMM_WORLD, and a *port*, a number unique within that rank's process (listeners 
 from one counter). ``mpi://`` alone listens on this rank with a fresh port; ``mpi://RANK/PORT`` (no host)
 also connects.
 
-Wire plan (all on COMM_WORLD, tags in the upper half of the running MPI's ``MPI_TAG_UB``, at most
-``[2**24, 2**28)``, so they never meet loom's own small point-to-point tags; see :func:`tag_window`):
+Wire plan (on COMM_WORLD's ``"dask"`` duplicate when every rank called :func:`start`, as loom's Dask entry
+points do, so mpi:// traffic never meets another subsystem's; tags in the upper half of the running MPI's
+``MPI_TAG_UB``, at most ``[2**24, 2**28)``, which also keeps them apart from loom's own small point-to-point
+tags where the engine runs on COMM_WORLD itself; see :func:`tag_window`):
 
 1. **Set-up, over MPI only.** Every rank has one *control tag* (the window's first). A connector allocates a
    fresh tag pair ``(t, t + 1)`` for what *it* receives, pre-posts a receive for the reply on ``t`` and sends
@@ -21,9 +23,11 @@ Wire plan (all on COMM_WORLD, tags in the upper half of the running MPI's ``MPI_
 2. **Messages.** ``write`` serialises with Dask's ``to_frames`` and sends one MPI message: a header
    (``kind, nframes, chunk``, each frame's size and flag) followed by every frame below 64 KiB inline.
    Larger frames follow as separate messages on the same tag (MPI keeps their order), each split into
-   chunks of at most ``chunk`` bytes (default 512 MiB; "very large frames split"), received zero-copy into
-   fresh buffers. CUDA frames (``__cuda_array_interface__``) are flagged and travel as device tensors,
-   zero-copy when the MPI is CUDA-aware and staged through the host by loom.comm otherwise.
+   chunks of at most ``chunk`` bytes (default 512 MiB; "very large frames split"), received by MPI straight
+   into their slices of one host block per message (:mod:`loom.dask.frames`: as TCP's one read buffer, so
+   Dask's shards of a split frame join without a copy; blocks above 1 MiB recycled). CUDA frames
+   (``__cuda_array_interface__``) are flagged and travel as device tensors once their producing stream is
+   done, zero-copy when the MPI is CUDA-aware and staged through the host by loom.comm otherwise.
    ``write`` returns once the sends are posted (like TCP's write buffer); the requests are kept until done.
    Serialisation is Dask's (``protocol.dumps``/``loads``, offloaded to a thread above Dask's
    ``distributed.comm.offload`` size exactly as its ``to_frames``/``from_frames`` do), called inline below it.
@@ -76,7 +80,7 @@ from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
 from distributed.comm.registry import Backend
 import msgpack as _msgpack
 from distributed import protocol
-from distributed.protocol.serialize import msgpack_decode_default
+from distributed.protocol.serialize import Serialize, msgpack_decode_default
 from distributed.protocol.utils import msgpack_opts
 from distributed.comm.utils import OFFLOAD_THRESHOLD as _OFFLOAD
 from distributed.comm.utils import from_frames, to_frames
@@ -88,10 +92,11 @@ from loom import settings
 from loom.comm import ANY_SOURCE, Request, poller, world
 from loom.comm import doorbell
 
+from . import frames as frames_mod
 from . import liveness
 
-__all__ = ["MPIBackend", "MPIComm", "MPIConnector", "MPIListener", "parse_mpi_address", "set_spin", "tag_window",
-           "SCHEME"]
+__all__ = ["MPIBackend", "MPIComm", "MPIConnector", "MPIListener", "parse_mpi_address", "set_spin", "start",
+           "tag_window", "SCHEME"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +106,11 @@ SCHEME = "mpi"
 _CONNECT, _CANCEL, _ACCEPT, _REFUSE = 1, 2, 3, 4
 # Kinds on a connection's tags.
 _DATA, _CLOSE = 1, 2
+#: set in a DATA header's kind when the sender's serialisation copied nothing large (see _copy_cost): the
+#: receiver's deserialisation is then as cheap, and runs inline whatever the message's size
+_CHEAP = 1 << 8
 # Frame flags in the header.
-_INLINE, _HOST, _CUDA = 0, 1, 2
+_INLINE, _HOST, _CUDA = 0, frames_mod.HOST, frames_mod.CUDA
 
 #: frames below this many bytes travel inside the header message
 INLINE_MAX = 64 * 1024
@@ -192,8 +200,8 @@ class _Engine:
     liveness thread never take it: they append to ``dropped`` (a deque: atomic append) or flip flags.
     """
 
-    def __init__(self) -> None:
-        self.comm = world()
+    def __init__(self, comm) -> None:
+        self.comm = comm  # COMM_WORLD's "dask" duplicate (see start()), or COMM_WORLD itself
         self.rank = self.comm.rank
         self.size = self.comm.size
         self.host = socket.gethostname().replace("/", "_") or "localhost"
@@ -482,12 +490,38 @@ _ENGINE_LOCK = threading.Lock()
 
 
 def engine() -> _Engine:
-    """The process's mpi:// engine (creates it, and initialises MPI, on first use)."""
+    """The process's mpi:// engine (creates it, and initialises MPI, on first use).
+
+    Made here, outside :func:`start`, it runs on COMM_WORLD itself in a world of several ranks (a duplicate
+    is collective, and ranks reach their first use of mpi:// at different times); in a world of one rank on
+    the ``"dask"`` duplicate, as after :func:`start`.
+    """
     global _ENGINE
     if _ENGINE is None:
+        w = world()
+        comm = w.sub("dask") if w.size == 1 else w
         with _ENGINE_LOCK:
             if _ENGINE is None:
-                _ENGINE = _Engine()
+                _ENGINE = _Engine(comm)
+    return _ENGINE
+
+
+def start() -> _Engine:
+    """Collective over COMM_WORLD: start this rank's engine on COMM_WORLD's ``"dask"`` duplicate
+    (``world().sub("dask")``), where mpi:// tags never meet another subsystem's messages nor the user's.
+
+    ``loom dask run``, :func:`loom.dask.initialize`, :func:`loom.dask.launcher.serve` and ``loom bench dask``
+    call it on every rank before any mpi:// traffic. Idempotent. If any rank already made its engine on its own
+    (:func:`engine` used first), every rank keeps COMM_WORLD, so that all ranks agree on the communicator.
+    """
+    global _ENGINE
+    w = world()
+    made = _ENGINE is not None and _ENGINE.comm is w
+    if w.allreduce_object(int(made), "max"):
+        return engine()
+    with _ENGINE_LOCK:
+        if _ENGINE is None:
+            _ENGINE = _Engine(w.sub("dask"))
     return _ENGINE
 
 
@@ -647,12 +681,13 @@ def _finalize_channel(chan: _Channel) -> None:
 class _ReadOp:
     """Pollable for one ``read``: header, then the separate frames; result is the frame list."""
 
-    __slots__ = ("comm", "chan", "frames", "reqs", "head", "head_req", "misses")
+    __slots__ = ("comm", "chan", "frames", "reqs", "head", "head_req", "misses", "cheap")
 
     def __init__(self, comm: "MPIComm"):
         self.comm = comm
         self.chan = comm._chan
         self.misses = 0
+        self.cheap = False  # the message's header carried _CHEAP
         self.frames: list | None = None
         self.reqs: list[Request] = []
         self.head: np.ndarray | None = None
@@ -715,8 +750,9 @@ class _ReadOp:
 
     def _start(self, buf: np.ndarray) -> None:
         kind, n, chunk = _HEAD.unpack_from(buf, 0)
-        if kind != _DATA:
+        if kind & ~_CHEAP != _DATA:
             raise CommClosedError(f"{self.comm!r}: unexpected message kind {int(kind)} on the data tag")
+        self.cheap = bool(kind & _CHEAP)
         if n == 1 and buf[32] == _INLINE:  # the common small message: one inline frame
             self.frames = [memoryview(buf)[33:]]
             return
@@ -724,6 +760,12 @@ class _ReadOp:
         flags = np.frombuffer(buf, np.uint8, n, 24 + 8 * n).tolist()
         mv = memoryview(buf)
         off = 24 + 9 * n
+        # Every host frame lands in its slice of one block, in frame order (see loom.dask.frames): Dask's shards
+        # of one split frame are then adjacent, and its merge of them is a view, not a copy.
+        total = sum(size for size, flag in zip(sizes, flags) if flag == _HOST)
+        block = frames_mod.POOL.take(total) if total else None
+        view = memoryview(block) if total else None
+        at = 0
         frames: list = []
         chan = self.chan
         comm = chan.eng.comm
@@ -733,13 +775,12 @@ class _ReadOp:
                 off += size
                 continue
             if flag == _CUDA:
-                import torch
-
-                target = torch.empty(size, dtype=torch.uint8, device="cuda")
+                target = frames_mod.cuda_block(size)
                 frames.append(target)
             else:
-                target = np.empty(size, np.uint8)
-                frames.append(memoryview(target))
+                target = block[at:at + size]
+                frames.append(view[at:at + size])
+                at += size
             for lo in range(0, max(size, 1), chunk):
                 self.reqs.append(comm.irecv(target[lo:lo + chunk], chan.peer, chan.recv_tag))
                 chan.n_recv += 1
@@ -770,13 +811,65 @@ def _plain_loads(frame):
         return _NOT_PLAIN
 
 
-def _frame_array(frame):
-    """A frame as something loom.comm can send: a uint8 numpy view, or a CUDA uint8 tensor."""
-    if hasattr(frame, "__cuda_array_interface__"):
-        import torch
+def _copy_cost(msg, depth: int = 0) -> int:
+    """Bytes of ``msg`` that Dask's serialisation copies or pickles (-1: unknown): its ``sizeof`` less the
+    contiguous numpy arrays of plain dtypes behind ``to_serialize`` (as a worker's ``get_data`` reply carries
+    them), which Dask's numpy serializer frames as views of the array. Small dicts, lists and tuples are
+    looked into, two levels deep; anything else counts whole, as Dask counts it."""
+    t = type(msg)
+    if t is Serialize:
+        x = msg.data
+        if type(x) is np.ndarray and not x.dtype.hasobject and (x.flags.c_contiguous or x.flags.f_contiguous):
+            return 0
+    elif depth < 3 and (t is dict or t is list or t is tuple) and len(msg) <= 16:
+        total = 0
+        for item in (msg.values() if t is dict else msg):
+            cost = _copy_cost(item, depth + 1)
+            if cost < 0:
+                return -1
+            total += cost
+        return total + 64 * len(msg)  # keys, msgpack's framing
+    return safe_sizeof(msg, default_size=-1)
 
-        return torch.as_tensor(frame, device="cuda").view(torch.uint8).reshape(-1), _CUDA
-    return np.frombuffer(ensure_memoryview(frame), np.uint8), _HOST
+
+def _address(arr: np.ndarray) -> int:
+    return arr.__array_interface__["data"][0]
+
+
+def _layout(frames: list) -> tuple[list[int], bytearray, list, int]:
+    """Each frame's size, flag and what to send (``(sizes, flags, arrays, inline bytes)``).
+
+    Frames below :data:`INLINE_MAX` travel inside the header, except one that continues the previous separate
+    frame in memory (the last shard of a frame Dask split): it is sent separately too, so that the receiver's
+    block holds every shard of the frame side by side and Dask joins them without a copy.
+    """
+    n = len(frames)
+    sizes = [0] * n
+    flags = bytearray(n)
+    arrays: list = [None] * n
+    inline = 0
+    prev_end = -1  # end address of the previous frame when it was sent separately from host memory
+    for i, f in enumerate(frames):
+        if hasattr(f, "__cuda_array_interface__"):
+            arr, flag = frames_mod.frame_array(f)
+            prev_end = -1
+        else:
+            mv = f if type(f) is bytes else ensure_memoryview(f)
+            size = len(mv) if type(mv) is bytes else mv.nbytes
+            arr = None
+            if size < INLINE_MAX and (prev_end < 0 or not size
+                                      or _address(arr := np.frombuffer(mv, np.uint8)) != prev_end):
+                sizes[i] = size
+                arrays[i] = mv
+                inline += size
+                prev_end = -1
+                continue
+            arr, flag = (arr if arr is not None else np.frombuffer(mv, np.uint8)), _HOST
+            prev_end = _address(arr) + size
+        sizes[i] = arr.nbytes
+        flags[i] = flag
+        arrays[i] = arr
+    return sizes, flags, arrays, inline
 
 
 class MPIComm(Comm):
@@ -851,7 +944,8 @@ class MPIComm(Comm):
             msg = _plain_loads(frames[0])
             if msg is not _NOT_PLAIN:
                 return msg
-        if not (_OFFLOAD and self.allow_offload and self.deserialize) or sum(map(nbytes, frames)) <= _OFFLOAD:
+        if (op.cheap or not (_OFFLOAD and self.allow_offload and self.deserialize)
+                or sum(map(nbytes, frames)) <= _OFFLOAD):
             # Dask's from_frames without its coroutine (it too deserialises inline below the offload threshold).
             try:
                 return protocol.loads(frames, deserialize=self.deserialize, deserializers=deserializers)
@@ -901,27 +995,16 @@ class MPIComm(Comm):
             import dask
 
             MPIComm.max_shard_size = dask.utils.parse_bytes(dask.config.get("distributed.comm.shard"))
-        size = len(msg) if type(msg) is bytes else None  # sizeof(bytes) is its len
-        if not (_OFFLOAD and self.allow_offload) or 0 <= (size if size is not None else
-                                                           safe_sizeof(msg, default_size=-1)) <= _OFFLOAD:
-            # Dask's to_frames without its coroutine: it too serialises inline below the offload threshold.
-            frames = _plain_frames(msg)
-            if frames is None:
-                context = {"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options}
-                try:
-                    frames = list(protocol.dumps(msg, serializers=serializers, on_error=on_error, context=context,
-                                                 frame_split_size=MPIComm.max_shard_size))
-                except Exception:
-                    logger.info("Unserializable Message: %s", msg)
-                    raise
-        else:
+        frames = self._serialise_inline(msg, serializers, on_error)
+        cheap = frames is not None
+        if frames is None:
             context = {"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options}
             frames = await to_frames(msg, allow_offload=self.allow_offload, serializers=serializers,
                                      on_error=on_error, context=context, frame_split_size=MPIComm.max_shard_size)
         if self._closed:
             raise CommClosedError(f"{self!r} was closed while serialising")
         try:
-            n, reqs = self._send_frames(frames)
+            n, reqs = self._send_frames(frames, cheap)
         except BaseException:
             self.abort()
             raise
@@ -940,7 +1023,30 @@ class MPIComm(Comm):
         self._last_write = time.perf_counter()
         return n
 
-    def _send_frames(self, frames: list) -> tuple[int, list[Request]]:
+    def _serialise_inline(self, msg, serializers, on_error) -> list | None:
+        """Dask's ``to_frames`` inline when what it would copy is at most Dask's offload size
+        (``distributed.comm.offload``); ``None`` when it belongs in Dask's offload thread (``to_frames``).
+
+        Dask decides by the message's whole size; past that size, arrays that serialise as views
+        (:func:`_copy_cost`) do not count here, since a thread hop costs more than framing them (``loom bench
+        dask`` above 10 MiB). A message framed inline is marked cheap to deserialise too (:data:`_CHEAP`).
+        """
+        if _OFFLOAD and self.allow_offload:
+            size = len(msg) if type(msg) is bytes else safe_sizeof(msg, default_size=-1)  # sizeof(bytes) is len
+            if not 0 <= size <= _OFFLOAD and (type(msg) is bytes or not 0 <= _copy_cost(msg) <= _OFFLOAD):
+                return None
+        frames = _plain_frames(msg)
+        if frames is None:
+            context = {"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options}
+            try:
+                frames = list(protocol.dumps(msg, serializers=serializers, on_error=on_error, context=context,
+                                             frame_split_size=MPIComm.max_shard_size))
+            except Exception:
+                logger.info("Unserializable Message: %s", msg)
+                raise
+        return frames
+
+    def _send_frames(self, frames: list, cheap: bool = False) -> tuple[int, list[Request]]:
         chan = self._chan
         n = len(frames)
         if n == 1 and type(frames[0]) is bytes and len(frames[0]) < INLINE_MAX:  # the common small message
@@ -952,28 +1058,10 @@ class MPIComm(Comm):
             chan.sends.append(req)
             chan.prune()
             return len(head), [req]
-        sizes = [0] * n
-        flags = bytearray(n)
-        arrays: list = [None] * n
-        inline = 0
-        for i, f in enumerate(frames):
-            if hasattr(f, "__cuda_array_interface__"):
-                arr, flag = _frame_array(f)
-            else:
-                mv = f if type(f) is bytes else ensure_memoryview(f)
-                size = len(mv) if type(mv) is bytes else mv.nbytes
-                if size < INLINE_MAX:
-                    sizes[i] = size
-                    arrays[i] = mv
-                    inline += size
-                    continue
-                arr, flag = np.frombuffer(mv, np.uint8), _HOST
-            sizes[i] = arr.nbytes
-            flags[i] = flag
-            arrays[i] = arr
+        sizes, flags, arrays, inline = _layout(frames)
         chunk = CHUNK_BYTES
         head = bytearray(24 + 9 * n + inline)
-        struct.pack_into(f"<3Q{n}Q", head, 0, _DATA, n, chunk, *sizes)
+        struct.pack_into(f"<3Q{n}Q", head, 0, _DATA | (_CHEAP if cheap else 0), n, chunk, *sizes)
         head[24 + 8 * n:24 + 9 * n] = flags
         off = 24 + 9 * n
         for i in range(n):

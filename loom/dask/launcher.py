@@ -291,11 +291,11 @@ def _watch_all(comm) -> list[int]:
     """Every rank: survive the launcher's notice of a dead rank, start the mpi:// engine and let it watch
     every rank of this host from now on (one ``allgather`` of pid and host key). Returns the ranks' pids."""
     from . import liveness
-    from .backend import engine
+    from .backend import start
 
     liveness.ignore_launcher_signal()
     atexit.register(_exit_after_loss)  # before the engine exists: runs after its exit flush (atexit is LIFO)
-    eng = engine()
+    eng = start()  # collective: mpi:// runs on its own duplicate of COMM_WORLD
     peers = comm.allgather_object((eng.pid, eng.host_key))
     for rank, (pid, key) in enumerate(peers):
         eng.learn_peer(rank, pid, key)

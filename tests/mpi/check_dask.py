@@ -17,6 +17,7 @@ from loom.dask import backend as B
 from loom.testing import mpi_checks
 
 CLIENTS = 3  # concurrent connections from each rank to each rank
+_CONNECT_WORDS = 8  # a message the size of a CONNECT request
 
 
 def _run(coro):
@@ -228,6 +229,89 @@ def check_doorbell_wakes_sleeping_reader(comm):
     comm.iallreduce(np.zeros(1)).wait()
 
 
+def check_large_frames_equal_over_mpi_and_tcp(comm):
+    """Large payloads echoed by the next rank over mpi:// and over tcp:// come back bit-exact and equal: a
+    fp64 array split into shards (distributed.comm.shard forced to 4 MiB on both transports, so mpi:// joins
+    the shards in its receive block), an odd-sized one, and an object pickled with out-of-band buffers."""
+    import dask
+
+    shard = B.MPIComm.max_shard_size
+    B.MPIComm.max_shard_size = 4 << 20
+
+    async def main():
+        served: list[int] = []
+        all_served = asyncio.Event()
+
+        async def echo(c):
+            try:
+                msg = await c.read()
+                await c.write({k: to_serialize(msg[k]) for k in ("x", "y", "obj")})
+                await c.read()
+            except CommClosedError:
+                pass
+            finally:
+                served.append(1)
+                if len(served) == 2:
+                    all_served.set()
+
+        listeners = [await listen("mpi://", echo), await listen("tcp://127.0.0.1", echo)]
+        addresses = comm.allgather_object([lst.contact_address for lst in listeners])
+        rng = np.random.default_rng(comm.rank)
+        x = rng.standard_normal((10 << 20) // 8 + 5)
+        y = rng.integers(0, 255, (3 << 20) + 7, dtype=np.uint8)
+        obj = [rng.standard_normal(70_000), "text", {"k": rng.integers(0, 9, 300_000)}]
+        got = []
+        for address in addresses[(comm.rank + 1) % comm.size]:
+            c = await connect(address, timeout=30)
+            await c.write({"x": to_serialize(x), "y": to_serialize(y), "obj": to_serialize(obj)})
+            got.append(await c.read())
+            await c.close()
+        for r in got:
+            assert np.array_equal(r["x"], x) and np.array_equal(r["y"], y)
+            assert np.array_equal(r["obj"][0], obj[0]) and r["obj"][1] == "text"
+            assert np.array_equal(r["obj"][2]["k"], obj[2]["k"])
+        await asyncio.wait_for(all_served.wait(), 60)
+        for lst in listeners:
+            lst.stop()
+
+    try:
+        with dask.config.set({"distributed.comm.shard": "4MiB"}):
+            _run(main())
+    finally:
+        B.MPIComm.max_shard_size = shard
+
+
+def check_traffic_on_its_own_communicator(comm):
+    """mpi:// runs on COMM_WORLD's "dask" duplicate: a world message that carries the backend's control tag
+    reaches its receiver instead of the backend's dispatcher, while connections to every rank keep working."""
+    eng = B.engine()
+    assert eng.comm is comm.sub("dask") and eng.comm.mpi != comm.mpi, "mpi:// is not on its own communicator"
+    dest, source = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    stray = comm.isend(np.full(_CONNECT_WORDS, comm.rank, np.uint64), dest, eng.ctrl_tag)
+
+    async def main():
+        listener = await listen("mpi://", lambda c: c.close())
+        addresses = comm.allgather_object(listener.contact_address)
+        c = await connect(addresses[dest], timeout=30)
+        await c.close()
+        await asyncio.sleep(0.1)  # the dispatcher polls its control tag meanwhile
+        got = np.zeros(_CONNECT_WORDS, np.uint64)
+
+        async def recv():
+            await comm.irecv(got, source, eng.ctrl_tag)
+
+        try:
+            await asyncio.wait_for(recv(), 20)
+        except asyncio.TimeoutError:
+            raise AssertionError("mpi://'s dispatcher took a world message on its control tag") from None
+        assert (got == source).all(), got
+        await stray
+        comm.allgather_object(None)  # every rank has its message before any listener stops
+        listener.stop()
+
+    _run(main())
+
+
 def check_tags_within_the_mpi_ceiling(comm):
     """Every tag this rank used or will use fits the running MPI's MPI_TAG_UB (LOOM_TAG_UB may force it down)."""
     import os
@@ -242,4 +326,5 @@ def check_tags_within_the_mpi_ceiling(comm):
 
 
 if __name__ == "__main__":
+    B.start()  # as loom's Dask entry points do: mpi:// on its own duplicate of COMM_WORLD
     mpi_checks(globals())

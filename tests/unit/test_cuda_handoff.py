@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from unittest import mock
 
+import pytest
 import torch
 
 from loom.comm import buffers
@@ -69,3 +70,60 @@ def test_host_pool_free_never_blocks_the_host_and_reuse_waits_on_the_stream():
     again = pool._pinned(64)
     assert again.data_ptr() == buf.data_ptr() and again.numel() == 64
     assert pool._stream.waited == [ev], "reuse must wait for the last copy on the side stream"
+
+
+class _CudaFrame:
+    """A CUDA frame as another library exports it (``__cuda_array_interface__`` version 3)."""
+
+    def __init__(self, stream):
+        self.__cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0xD000, False), "version": 3,
+                                         "stream": stream}
+
+
+def _fake_cuda(monkeypatch):
+    """torch.cuda stand-ins that log, in order, the streams waited for and the hand-off to torch."""
+    log: list = []
+
+    class Ext:
+        def __init__(self, handle):
+            self.handle = handle
+
+    class Event:
+        def record(self, stream):
+            log.append(("record", getattr(stream, "handle", stream)))
+
+        def synchronize(self):
+            log.append(("host waits",))
+
+    monkeypatch.setattr(torch.cuda, "ExternalStream", Ext)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: "legacy default")
+    monkeypatch.setattr(torch, "as_tensor", lambda frame, device=None: log.append(("as_tensor", device))
+                        or torch.zeros(4))
+    return log
+
+
+def test_dask_cuda_frame_waits_for_its_producer_stream_before_mpi_sees_it(monkeypatch):
+    pytest.importorskip("distributed")
+    from loom.dask import frames
+
+    log = _fake_cuda(monkeypatch)
+    arr, flag = frames.frame_array(_CudaFrame(stream=0x5EED))
+    assert flag == frames.CUDA and arr.dtype == torch.uint8 and arr.numel() == 16
+    assert log == [("record", 0x5EED), ("host waits",), ("as_tensor", "cuda")], log
+    log.clear()
+    frames.frame_array(_CudaFrame(stream=1))  # the legacy default stream
+    assert log[:2] == [("record", "legacy default"), ("host waits",)], log
+    log.clear()
+    frames.frame_array(_CudaFrame(stream=None))  # the producer says nothing to wait for (loom.comm still waits
+    assert log == [("as_tensor", "cuda")], log  # for the current stream: test above)
+
+
+def test_dask_frames_on_host_take_no_cuda_path():
+    pytest.importorskip("distributed")
+    import numpy as np
+
+    from loom.dask import frames
+
+    arr, flag = frames.frame_array(memoryview(b"abc"))
+    assert flag == frames.HOST and isinstance(arr, np.ndarray) and arr.tobytes() == b"abc"

@@ -378,3 +378,125 @@ def test_plain_message_fast_paths_match_dask_protocol():
         assert B._plain_frames(msg) is None, msg
     assert B._plain_loads(protocol.dumps({"s": {1, 2}})[0]) == {"s": {1, 2}}  # Dask's own decode hook
     assert B._plain_loads(b"\xc1") is B._NOT_PLAIN  # malformed: Dask's loads raises it
+
+
+def _address(x: np.ndarray) -> int:
+    return x.__array_interface__["data"][0]
+
+
+def test_split_frame_is_received_into_one_block_and_joined_without_a_copy(monkeypatch):
+    """A frame above distributed.comm.shard travels as several shards; they land in adjacent slices of one
+    receive block, so Dask's merge is a view (merge_memoryviews) and never the copying fallback."""
+    import importlib
+
+    S = importlib.import_module("distributed.protocol.serialize")  # the module (the package exports a function)
+    merged, copied = [], []
+    merge, copy = S.merge_memoryviews, S.host_array_from_buffers
+    monkeypatch.setattr(S, "merge_memoryviews", lambda mvs: merged.append(len(mvs)) or merge(mvs))
+    monkeypatch.setattr(S, "host_array_from_buffers", lambda bufs: copied.append(len(bufs)) or copy(bufs))
+    monkeypatch.setattr(B.MPIComm, "max_shard_size", 1 << 20)
+
+    async def main():
+        a, b = await C.comm_pair(ADDR)
+        x = np.random.default_rng(5).standard_normal((5 << 20) // 8 + 3)
+        y = np.arange(200_000, dtype=np.int32)  # a second host frame in the same message and block
+        await a.write({"x": to_serialize(x), "y": to_serialize(y)})
+        got = await b.read()
+        assert np.array_equal(got["x"], x) and np.array_equal(got["y"], y)
+        await a.close()
+        await b.close()
+        return got
+
+    from distributed.protocol import to_serialize
+
+    got = run(main())
+    assert max(merged) >= 5, f"the 5 MiB frame was not split into 1 MiB shards: {merged}"
+    assert copied == [], "the shards were copied into a new buffer instead of joined in place"
+    lo_x, lo_y = _address(got["x"]), _address(got["y"])
+    assert lo_y - lo_x == got["x"].nbytes, "the frames of one message are not adjacent slices of one block"
+
+
+def test_receive_blocks_are_reused_only_once_nothing_refers_to_them():
+    """Large received frames come from recycled blocks: a block held by a live array (even a slice of it) is
+    never handed out again; once every view is gone the next message of that size lands in it."""
+    pool = B.frames_mod.POOL
+
+    async def main():
+        a, b = await C.comm_pair(ADDR)
+        rng = np.random.default_rng(9)
+        sent = [rng.standard_normal(3 << 17) for _ in range(3)]  # 3 MiB each: pooled
+        await a.write({"x": to_serialize(sent[0])})
+        first = (await b.read())["x"]
+        keep = first[10:20]  # a slice keeps the block alive after the array is gone
+        where = _address(first)
+        del first
+        await a.write({"x": to_serialize(sent[1])})
+        second = (await b.read())["x"]
+        assert _address(second) != where, "a block still referred to was reused"
+        assert np.array_equal(keep, sent[0][10:20]) and np.array_equal(second, sent[1])
+        del keep, second
+        reused = pool.reused
+        await a.write({"x": to_serialize(sent[2])})
+        third = (await b.read())["x"]
+        assert pool.reused > reused and np.array_equal(third, sent[2])
+        await a.close()
+        await b.close()
+
+    from distributed.protocol import to_serialize
+
+    run(main())
+
+
+def test_block_pool_sizes_and_capacity():
+    pool = B.frames_mod.BlockPool(capacity=8 << 20, min_bytes=1 << 20)
+    small = pool.take(1000)
+    assert small.nbytes == 1000 and small.base is None  # below min_bytes: plain numpy, never pooled
+    blocks = [pool.take((3 << 20) + 1) for _ in range(4)]  # 3 MiB + 1 -> a 3.5 MiB size class
+    assert all(b.nbytes == (3 << 20) + 1 and b.flags.writeable for b in blocks)
+    del blocks
+    assert pool.held == 7 << 20, "only what fits the capacity is kept (two 3.5 MiB blocks)"
+    exact = pool.take(3 << 20)  # exactly 3 MiB is a class of its own: a new block
+    assert pool.reused == 0 and exact.nbytes == 3 << 20
+    again = pool.take((3 << 20) + 5)
+    assert pool.reused == 1 and pool.held == (7 << 20) // 2 and again.nbytes == (3 << 20) + 5
+    del again
+    assert pool.held == 7 << 20, "a block comes back once its array is gone"
+
+
+
+def test_arrays_that_serialise_as_views_skip_the_offload_thread(monkeypatch):
+    """Above Dask's offload size (10 MiB) to_frames/from_frames run in a thread; a message whose bulk is numpy
+    arrays behind to_serialize is framed and read inline (nothing is copied), anything else still goes through
+    the thread, as over TCP."""
+    from distributed.protocol import to_serialize
+
+    calls: list[str] = []
+    to_frames, from_frames = B.to_frames, B.from_frames
+
+    async def counted_to(*args, **kwargs):
+        calls.append("to_frames")
+        return await to_frames(*args, **kwargs)
+
+    async def counted_from(*args, **kwargs):
+        calls.append("from_frames")
+        return await from_frames(*args, **kwargs)
+
+    monkeypatch.setattr(B, "to_frames", counted_to)
+    monkeypatch.setattr(B, "from_frames", counted_from)
+    x = np.random.default_rng(3).standard_normal((12 << 20) // 8)
+    y = np.random.default_rng(4).standard_normal((24 << 20) // 8)[::2]  # 12 MiB, strided
+    assert B._copy_cost({"op": "get_data", "data": {"k": to_serialize(x)}}) < 1 << 20
+    assert B._copy_cost({"data": {"k": to_serialize(y)}}) > 10 << 20  # strided: Dask copies it
+    assert B._copy_cost({"data": x}) > 10 << 20  # not behind to_serialize: pickled
+
+    async def main():
+        a, b = await C.comm_pair(ADDR)
+        await a.write({"status": "OK", "data": {"k": to_serialize(x)}})
+        got = await b.read()
+        assert np.array_equal(got["data"]["k"], x) and calls == []
+        await a.write({"x": to_serialize(y)})
+        assert np.array_equal((await b.read())["x"], y) and calls == ["to_frames", "from_frames"]
+        await a.close()
+        await b.close()
+
+    run(main())

@@ -1,0 +1,164 @@
+"""Where the ``mpi://`` backend's frames live: receive blocks (one per message, recycled) and CUDA frames.
+
+**Receive blocks.** Distributed's TCP comm reads a message's frames into one host buffer and slices it; the
+``mpi://`` backend does the same: every host frame of a message is received, by MPI itself, into one slice of
+one block (:meth:`BlockPool.take`), and Dask gets ``memoryview`` slices of it. Two copies disappear that way:
+
+* Dask splits a frame above ``distributed.comm.shard`` (64 MiB by default) into shards and, on receipt, joins
+  them with ``merge_memoryviews``, which is zero-copy only when the shards are adjacent slices of one buffer;
+  with a buffer per shard it copies the whole frame into a new one (``host_array_from_buffers``).
+* A fresh buffer above glibc's largest mmap threshold (32 MiB) is a new mapping each time: the kernel zeroes
+  every page on first touch, a pass over the memory nearly as long as MPI's own copy into it (raw loom.comm
+  reuses its buffer; ``loom bench dask`` shows the difference at 32-64 MiB). Blocks of at least
+  :data:`MIN_POOLED` bytes therefore come from a small pool.
+
+A pooled block goes back to the pool only when nothing refers to its memory any more. Its memory is exported
+through a ``ctypes`` array (the *owner*): every ``memoryview``, numpy array or slice Dask derives from a frame
+keeps the owner alive (numpy collapses chains of arrays to their first non-array base, which is the owner), and a
+``weakref.finalize`` on the owner hands the block back. The finaliser may run on any thread during a garbage
+collection, so it only appends to a deque (atomic; no lock, no MPI call); :meth:`BlockPool.take` files the
+returned blocks. At most :data:`POOL_BYTES` stay pooled; the rest are freed as usual.
+
+**CUDA frames** (objects with ``__cuda_array_interface__``, e.g. from Dask's ``"cuda"`` serializers) travel as
+device tensors. A CUDA-aware MPI reads device memory outside every stream's order, so before the pointer reaches
+MPI the stream that produced the frame must be done: the interface's ``stream`` entry (version 3) names it, and
+:func:`frame_array` synchronizes that stream through an event recorded on it; loom.comm then also waits for the
+current stream (:func:`loom.comm.buffers.device_ready`), which covers exporters without the entry (torch tensors
+export version 2). Received CUDA frames are new device tensors, filled by MPI after loom.comm waited for the current
+stream (the caching allocator may hand out memory that queued kernels still read).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import threading
+import weakref
+
+import numpy as np
+from distributed.utils import ensure_memoryview
+
+__all__ = ["BlockPool", "POOL", "frame_array", "MIN_POOLED", "POOL_BYTES", "HOST", "CUDA"]
+
+#: frame flags of a message's header (0 is a frame inline in the header)
+HOST, CUDA = 1, 2
+#: receive blocks from this size up are recycled (below it malloc reuses freed memory without new pages)
+MIN_POOLED = 1 << 20
+#: bytes of free blocks the pool keeps at most
+POOL_BYTES = 256 << 20
+
+
+def _size_class(n: int) -> int:
+    """``n`` rounded up to one of four sizes per power of two (at most 25 % over; untouched pages cost no RAM)."""
+    if n <= MIN_POOLED:
+        return MIN_POOLED
+    step = 1 << max(n.bit_length() - 3, 0)
+    return -(-n // step) * step
+
+
+class BlockPool:
+    """Host blocks for received frames, recycled once nothing refers to them.
+
+    Args:
+        capacity: bytes of free blocks kept at most (the oldest free blocks are dropped first).
+        min_bytes: smaller blocks are plain ``numpy.empty`` arrays, never pooled.
+    """
+
+    def __init__(self, capacity: int = POOL_BYTES, min_bytes: int = MIN_POOLED):
+        self.capacity = capacity
+        self.min_bytes = min_bytes
+        self._free: collections.OrderedDict[int, list[np.ndarray]] = collections.OrderedDict()
+        self._held = 0  # bytes in _free
+        self._returned: collections.deque[np.ndarray] = collections.deque()  # appended by finalisers only
+        self._lock = threading.Lock()  # take() runs on every event loop's thread; finalisers never lock
+        self.reused = 0  # blocks handed out again (a counter for tests and benchmarks)
+
+    def take(self, n: int) -> np.ndarray:
+        """A writeable uint8 array of ``n`` bytes (contents undefined), recycled when large enough."""
+        if n < self.min_bytes:
+            return np.empty(n, np.uint8)
+        size = _size_class(n)
+        with self._lock:
+            self._file_returned()
+            free = self._free.get(size)
+            raw = free.pop() if free else None
+            if raw is not None:
+                self._held -= size
+                self.reused += 1
+        if raw is None:
+            raw = np.empty(size, np.uint8)
+        owner = (ctypes.c_uint8 * size).from_buffer(raw)
+        fin = weakref.finalize(owner, self._returned.append, raw)
+        fin.atexit = False
+        return np.frombuffer(owner, np.uint8, n)
+
+    def _file_returned(self) -> None:
+        """Move blocks given back by finalisers to the free lists, dropping the oldest beyond capacity."""
+        while self._returned:
+            raw = self._returned.popleft()
+            self._free.setdefault(raw.nbytes, []).append(raw)
+            self._free.move_to_end(raw.nbytes)
+            self._held += raw.nbytes
+        while self._held > self.capacity and self._free:
+            size, blocks = next(iter(self._free.items()))
+            blocks.pop(0)
+            self._held -= size
+            if not blocks:
+                del self._free[size]
+
+    @property
+    def held(self) -> int:
+        """Bytes of free blocks the pool keeps now."""
+        with self._lock:
+            self._file_returned()
+            return self._held
+
+
+POOL = BlockPool()
+
+
+def _stream_of(cai: dict):
+    """The stream the producer of a ``__cuda_array_interface__`` asks consumers to synchronize with, or None
+    (entry absent or None: nothing named). Version 3 of the interface: 1 is the legacy and 2 the per-thread
+    default stream, other values a ``cudaStream_t``."""
+    import torch
+
+    handle = cai.get("stream")
+    if handle is None:
+        return None
+    if handle == 1:
+        return torch.cuda.default_stream()
+    if handle == 2:
+        return torch.cuda.ExternalStream(2)
+    return torch.cuda.ExternalStream(int(handle))
+
+
+def _producer_done(frame) -> None:
+    """Block until the stream that produced ``frame`` finished it (an event on that stream, then a host wait)."""
+    import torch
+
+    if isinstance(frame, torch.Tensor):
+        return  # loom.comm waits for a tensor's current stream itself (buffers.device_ready)
+    stream = _stream_of(frame.__cuda_array_interface__)
+    if stream is not None:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        ev.synchronize()
+
+
+def frame_array(frame) -> tuple:
+    """A frame as something loom.comm can send, with its flag: a uint8 numpy view (:data:`HOST`), or a flat
+    uint8 CUDA tensor (:data:`CUDA`) whose producing stream has finished it."""
+    if hasattr(frame, "__cuda_array_interface__"):
+        import torch
+
+        _producer_done(frame)
+        return torch.as_tensor(frame, device="cuda").view(torch.uint8).reshape(-1), CUDA
+    return np.frombuffer(ensure_memoryview(frame), np.uint8), HOST
+
+
+def cuda_block(n: int):
+    """A new device buffer of ``n`` bytes for a received CUDA frame."""
+    import torch
+
+    return torch.empty(n, dtype=torch.uint8, device="cuda")

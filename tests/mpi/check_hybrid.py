@@ -84,6 +84,13 @@ def keras_model():
     return keras.Model(inp, out)
 
 
+def _assert_on_meta(m: nn.Module) -> None:
+    """A model built under ``torch.device("meta")`` really is on meta (else the meta checks test nothing)."""
+    real = [n for n, t in [*m.named_parameters(), *m.named_buffers()] if not t.is_meta]
+    assert not real, (f"built under torch.device('meta') but {real} have storage; torch function modes active: "
+                      f"{torch.overrides._get_current_function_mode_stack()}")
+
+
 def make(kind: str, dtype: torch.dtype, g: torch.Generator, meta: bool = False):
     """Two identical copies of a model (the one to parallelise, the reference) and their tensor lists.
 
@@ -97,6 +104,7 @@ def make(kind: str, dtype: torch.dtype, g: torch.Generator, meta: bool = False):
         torch.manual_seed(seed)
         with torch.device("meta"):
             m = cls()
+        _assert_on_meta(m)
         return m, ref, list(ref.parameters())
     if kind == "keras":
         import keras
@@ -214,6 +222,7 @@ def check_meta_model_materialises_its_stage(comm):
     # Branchy's raw parameter has no initialiser: every rank refuses, whichever stage holds it.
     with torch.device("meta"):
         m = Branchy()
+    _assert_on_meta(m)
     try:
         HybridParallel(m, partitions=comm.size, replicas=1)
     except ValueError as exc:

@@ -85,7 +85,8 @@ def _keep_fn(keep: Callable[[str], bool] | Collection[str] | None) -> Callable[[
 
 
 def materialize(module: nn.Module, keep: Callable[[str], bool] | Collection[str] | None = None, *,
-                init: Init | None = None, device: Any = "cpu", dtype: torch.dtype | None = None) -> list[str]:
+                init: Init | None = None, device: Any = "cpu", dtype: torch.dtype | None = None,
+                redraw: bool = False) -> list[str]:
     """Allocate and initialise the meta tensors of ``module`` that ``keep`` selects; the others stay on meta.
 
     Args:
@@ -97,6 +98,9 @@ def materialize(module: nn.Module, keep: Callable[[str], bool] | Collection[str]
         device: where the kept tensors live.
         dtype: cast floating-point kept tensors to this dtype after initialisation (initialisation itself runs
             in the dtype the model was built with, so the values equal a plain build followed by ``.to(dtype)``).
+        redraw: when replaying ``reset_parameters()``, also run it for modules whose tensors are real already
+            (on scratch tensors; theirs are left as they are), so the stream is consumed as by a whole build:
+            for materialising a model in several calls, each started from the same stream state.
 
     Returns:
         The names materialised, in model order.
@@ -120,7 +124,7 @@ def materialize(module: nn.Module, keep: Callable[[str], bool] | Collection[str]
                 fill(name, t)
             _put(owners[id(old)], old, _cast(t, dtype))
         return todo
-    return _replay(module, named, set(todo), owners, device, dtype)
+    return _replay(module, named, set(todo), owners, device, dtype, redraw)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -145,28 +149,50 @@ def check_initialisable(module: nn.Module, init: Init | None = None) -> None:
 
 
 def _replay(module: nn.Module, named: dict[str, torch.Tensor], todo: set[str], owners, device: Any,
-            dtype: torch.dtype | None) -> list[str]:
-    """Run every submodule's ``reset_parameters`` in registration order on freshly allocated tensors."""
+            dtype: torch.dtype | None, redraw: bool = False) -> list[str]:
+    """Run every submodule's ``reset_parameters`` in registration order on freshly allocated tensors (with
+    ``redraw``, also those whose tensors are all real already, on scratch copies, to advance the stream)."""
     name_of = {id(t): n for n, t in named.items()}
     check_initialisable(module)
     done: list[str] = []
     for m in module.modules():
-        mine = [t for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None and t.is_meta]
-        if not mine or not callable(getattr(m, "reset_parameters", None)):
-            continue
-        real = {id(t): _put(owners[id(t)], t, torch.empty(t.shape, dtype=t.dtype, device=device)) for t in mine}
-        with torch.no_grad():
-            m.reset_parameters()
-        for t in mine:
-            name = name_of.get(id(t))
-            new = real[id(t)]
-            if name in todo:
-                _put(owners[id(t)], new, _cast(new.detach(), dtype))
-                done.append(name)
-            else:  # initialised only to keep the random stream in step: back to meta
-                _put(owners[id(t)], new, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+        slots = [(d, k) for d in (m._parameters, m._buffers) for k, t in d.items() if t is not None]
+        if any(d[k].is_meta for d, k in slots) or redraw and slots:
+            if callable(getattr(m, "reset_parameters", None)):
+                done += _replay_one(m, slots, name_of, todo, owners, device, dtype)
     order = {n: i for i, n in enumerate(named)}
     return sorted(done, key=order.__getitem__)
+
+
+def _replay_one(m: nn.Module, slots, name_of, todo: set[str], owners, device: Any,
+                dtype: torch.dtype | None) -> list[str]:
+    """``m.reset_parameters()`` on fresh tensors; returns the names kept. The tensors not kept are released
+    when this returns, so one module is in flight at a time."""
+    mine = [d[k] for d, k in slots if d[k].is_meta]
+    kept = {(id(d), k): d[k] for d, k in slots if not d[k].is_meta}  # real already: scratch stands in
+    for d, k in slots:
+        if (id(d), k) in kept:
+            d[k] = _like(d[k], torch.empty(d[k].shape, dtype=d[k].dtype, device=device))
+    real = {id(t): _put(owners[id(t)], t, torch.empty(t.shape, dtype=t.dtype, device=device)) for t in mine}
+    with torch.no_grad():
+        m.reset_parameters()
+    for d, k in slots:
+        if (id(d), k) in kept:
+            d[k] = kept[(id(d), k)]
+    done = []
+    for t in mine:
+        name = name_of.get(id(t))
+        new = real[id(t)]
+        if name in todo:
+            _put(owners[id(t)], new, _cast(new.detach(), dtype))
+            done.append(name)
+        else:  # initialised only to keep the random stream in step: back to meta
+            _put(owners[id(t)], new, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+    return done
+
+
+def _like(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    return nn.Parameter(new, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else new
 
 
 def _reset_owner(owners: list[tuple[nn.Module, str, bool]]) -> bool:

@@ -76,6 +76,7 @@ from torch import nn
 from .. import stats as _stats
 from ..comm import Communicator, Mesh, Request
 from .data import GradReducer
+from .meta import Init, check_initialisable, is_meta, materialize
 
 __all__ = ["ShardedDataParallel", "ShardedOptimizer", "zero_stats", "reset_zero_stats", "MANIFEST"]
 
@@ -169,9 +170,6 @@ def _check_args(module, stage, bucket_mb, reduce, micro_batches) -> None:
         raise ValueError(f"reduce={reduce!r} must be 'avg' (mean over the group) or 'sum'")
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r} must be an integer >= 1 (backward calls per step)")
-    if any(p.is_meta for p in module.parameters()):
-        raise ValueError("ShardedDataParallel: the module has parameters on the meta device; materialize them "
-                         "first (e.g. module.to_empty(device='cpu') and initialize) so every rank holds values")
 
 
 def _make_buckets(module: nn.Module, size: int, cap: int) -> tuple[list[_Bucket], dict[nn.Module, list[int]]]:
@@ -215,6 +213,62 @@ def _make_buckets(module: nn.Module, size: int, cap: int) -> tuple[list[_Bucket]
     return buckets, owners
 
 
+def _flat_block(ps: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor | None], lo: int, n: int,
+                dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Elements ``[lo, lo + n)`` of the zero-padded concatenation of ``tensors`` (shaped like ``ps``), without
+    building the concatenation; written into ``out`` (zeros of ``n`` elements) when given."""
+    out = torch.zeros(n, dtype=dtype) if out is None else out
+    off = 0
+    for p, t in zip(ps, tensors):
+        a, b = max(off, lo), min(off + p.numel(), lo + n)
+        if t is not None and a < b:
+            out[a - lo:b - lo] = t.detach().reshape(-1)[a - off:b - off]
+        off += p.numel()
+    return out
+
+
+class _MetaSource:
+    """A model on the meta device, materialised group of tensors by group (:mod:`loom.parallel.meta`).
+
+    With a name-based initialiser (``init=`` or the model's ``init_parameter``) a group's values never depend on
+    the others. Replaying ``reset_parameters()`` draws from torch's global stream, so every group's replay
+    starts from the stream's state at construction: each equals the same tensors of one whole build, and after
+    the last the stream stands where a whole build leaves it.
+    """
+
+    def __init__(self, module: nn.Module, init: Init | None):
+        self.module, self.init = module, init
+        replay = init is None and not callable(getattr(module, "init_parameter", None))
+        self.start = torch.get_rng_state() if replay else None
+        self.end: torch.Tensor | None = None
+
+    @classmethod
+    def open(cls, module: nn.Module, init: Init | None, stage: int) -> "_MetaSource | None":
+        """``None`` unless ``module`` is on meta and ``stage`` is 3: stages 0-2 keep every parameter whole, so
+        they are materialised whole here. At stage 3 the replicated state (buffers, frozen parameters) is."""
+        if not is_meta(module):
+            return None
+        check_initialisable(module, init)  # depends on the model only: every rank refuses alike, before allocating
+        if stage < 3:
+            materialize(module, init=init)
+            return None
+        src = cls(module, init)
+        trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+        src.take([n for n in (*dict(module.named_parameters()), *dict(module.named_buffers())) if n not in trainable])
+        return src
+
+    def take(self, names: Sequence[str]) -> None:
+        """Materialise the tensors ``names``; the others stay on meta."""
+        if self.start is not None:
+            torch.set_rng_state(self.start)
+        if materialize(self.module, names, init=self.init, redraw=True) and self.start is not None:
+            self.end = torch.get_rng_state()
+
+    def finish(self) -> None:
+        if self.end is not None:
+            torch.set_rng_state(self.end)
+
+
 class ShardedDataParallel(nn.Module):
     """Data parallelism over ``group`` with optimizer state (stage 1), gradients (2) and parameters (3) sharded.
 
@@ -227,7 +281,12 @@ class ShardedDataParallel(nn.Module):
             sdp.step(opt, max_norm=1.0)                        # reduce, clip, update, (stages 1-2) gather
 
     Args:
-        module: the model; every rank passes one built the same way (values are broadcast from rank 0).
+        module: the model; every rank passes one built the same way (values are broadcast from rank 0). It may
+            be built on the meta device (``torch.manual_seed(s)``, then ``with torch.device("meta"):``), with the
+            same seed on every rank: it is materialised as :func:`loom.parallel.materialize` does, its values
+            those of a plain build from that seed. Stages 0-2 materialise it whole; stage 3 one bucket at a
+            time, keeping this rank's block and dropping the rest, so construction holds the shards plus about
+            one bucket, never the model (buffers and frozen parameters are materialised whole).
         group: a :class:`~loom.comm.Communicator`, or a :class:`~loom.comm.Mesh` with ``axes`` naming the
             axes to shard over (default ``["dp"]``; ``["dp", "sp"]``: sequence-parallel ranks hold the same
             weights; ``["dp", "ep"]`` for the non-expert weights of an MoE model).
@@ -243,6 +302,9 @@ class ShardedDataParallel(nn.Module):
         keep: stage 3: modules whose parameters are used outside their own forward (e.g. ``model.head`` when
             the loss reads ``head.weight`` directly); their buckets stay gathered from the start of forward
             until backward has reduced their gradients.
+        init: for a meta model: ``init(name, tensor)`` filling one tensor in place (default: the model's
+            ``init_parameter``, else its modules' ``reset_parameters()`` replayed; a meta tensor none of these
+            covers is a ValueError on every rank before anything is allocated).
 
     The gradient reduction's factor is :attr:`scale` (``1 / P`` for ``"avg"``, ``1`` for ``"sum"``); a caller
     whose loss is not a plain mean over the group (a sequence-parallel share of the mean, summed over ``sp``
@@ -252,7 +314,8 @@ class ShardedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, group: Communicator | Mesh, *, stage: int = 3,
                  axes: str | Sequence[str] | None = None, bucket_mb: float = 25.0,
                  compute_dtype: torch.dtype | None = None, reduce: str = "avg", micro_batches: int = 1,
-                 compress: Any = None, param_codec: str | None = None, keep: Sequence[nn.Module] = ()):
+                 compress: Any = None, param_codec: str | None = None, keep: Sequence[nn.Module] = (),
+                 init: Init | None = None):
         super().__init__()
         _check_args(module, stage, bucket_mb, reduce, micro_batches)
         comm = _group(group, axes)
@@ -261,6 +324,7 @@ class ShardedDataParallel(nn.Module):
         self.comm = comm
         self.micro_batches = micro_batches
         self.scale = 1.0 / comm.size if reduce == "avg" else 1.0
+        self._source = _MetaSource.open(module, init, stage)
         self._broadcast_replicated()
         self.buckets, self._owners = _make_buckets(module, comm.size, int(bucket_mb * (1 << 20)))
         trainable = [p for b in self.buckets for p in b.params]
@@ -285,6 +349,7 @@ class ShardedDataParallel(nn.Module):
         self._ag = comm.dup(name=comm.name)  # parameter gathers, in their own order
         self._rs = comm.dup(name=comm.name)  # gradient reduce-scatters, in theirs
         self._init_shards()
+        trainable = [p for b in self.buckets for p in b.params]  # a meta model's were replaced by real ones
         if stage >= 2:
             self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
         if stage == 3:
@@ -327,9 +392,14 @@ class ShardedDataParallel(nn.Module):
         self._placeholders: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for b in self.buckets:
-                full = self._padded_flat(b, [p.detach() for p in b.params], self.master_dtype)
-                self.comm.bcast(full, root=0)
-                self._master(b).copy_(full[r * b.shard:(r + 1) * b.shard])
+                if self._source is not None:  # stage 3 on meta: this bucket only, then this rank's block of it
+                    self._source.take(b.names)
+                    b.params = [self.module.get_parameter(n) for n in b.names]  # materialize installs new ones
+                    _flat_block(b.params, b.params, r * b.shard, b.shard, self.master_dtype, out=self._master(b))
+                else:
+                    full = self._padded_flat(b, [p.detach() for p in b.params], self.master_dtype)
+                    self.comm.bcast(full, root=0)
+                    self._master(b).copy_(full[r * b.shard:(r + 1) * b.shard])
                 if self.stage == 3:
                     for p in b.params:
                         self._placeholders[id(p)] = torch.zeros((), dtype=self.compute_dtype).expand(p.shape)
@@ -337,6 +407,9 @@ class ShardedDataParallel(nn.Module):
                 else:
                     b.full = full.to(self.compute_dtype)
                     self._bind(b)
+        if self._source is not None:
+            self._source.finish()
+            self._source = None
 
     def _master(self, b: _Bucket) -> torch.Tensor:
         return self.shards[b.index].data
@@ -985,16 +1058,7 @@ class ShardedOptimizer:
                     p.grad.zero_()
 
     def _block(self, ps: list[torch.Tensor], tensors: list[torch.Tensor | None], n: int) -> torch.Tensor:
-        """This rank's block ``[r n, (r+1) n)`` of the padded concatenation of ``tensors`` (no full copy)."""
-        lo = self.comm.rank * n
-        out = torch.zeros(n, dtype=ps[0].dtype if ps else torch.float32)
-        off = 0
-        for p, t in zip(ps, tensors):
-            a, b = max(off, lo), min(off + p.numel(), lo + n)
-            if t is not None and a < b:
-                out[a - lo:b - lo] = t.detach().reshape(-1)[a - off:b - off]
-            off += p.numel()
-        return out
+        return _flat_block(ps, tensors, self.comm.rank * n, n, ps[0].dtype if ps else torch.float32)
 
     @torch.no_grad()
     def step(self) -> None:

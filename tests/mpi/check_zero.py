@@ -6,14 +6,17 @@ and loaded at P' ranks continue the same run; bad input is refused on every rank
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
 from loom.comm import Mesh
 from loom.parallel.data import GradReducer
+from loom.parallel.offload import MemoryTracker
 from loom.parallel.zero import ShardedDataParallel, reset_zero_stats, zero_stats
 from loom.testing import mpi_checks, seeded
 
@@ -120,6 +123,106 @@ def _replicas_agree(comm, model, what):
             continue  # a stage-3 placeholder: the value lives in the shards
         ts = comm.allgather(t.detach().reshape(1, -1).clone())
         assert bool((ts == ts[0]).all()), f"{what}: replicas diverged on {name}"
+
+
+class Tower(nn.Module):
+    """Only torch layers initialised by their own ``reset_parameters`` (what a meta build replays): uneven
+    widths, a LayerNorm, a frozen layer, a BatchNorm's buffers; built in fp64 so no cast follows the init."""
+
+    def __init__(self, width: int = 13, depth: int = 3):
+        super().__init__()
+        kw = {"dtype": torch.float64}
+        self.inp = nn.Linear(7, width, **kw)
+        self.norm = nn.LayerNorm(width, **kw)
+        self.blocks = nn.ModuleList([nn.Linear(width, width, **kw) for _ in range(depth)])
+        self.frozen = nn.Linear(width, width, **kw)
+        self.frozen.requires_grad_(False)
+        self.bn = nn.BatchNorm1d(width, **kw)
+        self.head = nn.Linear(width, 5, **kw)
+
+    def forward(self, x):
+        h = self.norm(torch.tanh(self.inp(x)))
+        for b in self.blocks:
+            h = h + torch.tanh(b(h))
+        return self.head(self.bn(self.frozen(h)))
+
+
+def _built(make: Callable[[], nn.Module], seed: int, meta: bool) -> nn.Module:
+    """``make()`` after seeding (torch's default dtype fp64, so a name-based init fills fp64 directly)."""
+    torch.manual_seed(seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = make()
+    finally:
+        torch.set_default_dtype(old)
+    assert all(t.is_meta for t in model.parameters()) == meta, f"{type(model).__name__}: not built on meta"
+    return model
+
+
+def _meta_cases():
+    from loom.models.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(layers=2, hidden=16, heads=4, kv_heads=2, vocab=31, tie_embeddings=True)
+    tokens = torch.arange(4 * 6).reshape(4, 6) % cfg.vocab
+    # (what, make, keep, loss, whether the init replays torch's stream: then it must end where a plain build's
+    # does; Llama's init is by name, while its plain build also draws for the layers' own default init)
+    return [("torch layers", Tower, lambda m: [],
+             lambda sdp, m, r, g: ((sdp(torch.randn(6, 7, generator=g, dtype=torch.float64)) - 1) ** 2).mean(), True),
+            ("llama", lambda: Llama(cfg), lambda m: [m.head],
+             lambda sdp, m, r, g: sdp.call(m.loss, (tokens + r) % cfg.vocab, (tokens + r + 1) % cfg.vocab), False)]
+
+
+def check_stage3_meta_build_equals_plain_build(comm):
+    """Stage 3 over a model built on the meta device (materialised bucket by bucket) equals stage 3 over the
+    same model built for real from the same seed: every tensor exactly, torch's random stream (when the init
+    replays it) left where the plain build leaves it, and two Adam steps (fp64) to 1e-10."""
+    seed = int(torch.randint(0, 2**30, (1,), generator=seeded(comm, 40)))
+    for what, make, keep, loss_fn, replays in _meta_cases():
+        runs = []
+        for meta in (False, True):
+            model = _built(make, seed, meta)
+            sdp = ShardedDataParallel(model, comm, stage=3, bucket_mb=0.002, keep=keep(model))
+            after = torch.rand(3)
+            state = sdp.state_dict()
+            opt = torch.optim.Adam(sdp.parameters(), lr=0.05)
+            g = torch.Generator().manual_seed(seed + comm.rank)
+            for _ in range(2):
+                loss_fn(sdp, model, comm.rank, g).backward()
+                sdp.step(opt, max_norm=0.5)
+            runs.append((state, after, sdp.state_dict(), len(sdp.buckets)))
+        (plain, r0, trained0, nb), (got, r1, trained1, _) = runs
+        assert nb > 2, f"{what}: {nb} buckets; the check needs several"
+        assert plain.keys() == got.keys(), (what, sorted(set(plain) ^ set(got)))
+        bad = [k for k in plain if not torch.equal(plain[k], got[k])]
+        assert not bad, f"{what} at {comm.size} ranks: the meta build differs from the plain one at {bad[:4]}"
+        assert torch.equal(r0, r1) or not replays, f"{what}: torch's random stream differs after construction"
+        _assert_state_equal(trained1, trained0, f"{what}: 2 steps after a meta build")
+
+
+def check_stage3_meta_build_holds_shards_not_the_model(comm):
+    """Constructing stage 3 over a meta model (16 layers, one bucket each) allocates the shards, the replicated
+    state (a frozen layer, norms' buffers) and at most about two buckets more (the bucket materialised and one
+    module replayed in flight): under half the model's bytes at 4 ranks."""
+    make = lambda: Tower(width=48, depth=16)  # noqa: E731
+    model = _built(make, 5, meta=True)
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    with MemoryTracker() as mem:
+        sdp = ShardedDataParallel(model, comm, stage=3, bucket_mb=0.015)
+    shards = sum(sh.numel() * sh.element_size() for sh in sdp.shards)
+    bucket = max(b.numel for b in sdp.buckets) * 8
+    replicated = total - sum(b.numel for b in sdp.buckets) * 8
+    assert len(sdp.buckets) >= 16 and bucket < total / 12, (len(sdp.buckets), bucket, total)
+    assert mem.current >= shards, (mem.current, shards)
+    assert mem.peak <= shards + replicated + 2 * bucket, (
+        f"construction peaked at {mem.peak} bytes at {comm.size} ranks (model {total}, shards {shards}, "
+        f"replicated {replicated}, largest bucket {bucket}): more than the shards and about one bucket")
+    if comm.size == 4:
+        assert mem.peak < total / 2, (mem.peak, total)
+    if comm.rank == 0:
+        print(f"  meta stage-3 construction at {comm.size} ranks: peak {mem.peak} B = "
+              f"{mem.peak / total:.3f} of the model's {total} B (shards {shards} B)", flush=True)
 
 
 def _run_stage(comm, stage, *, micro=1, bucket_mb=0.0015, max_norm=0.3):
@@ -519,12 +622,16 @@ def check_errors(comm):
         assert "stage 2 or 3" in str(exc)
     else:
         raise AssertionError("compression at stage 1 accepted")
-    try:
-        ShardedDataParallel(nn.Linear(3, 3, device="meta"), comm)
-    except ValueError as exc:
-        assert "meta" in str(exc)
-    else:
-        raise AssertionError("a meta-device module was accepted")
+    bare = nn.Module()  # a meta tensor nothing can initialise: refused before anything is allocated
+    bare.w = nn.Parameter(torch.empty(3, 3, device="meta"))
+    for stage in (1, 3):
+        try:
+            ShardedDataParallel(bare, comm, stage=stage)
+        except ValueError as exc:
+            assert "'w'" in str(exc) and "meta device" in str(exc) and "init=" in str(exc), str(exc)
+        else:
+            raise AssertionError("a meta-device module without an initialiser was accepted")
+        assert bare.w.is_meta
 
 
 def check_plain_dp_replicas_never_diverge(comm):

@@ -77,6 +77,29 @@ def test_reset_parameters_replay_keeps_the_random_stream(keep):
     assert isinstance(net.inp.weight, nn.Parameter)
 
 
+def test_redraw_materialises_in_several_calls_from_one_stream_state():
+    """Each call replays from the same stream state; redraw=True also draws for the modules materialised by
+    earlier calls (on scratch, leaving their tensors alone), so every call's tensors equal a whole build's;
+    without it the later calls' draws shift and differ."""
+    torch.manual_seed(5)
+    whole = dict(Net().named_parameters())
+    after = torch.rand(2)
+    groups = [["out.weight"], ["inp.weight", "inp.bias"], ["blocks.3.0.weight", "emb.weight"]]
+    for redraw in (True, False):
+        torch.manual_seed(5)
+        with torch.device("meta"):
+            net = Net()
+        start = torch.get_rng_state()
+        for keep in groups:
+            torch.set_rng_state(start)
+            materialize(net, keep, redraw=redraw)
+        same = all(torch.equal(dict(net.named_parameters())[n], whole[n]) for g in groups for n in g)
+        assert same == redraw, redraw
+        if redraw:
+            assert torch.equal(torch.rand(2), after)  # the stream ends where the whole build left it
+            assert net.blocks[0][0].weight.is_meta and not net.out.weight.is_meta
+
+
 def test_tied_weights_stay_tied():
     cfg = LlamaConfig(layers=2, hidden=16, heads=2, vocab=30, tie_embeddings=True)
     with torch.device("meta"):

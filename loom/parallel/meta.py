@@ -27,7 +27,7 @@ from typing import Any, Callable, Collection
 import torch
 from torch import nn
 
-__all__ = ["materialize", "meta_names", "is_meta", "check_initialisable"]
+__all__ = ["materialize", "meta_names", "is_meta", "check_initialisable", "init_as_built"]
 
 Init = Callable[[str, torch.Tensor], None]
 
@@ -125,6 +125,28 @@ def materialize(module: nn.Module, keep: Callable[[str], bool] | Collection[str]
             _put(owners[id(old)], old, _cast(t, dtype))
         return todo
     return _replay(module, named, set(todo), owners, device, dtype, redraw)
+
+
+def init_as_built(module: nn.Module, init: Init | None = None) -> Init:
+    """An ``init(name, tensor)`` that fills each tensor in the dtype ``module`` was built with and casts it into
+    ``tensor``: for a meta model cast with ``.to(dtype)`` before it is materialised by a wrapper that takes
+    ``init=``, so the values equal a plain build followed by ``.to(dtype)``. Needs a name-based initialiser
+    (``init``, else the model's ``init_parameter``); call it before the cast."""
+    fill = init if init is not None else getattr(module, "init_parameter", None)
+    if not callable(fill):
+        raise ValueError(f"init_as_built: {type(module).__name__} has no init_parameter(name, tensor) and no init= "
+                         f"was given; a reset_parameters() replay runs in the dtype the model has when replayed")
+    built = {n: t.dtype for n, t in _named(module).items()}
+
+    def init_fn(name: str, tensor: torch.Tensor) -> None:
+        if built[name] == tensor.dtype:
+            fill(name, tensor)
+            return
+        tmp = torch.empty(tensor.shape, dtype=built[name], device=tensor.device)
+        fill(name, tmp)
+        tensor.copy_(tmp)
+
+    return init_fn
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -38,6 +38,14 @@ Plan per stage (one training step: forward, ``loss.backward()`` one or more time
   weight the loss multiplies by directly, or a tied embedding) are gathered when forward starts and kept
   until their gradients are reduced.
 
+Construction from the meta device: a model built under ``torch.device("meta")`` (same seed on every rank) is
+materialised by :mod:`loom.parallel.meta`, its values those of a plain build from that seed. At stage 3 this
+runs bucket by bucket: the bucket's tensors are initialised (a ``reset_parameters`` replay restarts from the
+stream's state at construction for each bucket, drawing for the rest of the model on one scratch module at a
+time), this rank's block is copied into its master shard and the full tensors are dropped, so the storage
+live during construction is the shards, the replicated state and about one bucket. No broadcast is needed:
+every rank computes the same values. Stages 0-2 keep every parameter whole and materialise it whole.
+
 Communication: gathers and reduce-scatters run on two duplicates of the group, so each keeps its own order.
 MPICH makes no asynchronous progress, so every hook tests the outstanding requests (:meth:`_progress`), and a
 reduce-scatter is consumed (added into the block's gradient, its buffers dropped) as soon as it completes;

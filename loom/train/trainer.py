@@ -216,9 +216,10 @@ class Trainer:
         sp_min = self.policy.min_bytes if self.policy is not None else None
         sp_comm = TimedComm(self.sp, "sp", sp_codec, sp_min) if self.sp is not None else None
         # Under a pipeline the model is built on the meta device and HybridParallel materialises only this
-        # rank's stage (the same weights as a whole build: each tensor's init depends only on its name).
+        # rank's stage (the same weights as a whole build: each tensor's init depends only on its name); at
+        # ZeRO stage 3 without one, ShardedDataParallel materialises it bucket by bucket, keeping this rank's shard.
         self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.master_dtype, device=self.device,
-                              meta=self.pp is not None)
+                              meta=self.pp is not None or cfg.zero.stage == 3 and not cfg.multipath.enabled)
         if cfg.multipath.enabled and ep_comm is not None:  # [multipath]: expert all-to-allv over planned paths
             from ..parallel.moe import use_multipath
 
@@ -242,6 +243,9 @@ class Trainer:
         named = dict(self.model.named_parameters())
         self.params = [named[n] for n in self.param_names]
         self.sdp = self._make_sharded() if cfg.zero.stage >= 2 else None
+        if self.sdp is not None:  # materialising a meta model installs new parameter objects
+            named = dict(self.model.named_parameters())
+            self.params = [named[n] for n in self.param_names]
         self.opt = self._make_optimizer()
         self.start_step = 0
         self.resumed_from_nothing = False
@@ -283,15 +287,21 @@ class Trainer:
         forward in its ``forward_context``.
         """
         from ..parallel import ShardedDataParallel
+        from ..parallel.meta import init_as_built, is_meta
 
         cfg, z = self.cfg, self.cfg.zero
         module, keep = self.model, [m for m in (getattr(self.model, "head", None),) if isinstance(m, torch.nn.Module)]
+        init = None
         if self.hybrid is not None:
             module = torch.nn.ModuleList([u for u in self.tm.pipeline if any(not p.is_meta for p in u.parameters())])
             keep = []
+        elif is_meta(module):  # initialised as built, then cast: the values of a real build's .to(master dtype)
+            init = init_as_built(module)
+            module.to(dtype=self.master_dtype)
         try:
             sdp = ShardedDataParallel(module, self.mesh[tuple(z.axes)], stage=z.stage, bucket_mb=z.bucket_mb,
-                                      reduce="sum", compress=self.policy, keep=keep, compute_dtype=self.dtype)
+                                      reduce="sum", compress=self.policy, keep=keep, compute_dtype=self.dtype,
+                                      init=init)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"zero.stage = {z.stage}: {exc}") from None
         sdp.scale = 1.0 / cfg.mesh.dp / (cfg.mesh.sp if "sp" in z.axes and not self._sp_share else 1)

@@ -100,6 +100,24 @@ def test_redraw_materialises_in_several_calls_from_one_stream_state():
             assert net.blocks[0][0].weight.is_meta and not net.out.weight.is_meta
 
 
+def test_init_as_built_equals_a_plain_build_then_cast():
+    """A meta Llama cast to fp64 before materialising: init_as_built fills in fp32 (as built) and casts, so the
+    values equal Llama(cfg).double(); filling the fp64 tensors directly would not round through fp32."""
+    from loom.parallel.meta import init_as_built
+
+    cfg = LlamaConfig(layers=2, hidden=16, heads=4, kv_heads=2, vocab=31)
+    whole = dict(Llama(cfg).double().named_parameters())
+    with torch.device("meta"):
+        model = Llama(cfg)
+    init = init_as_built(model)
+    model.to(torch.float64)
+    materialize(model, init=init)
+    for name, t in model.named_parameters():
+        assert t.dtype == torch.float64 and torch.equal(t, whole[name]), name
+    with pytest.raises(ValueError, match="init_parameter"):
+        init_as_built(Net())
+
+
 def test_tied_weights_stay_tied():
     cfg = LlamaConfig(layers=2, hidden=16, heads=2, vocab=30, tie_embeddings=True)
     with torch.device("meta"):

@@ -51,7 +51,11 @@ import torch
 from torch import nn
 
 from ..models.llama import chunked_ffn, chunked_lm_loss
+from ..parallel.meta import guard_device_constructors
 from ..parallel.sequence import check_sizes, fpdt_attention, gather_sequence, shard_sequence, ulysses_attention
+
+# Before any from_pretrained: it must not be the first to fill torch's device-context table (see the guard).
+guard_device_constructors()
 
 __all__ = ["FAMILIES", "MODES", "SequenceParallel", "SPBatch", "register", "attention_name", "check_model",
            "decoder_graph", "is_transformers_decoder", "shift_labels", "lm_loss", "PositionHolder",

@@ -32,6 +32,29 @@ __all__ = ["materialize", "meta_names", "is_meta", "check_initialisable", "init_
 Init = Callable[[str, torch.Tensor], None]
 
 
+def guard_device_constructors() -> None:
+    """Make ``with torch.device("meta"):`` see torch's own factory functions.
+
+    torch computes the set of factory functions a device context redirects once, on first use, from the
+    attributes of ``torch`` at that moment. transformers' ``from_pretrained`` enters a meta device context and
+    then swaps ``torch.linspace`` for a wrapper, so when it is the process's first device context the set holds
+    the wrapper and, ever after, ``torch.linspace`` under ``torch.device("meta")`` allocates real CPU storage
+    (a raw parameter built from it stays real and skips every meta check). Computing the set now, with torch's
+    functions in place, or recomputing it when it was taken from a wrapper, keeps meta construction whole.
+    """
+    from torch.utils import _device
+
+    make = getattr(_device, "_device_constructors", None)
+    if make is None or not hasattr(make, "cache_clear"):
+        return
+    if torch.linspace not in make():
+        make.cache_clear()
+        make()
+
+
+guard_device_constructors()
+
+
 def is_meta(module: nn.Module) -> bool:
     """Whether any parameter or buffer of ``module`` is on the meta device."""
     return any(t.is_meta for t in _tensors(module))

@@ -166,3 +166,26 @@ def test_construction_peak_is_the_stage_not_the_model():
         assert stage <= peak <= stage + 2 * 8 * largest, (peak, stage, largest)
         assert peak < 0.5 * model_bytes, (peak, model_bytes)
 
+
+
+def test_meta_device_context_survives_a_wrapped_factory(monkeypatch):
+    """transformers' from_pretrained wraps torch.linspace inside a meta device context; if torch fills its table
+    of factory functions then, linspace later ignores ``torch.device("meta")``. The guard rebuilds the table."""
+    from torch.utils import _device
+
+    from loom.parallel.meta import guard_device_constructors
+
+    builtin = torch.linspace
+    _device._device_constructors.cache_clear()
+    monkeypatch.setattr(torch, "linspace", lambda *a, **k: builtin(*a, **k))
+    _device._device_constructors()  # the table taken while the wrapper is in place
+    monkeypatch.setattr(torch, "linspace", builtin)
+    try:
+        with torch.device("meta"):
+            assert not torch.linspace(0, 1, 4).is_meta  # the failure the guard exists for
+        guard_device_constructors()
+        with torch.device("meta"):
+            assert torch.linspace(0, 1, 4).is_meta
+    finally:
+        _device._device_constructors.cache_clear()
+        _device._device_constructors()

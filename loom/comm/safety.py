@@ -52,8 +52,8 @@ def _abort_hook(exc_type, exc, tb, where: str = "") -> None:
     sys.stderr.flush()
     sys.stdout.flush()
     # The launcher forwards a rank's output from a pipe; on MPI_Abort it kills the ranks and may exit before
-    # reading what is still in that pipe (seen on a loaded machine: an empty stderr). A moment's grace lets
-    # the traceback reach the user; it costs nothing on a job that is ending anyway.
+    # reading what is still in that pipe. A moment's grace lets the traceback reach the user; it costs nothing
+    # on a job that is ending anyway.
     time.sleep(ABORT_GRACE_S)
     MPI.COMM_WORLD.Abort(1)
 

@@ -996,7 +996,7 @@ class MPIComm(Comm):
 
             MPIComm.max_shard_size = dask.utils.parse_bytes(dask.config.get("distributed.comm.shard"))
         frames = self._serialise_inline(msg, serializers, on_error)
-        cheap = frames is not None
+        cheap = frames is not None and bool(_OFFLOAD and self.allow_offload)  # only when the cost was checked
         if frames is None:
             context = {"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options}
             frames = await to_frames(msg, allow_offload=self.allow_offload, serializers=serializers,
@@ -1028,8 +1028,8 @@ class MPIComm(Comm):
         (``distributed.comm.offload``); ``None`` when it belongs in Dask's offload thread (``to_frames``).
 
         Dask decides by the message's whole size; past that size, arrays that serialise as views
-        (:func:`_copy_cost`) do not count here, since a thread hop costs more than framing them (``loom bench
-        dask`` above 10 MiB). A message framed inline is marked cheap to deserialise too (:data:`_CHEAP`).
+        (:func:`_copy_cost`) do not count here, since a thread hop on each end costs more than framing views.
+        A message framed inline after that check is marked cheap to deserialise too (:data:`_CHEAP`).
         """
         if _OFFLOAD and self.allow_offload:
             size = len(msg) if type(msg) is bytes else safe_sizeof(msg, default_size=-1)  # sizeof(bytes) is len

@@ -9,7 +9,7 @@ one block (:meth:`BlockPool.take`), and Dask gets ``memoryview`` slices of it. T
   with a buffer per shard it copies the whole frame into a new one (``host_array_from_buffers``).
 * A fresh buffer above glibc's largest mmap threshold (32 MiB) is a new mapping each time: the kernel zeroes
   every page on first touch, a pass over the memory nearly as long as MPI's own copy into it (raw loom.comm
-  reuses its buffer; ``loom bench dask`` shows the difference at 32-64 MiB). Blocks of at least
+  reuses its buffer). Blocks of at least
   :data:`MIN_POOLED` bytes therefore come from a small pool.
 
 A pooled block goes back to the pool only when nothing refers to its memory any more. Its memory is exported

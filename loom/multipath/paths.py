@@ -1,10 +1,10 @@
 """Candidate paths as arrays: a per-topology table filled once per pair, and the per-demand view planners use.
 
-Enumerating a pair's paths one at a time (:meth:`Topology.paths`, the reference) walks the graph in Python;
-at 512 ranks the static routes of all 261,632 pairs and the candidates of ~14,000 took seconds. The first
-plan enumerates in batches instead (:mod:`loom.multipath._enumerate`: per-topology hop tables, then numpy
-over the pairs), and a run-time planner asks for the same pairs every step: :class:`PathTable` (one per
-topology, :func:`path_table`) keeps every pair it has seen as padded integer arrays (paths x links, -1
+Enumerating a pair's paths one at a time (:meth:`Topology.paths`, the reference) walks the graph in Python,
+once per pair: at 512 ranks that is the static routes of all 261,632 pairs. The first plan enumerates in
+batches instead (:mod:`loom.multipath._enumerate`: per-topology hop tables, then numpy over the pairs), and a
+run-time planner asks for the same pairs every step: :class:`PathTable` (one per topology, :func:`path_table`)
+keeps every pair it has seen as padded integer arrays (paths x links, -1
 padding) plus the static routes of *all* pairs, so :func:`candidates` is a handful of numpy gathers once the
 pairs are known.
 

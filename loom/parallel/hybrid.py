@@ -185,6 +185,7 @@ class HybridParallel:
                              for k in range(self.chunks)]
         self.stage = self.local_stages[0]
         self._params = [t for t in self._tensors() if t.requires_grad]
+        self._reduce_dp = reduce_dp
         self._tie_shared()
         self.reducer: GradReducer | None = None
         self.forward_context: Callable[[], Any] | None = None
@@ -255,6 +256,13 @@ class HybridParallel:
         for k, ss in sorted(stages.items()):
             if len(ss) > 1:
                 groups.setdefault(tuple(ss), []).append(k)
+        if groups and not self._reduce_dp:  # every rank saw the same owners: all refuse alike
+            keys = sorted(k for ks in groups.values() for k in ks)
+            raise ValueError(
+                f"tensors read by several pipeline stages ({', '.join(keys[:3])}: tied weights) need the pipeline's "
+                f"sum of their gradients over those stages, and reduce_dp=False hands every gradient to a sharded "
+                f"wrapper (ZeRO stages 2-3) before it; untie them (e.g. tie_word_embeddings=False) or use ZeRO "
+                f"stage 0 or 1 with a pipeline")
         named = self._named()
         for ss, keys in sorted(groups.items()):  # the same order on every rank: split is collective
             sub = self.pp.split(1 if self.pp.rank in ss else 0, name="pp-shared")

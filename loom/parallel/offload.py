@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -95,23 +95,32 @@ class MemoryTracker(TorchDispatchMode):
         if key in self._live:
             return
 
-        def _gone(_ref, key=key, n=n, live=self._live, tracker=weakref.ref(self)):  # noqa: B008 - bound now
-            if live.pop(key, None) is not None:
-                tr = tracker()
-                if tr is not None:
-                    tr.current -= n
-
-        self._live[key] = (n, weakref.ref(st, _gone))
+        self._live[key] = (n, weakref.ref(st, self._on_gone(key)))
         self.current += n
         if self.current > self.peak:
             self.peak = self.current
 
+    def _on_gone(self, key: int) -> Callable:
+        """The finaliser of a counted storage: uncount it at its size then (a resize may have changed it)."""
+        live, tracker = self._live, weakref.ref(self)
+
+        def gone(_ref):
+            entry = live.pop(key, None)
+            tr = tracker()
+            if entry is not None and tr is not None:
+                tr.current -= entry[0]
+
+        return gone
+
     def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
         key = st._cdata
-        if key in self._live:
-            old, _ = self._live.pop(key)
-            self.current -= old
-        self._live[key] = (nbytes, None)  # a resized storage is freed by resizing to 0, not by deletion
+        entry = self._live.get(key)
+        if entry is not None:
+            self.current -= entry[0]
+            ref = entry[1]
+        else:
+            ref = weakref.ref(st, self._on_gone(key))
+        self._live[key] = (nbytes, ref)  # freed by resizing to 0, or by deletion at its last size
         self.current += nbytes
         self.peak = max(self.peak, self.current)
 

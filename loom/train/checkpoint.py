@@ -208,7 +208,7 @@ RESUMABLE: dict[str, frozenset[str]] = {
     # resume (within 0-1 or within 2-3: the trainer checks); multi-path routing moves the same bytes by other
     # paths.
     "zero": frozenset({"stage", "axes"}),
-    "multipath": frozenset({"enabled", "topology", "min_bytes"}),
+    "multipath": frozenset({"enabled", "topology", "min_bytes", "learn"}),
 }
 """Config keys a ``--resume`` may change: how long, how often, where, and on how many replicas.
 Every other key (the model, optimizer, data, compression, precision) must equal the checkpoint's."""

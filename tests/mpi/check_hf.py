@@ -185,6 +185,14 @@ def check_pipeline_two_stages(comm):
             assert hp.named_layers()[0] == "embed_tokens" if hp.stage_index == 0 else "lm_head" in hp.named_layers()
         _steps(comm, model, ref, hp, lambda i, lab, p: ((i, p), shift_labels(lab)), lm_loss,
                what=f"pipeline pp={pp} dp={hp.replicas} tie={tie}")
+    if pp > 1:  # a sharded wrapper owning the gradients (ZeRO 2-3) would skip the tied copies' sum: refused
+        model, _ = _seed_model(comm, True, layers=3)
+        try:
+            HybridParallel(model, partitions=pp, micro_batches=2, comm=comm, reduce_dp=False)
+        except ValueError as exc:
+            assert "tied weights" in str(exc) and "ZeRO" in str(exc), str(exc)
+        else:
+            raise AssertionError("tied weights across stages with reduce_dp=False were accepted")
 
 
 def check_dp_x_sp_adamw(comm):

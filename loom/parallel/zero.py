@@ -241,7 +241,9 @@ class _MetaSource:
     With a name-based initialiser (``init=`` or the model's ``init_parameter``) a group's values never depend on
     the others. Replaying ``reset_parameters()`` draws from torch's global stream, so every group's replay
     starts from the stream's state at construction: each equals the same tensors of one whole build, and after
-    the last the stream stands where a whole build leaves it.
+    the last the stream stands where a whole build leaves it. The price is one replay of the whole model's
+    initialisation per group (on scratch storage, so memory stays one group): a large model without a
+    name-based initialiser takes buckets x one initialisation to build.
     """
 
     def __init__(self, module: nn.Module, init: Init | None):

@@ -217,7 +217,8 @@ class Trainer:
         sp_comm = TimedComm(self.sp, "sp", sp_codec, sp_min) if self.sp is not None else None
         # Under a pipeline the model is built on the meta device and HybridParallel materialises only this
         # rank's stage (the same weights as a whole build: each tensor's init depends only on its name); at
-        # ZeRO stage 3 without one, ShardedDataParallel materialises it bucket by bucket, keeping this rank's shard.
+        # ZeRO stage 3 without one, ShardedDataParallel materialises it bucket by bucket, keeping this rank's shard
+        # (not yet with [multipath], whose MoE wiring has not been checked on a meta model).
         self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.master_dtype, device=self.device,
                               meta=self.pp is not None or cfg.zero.stage == 3 and not cfg.multipath.enabled)
         if cfg.multipath.enabled and ep_comm is not None:  # [multipath]: expert all-to-allv over planned paths

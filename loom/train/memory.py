@@ -187,13 +187,17 @@ def estimate(cfg: Config, zero: tuple[int, tuple[str, ...]] | None = None) -> li
         zbuf = 0
         if z == 1:  # sharding over one rank changes nothing
             zstage = 0
+        # Stages 2-3 may keep the master shard (and so its gradient and Adam state) in zero.master_dtype.
+        m = _ELEM[master] if zstage >= 2 and (master := getattr(getattr(cfg, "zero", None), "master_dtype", "")) else e
         if zstage >= 1:
-            o //= z
+            o = 2 * m * n // z
         if zstage >= 2:
-            g //= z
-            zbuf += min(int(getattr(getattr(cfg, "zero", None), "bucket_mb", cfg.compress.bucket_mb) * 2**20), e * n)
+            g = m * n // z
+            zbuf += min(int(getattr(getattr(cfg, "zero", None), "bucket_mb", cfg.compress.bucket_mb) * 2**20), m * n)
+            if zstage == 2 and m != e:  # the full compute-dtype weights plus the master shard beside them
+                w += m * n // z
         if zstage >= 3:
-            w //= z
+            w = m * n // z
             zbuf += 3 * layer + (e * units[-1] if last and cfg.mesh.pp == 1 else 0)
         saved, host, work = _block(cfg, d)
         loss_saved, loss_work = _loss(cfg, d, last)

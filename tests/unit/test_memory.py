@@ -54,6 +54,17 @@ def test_zero_stages_shrink_the_state():
     assert estimate(cfg)[0].total == totals[0].total  # no [zero] section: stage 0
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp32_master_under_bf16_compute_doubles_the_sharded_state(stage):
+    bf16 = _cfg(mesh={"dp": 4}, data={"batch": 4, "seq_len": 64}, train={"dtype": "bfloat16"},
+                zero={"stage": stage})
+    master = _cfg(mesh={"dp": 4}, data={"batch": 4, "seq_len": 64}, train={"dtype": "bfloat16"},
+                  zero={"stage": stage, "master_dtype": "float32"})
+    a, b = estimate(bf16)[0], estimate(master)[0]
+    assert b.optimizer == 2 * a.optimizer and b.grads == 2 * a.grads, (a, b)
+    assert b.weights == (2 * a.weights if stage == 3 else a.weights + 2 * a.weights // 4), (a, b)
+
+
 def test_pipeline_stages_hold_their_micro_batches():
     one = _cfg(mesh={"pp": 2}, data={"micro_batches": 4})
     gpipe = _cfg(mesh={"pp": 2, "schedule": "gpipe"}, data={"micro_batches": 4})

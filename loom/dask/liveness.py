@@ -103,13 +103,14 @@ class Watcher:
 
 def ignore_launcher_signal() -> bool:
     """Survive MPICH's notice of a dead rank: under ``mpiexec -disable-auto-cleanup`` hydra sends ``SIGUSR1`` to
-    every surviving rank, whose default action ends the process. Installs a handler that does nothing (the
-    :class:`Watcher` finds the dead rank) when ``SIGUSR1`` still has its default action; main thread only.
-    Returns whether a handler is in place."""
+    every surviving rank, whose default action ends the process. Ignores it (the :class:`Watcher` finds the
+    dead rank) when ``SIGUSR1`` still has its default action; main thread only. ``SIG_IGN`` rather than a
+    Python handler: Python resets its own handlers to the default during interpreter shutdown, the moment a
+    rank that finished first sends the others that notice. Returns whether the signal is handled."""
     import signal
 
     if threading.current_thread() is not threading.main_thread():
         return False
     if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
-        signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     return True

@@ -29,10 +29,13 @@ def main(argv: list[str]) -> int:
         return 2
     info = settings.launch_info()
     rank = -1 if info is None else info.rank
+    # The launcher's notice that another rank died: ignored here and, inherited across exec, by the rank from
+    # its first instruction to its last (a Python-level handler is reset to the default during interpreter
+    # shutdown, when a notice would end the rank with 128 + SIGUSR1).
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     child = subprocess.Popen(argv, close_fds=False)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: child.send_signal(signum))
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the launcher's notice that another rank died
     code = child.wait()
     if code < 0 and rank >= FIRST_WORKER:
         print(f"loom dask: MPI rank {rank} (pid {child.pid}) was killed by signal {-code}", file=sys.stderr,

@@ -30,7 +30,9 @@ tags where the engine runs on COMM_WORLD itself; see :func:`tag_window`):
    done, zero-copy when the MPI is CUDA-aware and staged through the host by loom.comm otherwise.
    ``write`` returns once the sends are posted (like TCP's write buffer); the requests are kept until done.
    Serialisation is Dask's (``protocol.dumps``/``loads``, offloaded to a thread above Dask's
-   ``distributed.comm.offload`` size exactly as its ``to_frames``/``from_frames`` do), called inline below it.
+   ``distributed.comm.offload`` size exactly as its ``to_frames``/``from_frames`` do), called inline below it,
+   except for messages of msgpack types and plain numpy arrays, whose arrays are framed as views by
+   :func:`loom.dask.frames.dumps_arrays` (header flag ``_ARRAYS``) and rebuilt over the received block.
 3. **Reads wait on loom's poller.** A read is a :class:`_ReadOp` pollable: ``improbe`` on the data tag, then
    the header, then the pending frame receives. While nothing arrives the poller backs off to one test per
    2 ms, so an idle process costs well under 5 % of a core, and spins while traffic flows. A read that
@@ -109,6 +111,8 @@ _DATA, _CLOSE = 1, 2
 #: set in a DATA header's kind when the sender's serialisation copied nothing large (see _copy_cost): the
 #: receiver's deserialisation is then as cheap, and runs inline whatever the message's size
 _CHEAP = 1 << 8
+#: set in a DATA header's kind when loom.dask.frames framed the message's numpy arrays (see dumps_arrays)
+_ARRAYS = 1 << 9
 # Frame flags in the header.
 _INLINE, _HOST, _CUDA = 0, frames_mod.HOST, frames_mod.CUDA
 
@@ -681,13 +685,14 @@ def _finalize_channel(chan: _Channel) -> None:
 class _ReadOp:
     """Pollable for one ``read``: header, then the separate frames; result is the frame list."""
 
-    __slots__ = ("comm", "chan", "frames", "reqs", "head", "head_req", "misses", "cheap")
+    __slots__ = ("comm", "chan", "frames", "reqs", "head", "head_req", "misses", "cheap", "arrays")
 
     def __init__(self, comm: "MPIComm"):
         self.comm = comm
         self.chan = comm._chan
         self.misses = 0
         self.cheap = False  # the message's header carried _CHEAP
+        self.arrays = False  # ... and _ARRAYS
         self.frames: list | None = None
         self.reqs: list[Request] = []
         self.head: np.ndarray | None = None
@@ -750,9 +755,10 @@ class _ReadOp:
 
     def _start(self, buf: np.ndarray) -> None:
         kind, n, chunk = _HEAD.unpack_from(buf, 0)
-        if kind & ~_CHEAP != _DATA:
+        if kind & ~(_CHEAP | _ARRAYS) != _DATA:
             raise CommClosedError(f"{self.comm!r}: unexpected message kind {int(kind)} on the data tag")
         self.cheap = bool(kind & _CHEAP)
+        self.arrays = bool(kind & _ARRAYS)
         if n == 1 and buf[32] == _INLINE:  # the common small message: one inline frame
             self.frames = [memoryview(buf)[33:]]
             return
@@ -789,16 +795,6 @@ class _ReadOp:
 
 
 _NOT_PLAIN = object()
-
-
-def _plain_frames(msg) -> list | None:
-    """Dask's ``protocol.dumps`` for a message of msgpack's own types only, without its set-up (four closures
-    per call): the same single frame, since Dask's ``default`` hook is only called for other types. ``None``
-    for anything else (Serialize, arrays, sets, ...), which takes Dask's full path."""
-    try:
-        return [_msgpack.dumps(msg, use_bin_type=True)]
-    except Exception:  # noqa: BLE001 - a type msgpack does not know: Dask's dumps decides
-        return None
 
 
 def _plain_loads(frame):
@@ -940,6 +936,8 @@ class MPIComm(Comm):
         finally:
             self._reader = None
         op.frames = None  # done: the next read reuses it
+        if op.arrays:
+            return frames_mod.loads_arrays(frames, self.deserialize)
         if len(frames) == 1:
             msg = _plain_loads(frames[0])
             if msg is not _NOT_PLAIN:
@@ -995,7 +993,7 @@ class MPIComm(Comm):
             import dask
 
             MPIComm.max_shard_size = dask.utils.parse_bytes(dask.config.get("distributed.comm.shard"))
-        frames = self._serialise_inline(msg, serializers, on_error)
+        frames, arrays = self._serialise_inline(msg, serializers, on_error)
         cheap = frames is not None and bool(_OFFLOAD and self.allow_offload)  # only when the cost was checked
         if frames is None:
             context = {"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options}
@@ -1004,7 +1002,7 @@ class MPIComm(Comm):
         if self._closed:
             raise CommClosedError(f"{self!r} was closed while serialising")
         try:
-            n, reqs = self._send_frames(frames, cheap)
+            n, reqs = self._send_frames(frames, cheap, arrays)
         except BaseException:
             self.abort()
             raise
@@ -1023,30 +1021,36 @@ class MPIComm(Comm):
         self._last_write = time.perf_counter()
         return n
 
-    def _serialise_inline(self, msg, serializers, on_error) -> list | None:
-        """Dask's ``to_frames`` inline when what it would copy is at most Dask's offload size
-        (``distributed.comm.offload``); ``None`` when it belongs in Dask's offload thread (``to_frames``).
+    def _serialise_inline(self, msg, serializers, on_error) -> tuple[list | None, bool]:
+        """``(frames, arrays)``: Dask's ``to_frames`` inline when what it would copy is at most Dask's offload
+        size (``distributed.comm.offload``); ``(None, False)`` when it belongs in Dask's offload thread.
 
         Dask decides by the message's whole size; past that size, arrays that serialise as views
         (:func:`_copy_cost`) do not count here, since a thread hop on each end costs more than framing views.
-        A message framed inline after that check is marked cheap to deserialise too (:data:`_CHEAP`).
+        A message framed inline after that check is marked cheap to deserialise too (:data:`_CHEAP`). A message
+        of msgpack types and plain numpy arrays is framed by :func:`loom.dask.frames.dumps_arrays` (``arrays``
+        true), unless compression was negotiated or the serializers exclude Dask's own.
         """
         if _OFFLOAD and self.allow_offload:
-            size = len(msg) if type(msg) is bytes else safe_sizeof(msg, default_size=-1)  # sizeof(bytes) is len
-            if not 0 <= size <= _OFFLOAD and (type(msg) is bytes or not 0 <= _copy_cost(msg) <= _OFFLOAD):
-                return None
-        frames = _plain_frames(msg)
-        if frames is None:
-            context = {"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options}
-            try:
-                frames = list(protocol.dumps(msg, serializers=serializers, on_error=on_error, context=context,
-                                             frame_split_size=MPIComm.max_shard_size))
-            except Exception:
-                logger.info("Unserializable Message: %s", msg)
-                raise
-        return frames
+            if type(msg) is bytes:
+                if len(msg) > _OFFLOAD:
+                    return None, False
+            elif not 0 <= _copy_cost(msg) <= _OFFLOAD:  # at most the message's sizeof, and ~10x cheaper
+                return None, False
+        done = frames_mod.dumps_arrays(msg)
+        if done is not None and (not done[1] or (not self.handshake_options.get("compression")
+                                                 and (serializers is None or "dask" in serializers))):
+            return done
+        context = {"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options}
+        try:
+            frames = list(protocol.dumps(msg, serializers=serializers, on_error=on_error, context=context,
+                                         frame_split_size=MPIComm.max_shard_size))
+        except Exception:
+            logger.info("Unserializable Message: %s", msg)
+            raise
+        return frames, False
 
-    def _send_frames(self, frames: list, cheap: bool = False) -> tuple[int, list[Request]]:
+    def _send_frames(self, frames: list, cheap: bool = False, framed_arrays: bool = False) -> tuple[int, list[Request]]:
         chan = self._chan
         n = len(frames)
         if n == 1 and type(frames[0]) is bytes and len(frames[0]) < INLINE_MAX:  # the common small message
@@ -1061,7 +1065,8 @@ class MPIComm(Comm):
         sizes, flags, arrays, inline = _layout(frames)
         chunk = CHUNK_BYTES
         head = bytearray(24 + 9 * n + inline)
-        struct.pack_into(f"<3Q{n}Q", head, 0, _DATA | (_CHEAP if cheap else 0), n, chunk, *sizes)
+        kind = _DATA | (_CHEAP if cheap else 0) | (_ARRAYS if framed_arrays else 0)
+        struct.pack_into(f"<3Q{n}Q", head, 0, kind, n, chunk, *sizes)
         head[24 + 8 * n:24 + 9 * n] = flags
         off = 24 + 9 * n
         for i in range(n):

@@ -18,6 +18,7 @@ from distributed.comm import CommClosedError, connect, listen  # noqa: E402
 from distributed.comm.registry import get_backend  # noqa: E402
 
 from loom.dask import backend as B  # noqa: E402
+from loom.dask import frames as frames_mod  # noqa: E402
 from loom.dask import conformance as C  # noqa: E402
 
 ADDR = "mpi://"
@@ -371,13 +372,69 @@ def test_plain_message_fast_paths_match_dask_protocol():
     plain = [b"x", b"", "text", 7, -2**63, 2.5, None, True, [1, (2, 3)], {"op": "compute", "keys": ["a", ("b", 1)],
              "nested": {"x": [b"\0" * 100, {"y": None}]}}, {1: "int key"}, ("tuple", b"bytes")]
     for msg in plain:
-        frames = B._plain_frames(msg)
-        assert frames == protocol.dumps(msg), msg
+        frames, arrays = frames_mod.dumps_arrays(msg)
+        assert frames == protocol.dumps(msg) and not arrays, msg
         assert B._plain_loads(frames[0]) == protocol.loads(frames), msg
-    for msg in [{1, 2}, {"x": to_serialize(np.arange(3))}, np.arange(3), {"s": frozenset([1])}]:
-        assert B._plain_frames(msg) is None, msg
-    assert B._plain_loads(protocol.dumps({"s": {1, 2}})[0]) == {"s": {1, 2}}  # Dask's own decode hook
-    assert B._plain_loads(b"\xc1") is B._NOT_PLAIN  # malformed: Dask's loads raises it
+    for msg in [{1, 2}, {"x": to_serialize(np.arange(3, dtype=object))}, np.arange(3), {"s": frozenset([1])},
+                {"x": to_serialize(np.arange(6.0)[::2])}, {"x": to_serialize([1, 2])}]:
+        assert frames_mod.dumps_arrays(msg) is None, msg
+
+
+_ARRAYS = [np.arange(12.0).reshape(3, 4), np.asfortranarray(np.arange(24, dtype=np.int16).reshape(2, 3, 4)),
+           np.array(3.5), np.zeros((0, 5), np.complex128), np.array(["ab", "c"]), np.array([b"xy"]),
+           np.arange(4).astype("datetime64[ns]"), np.array([True, False]), np.arange(5, dtype=">u4"),
+           np.arange(10.0)[2:7], np.arange(12).reshape(3, 4)[:, :1].copy(order="F")]
+
+
+@pytest.mark.parametrize("deserialize", [True, False])
+def test_numpy_arrays_framed_directly_read_back_as_dask_reads_them(deserialize):
+    """dumps_arrays/loads_arrays against Dask's protocol.dumps/loads: the same arrays (dtype, shape, memory
+    order, values, writeable), built over the received frames without a copy; not deserialising gives Dask's
+    Serialized, which deserialises to the same array."""
+    from distributed import protocol
+    from distributed.protocol import to_serialize
+    from distributed.protocol.serialize import Serialized, deserialize as dask_deserialize
+
+    ro = np.arange(3.0)
+    ro.flags.writeable = False
+    arrays = [*_ARRAYS, ro]
+    msg = {"op": "get_data", "data": {f"k{i}": to_serialize(a) for i, a in enumerate(arrays)}, "l": [1, (2,)]}
+    frames, has_arrays = frames_mod.dumps_arrays(msg)
+    assert has_arrays and len(frames) == 1 + len(arrays)
+    received = [frames[0]] + [memoryview(bytearray(f)) for f in frames[1:]]  # as they land in a receive block
+    got = frames_mod.loads_arrays(received, deserialize=deserialize)
+    want = protocol.loads(protocol.dumps(msg), deserialize=deserialize)
+    assert got.keys() == want.keys() and got["l"] == want["l"] == (1, (2,)) and got["op"] == "get_data"
+    for i, a in enumerate(arrays):
+        g, w = got["data"][f"k{i}"], want["data"][f"k{i}"]
+        if not deserialize:
+            assert type(g) is type(w) is Serialized
+            g, w = dask_deserialize(g.header, g.frames), dask_deserialize(w.header, w.frames)
+        else:
+            assert np.shares_memory(g, np.frombuffer(received[i + 1], np.uint8)) or a.size == 0
+        for x in (g, w):
+            assert x.dtype == a.dtype and x.shape == a.shape and x.strides == a.strides, (i, x.strides)
+            assert x.flags.writeable == a.flags.writeable
+            np.testing.assert_array_equal(x, a)
+
+
+def test_array_messages_fall_back_to_dask_under_compression_or_other_serializers():
+    from distributed.protocol import to_serialize
+
+    async def main():
+        a, b = await C.comm_pair(ADDR)
+        msg = {"x": to_serialize(np.arange(4.0))}
+        assert a._serialise_inline(msg, None, "message")[1] is True
+        assert a._serialise_inline(msg, ["pickle"], "message")[1] is False
+        assert a._serialise_inline({"y": 1}, None, "message") == frames_mod.dumps_arrays({"y": 1})
+        a.handshake_options = {**a.handshake_options, "compression": "zlib"}
+        assert a._serialise_inline(msg, None, "message")[1] is False
+        await a.write(msg)  # Dask's path, compressed or not: read back all the same
+        np.testing.assert_array_equal((await b.read())["x"], np.arange(4.0))
+        await a.close()
+        await b.close()
+
+    run(main())
 
 
 def _address(x: np.ndarray) -> int:
@@ -400,7 +457,8 @@ def test_split_frame_is_received_into_one_block_and_joined_without_a_copy(monkey
         a, b = await C.comm_pair(ADDR)
         x = np.random.default_rng(5).standard_normal((5 << 20) // 8 + 3)
         y = np.arange(200_000, dtype=np.int32)  # a second host frame in the same message and block
-        await a.write({"x": to_serialize(x), "y": to_serialize(y)})
+        # The set takes the message through Dask's protocol.dumps (plain arrays alone travel unsplit).
+        await a.write({"x": to_serialize(x), "y": to_serialize(y), "s": {1}})
         got = await b.read()
         assert np.array_equal(got["x"], x) and np.array_equal(got["y"], y)
         await a.close()

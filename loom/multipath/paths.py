@@ -151,14 +151,6 @@ class PathTable:
             self._views.pop(next(iter(self._views)))
         return got
 
-    def static_loads(self, flat: np.ndarray) -> np.ndarray:
-        """Bytes per directed link when every pair ``s * P + d`` sends ``flat[s * P + d]`` on its static route."""
-        from ._mwu import loads
-
-        out = np.empty(len(self.topology.links))
-        loads(self.static, flat, np.zeros(len(out)), out)
-        return out
-
 
 def path_table(topology: Topology) -> PathTable:
     """The topology's :class:`PathTable` (created on first use, kept for the topology's lifetime)."""
@@ -246,20 +238,23 @@ class Candidates:
 def candidates(topology: Topology, demand, min_bytes: float = 0.0, *, trusted: bool = False) -> Candidates:
     """Every pair with at least ``min_bytes`` (and > 0) of demand, with all its candidate paths; the rest
     fixed on their static routes (the diagonal is local and ignored). ``trusted``: ``demand`` already passed
-    :func:`check_demand`."""
-    D = demand if trusted else check_demand(topology, demand)
+    :func:`check_demand` (it is checked again in the same pass that splits it, at no extra cost)."""
+    D = demand if trusted else np.asarray(demand, dtype=np.float64)
     p = topology.size
-    flat = D.ravel().copy()
-    flat[:: p + 1] = 0
-    live = flat > 0
-    flex = live & (flat >= min_bytes)
-    pid = np.flatnonzero(flex)
-    fixed = np.flatnonzero(live & ~flex)
+    if D.shape != (p, p):
+        check_demand(topology, D)  # raises the shape error
+    from ._mwu import split_demand
+
     table = path_table(topology)
+    D = np.ascontiguousarray(D, dtype=np.float64)
+    pid, fixed = np.empty(p * p, dtype=np.int64), np.empty(p * p, dtype=np.int64)
+    vol, fvol = np.empty(p * p), np.empty(p * p)
+    base = np.empty(len(topology.links))
+    nf, nx = split_demand(D, float(min_bytes), table.static, pid, vol, fixed, fvol, base)
+    if nf < 0:
+        check_demand(topology, D)  # raises the entry error
+    pid, vol = pid[:nf].copy(), vol[:nf].copy()
     ptr, pair_of, links, rows = table.view(pid)
-    base = np.zeros(len(topology.links))
-    if len(fixed):
-        base = table.static_loads(np.where(live & ~flex, flat, 0.0))
-    return Candidates(topology=topology, demand=D, pairs=np.stack([pid // p, pid % p], axis=1), volume=flat[pid],
-                      ptr=ptr, pair_of=pair_of, links=links, rows=rows, fixed_pairs=fixed,
-                      fixed_volume=flat[fixed], base=base)
+    return Candidates(topology=topology, demand=D, pairs=np.stack([pid // p, pid % p], axis=1), volume=vol,
+                      ptr=ptr, pair_of=pair_of, links=links, rows=rows, fixed_pairs=fixed[:nx].copy(),
+                      fixed_volume=fvol[:nx].copy(), base=base)

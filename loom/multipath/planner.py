@@ -14,7 +14,8 @@ Method (:func:`plan`; multiplicative weights in the Garg-Koenemann family, made 
 2. ``increments`` rounds. Each round weights every link multiplicatively by its utilisation,
    ``w_e = exp(eta * (u_e - 1))`` with ``u_e = load_e / (c_e * lambda)`` and ``eta = ln(#links) / epsilon``,
    so the busiest links dominate. A path's cost is its *bottleneck*: ``max_{e in p} w_e / c_e`` (the data
-   path is pipelined, so the slowest hop sets the rate); the potential's gradient breaks ties, then the path
+   path is pipelined, so the slowest hop sets the rate); the potential's gradient breaks exact ties (a
+   lexicographic comparison, so the choice does not depend on the unit of the capacities), then the path
    order (static first). Every pair shifts flow from its costliest used path to its best one by a Newton
    step on the exponential potential ``sum_e exp(eta * u_e)`` (a smooth maximum of the link utilisations),
    and the round's joint step is scaled by an exact line search on that potential, so congestion never
@@ -25,10 +26,12 @@ Method (:func:`plan`; multiplicative weights in the Garg-Koenemann family, made 
    returned unchanged -- balanced traffic stays on the direct routes, and re-planning does not flap.
 
 Run-time costs (every step of a job re-plans from that step's counts): candidate paths are enumerated once
-per topology and pair (:mod:`loom.multipath.paths`); the rounds are compiled (:mod:`loom.multipath._mwu`,
-O(paths x links per path) each); a ``previous`` plan warm-starts the rounds when it is the best start, and
-is reused outright while the demand moved by less than ``reuse`` (relative L1 change). ``loom plan`` prints
-the median planning time.
+per topology and pair (:mod:`loom.multipath.paths`); one compiled pass over the demand splits it into
+flexible pairs and the fixed pairs' link loads; the rounds are compiled (:mod:`loom.multipath._mwu`, one pass
+over every pair's paths each, O(paths x links per path), choosing, stepping and shifting the loads at once);
+the link loads of each start are computed once and carried into the rounds; a ``previous`` plan warm-starts
+the rounds when it is the best start, and is reused outright while the demand moved by less than ``reuse``
+(relative L1 change). ``loom plan`` prints the median planning time.
 
 Everything runs in a fixed order, so every rank computes the same plan from the same inputs.
 """
@@ -41,7 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .paths import Candidates, candidates, check_demand
+from .paths import Candidates, candidates
 from .topology import Path, Topology
 
 __all__ = ["Candidates", "Plan", "plan", "candidates", "plan_from_flows"]
@@ -156,9 +159,28 @@ def _carry(previous: Plan, c: Candidates) -> np.ndarray | None:
     return share * c.volume[c.pair_of]
 
 
-def _congestion(c: Candidates, x: np.ndarray, inv_c: np.ndarray) -> float:
-    u = c.loads(x) * inv_c
+def _max_util(loads: np.ndarray, inv_c: np.ndarray) -> float:
+    u = loads * inv_c
     return float(u.max()) if len(u) else 0.0
+
+
+def _improve(c: Candidates, inv_c: np.ndarray, given: list[tuple[np.ndarray, np.ndarray]], increments: int,
+             epsilon: float, patience: int) -> tuple[np.ndarray, float, int]:
+    """The rounds from the least congested start: ``given`` ``[(flows, loads), ...]`` (the static routes, then
+    the plan in force re-applied when there is one) and even striping; returns ``(flows, congestion, rounds
+    run)``."""
+    k = np.diff(c.ptr).astype(np.float64)
+    even = c.volume[c.pair_of] / k[c.pair_of]
+    # Even striping as a start: on large clusters the rounds alone, each moving flow between two paths per
+    # pair, did not get from the static routes to even striping (tests/unit/test_multipath.py).
+    starts = [given[0], (even, c.loads(even)), *given[1:]]
+    _, which = min((_max_util(L, inv_c), i) for i, (_, L) in enumerate(starts))
+    x0, L0 = starts[which]
+    from . import _mwu
+
+    # A warm start from the plan in force is near the optimum already: full steepness from the first round.
+    return _mwu.rounds(c.links, c.ptr, x0.copy(), L0.copy(), inv_c, increments, float(epsilon), which == 2, patience,
+                       _GAIN)
 
 
 def _validate(epsilon: float, increments: int, hysteresis: float, reuse: float, patience: int) -> None:
@@ -235,8 +257,8 @@ def plan(
     """
     _validate(epsilon, increments, hysteresis, reuse, patience)
     t0 = time.perf_counter()
-    D = check_demand(topology, demand)
-    c = candidates(topology, D, min_bytes, trusted=True)
+    c = candidates(topology, demand, min_bytes)
+    D = c.demand
     given = _capacity(topology, capacity)
     cap = topology.capacity if given is None else given
     inv_c = np.where(np.isfinite(cap), 1.0 / cap, 0.0)
@@ -244,27 +266,18 @@ def plan(
     carried = None if previous is None else _carry(previous, c)
     if carried is not None and _reusable(previous, D, topology, reuse, given):
         return Plan(cands=c, flows=carried, method="mwu(reused)", seconds=time.perf_counter() - t0, capacity=given)
-    static_lam = _congestion(c, static, inv_c)
+    static_L = c.loads(static)
+    static_lam = _max_util(static_L, inv_c)
     best_x, best_lam, done = static, static_lam, 0
+    carried_L = None if carried is None else c.loads(carried)
+    carried_lam = None if carried is None else _max_util(carried_L, inv_c)
     if (np.diff(c.ptr) > 1).any() and static_lam > 0:
-        k = np.diff(c.ptr).astype(np.float64)
-        # Even striping as a start: on large clusters the rounds alone, each moving flow between two paths
-        # per pair, did not get from the static routes to even striping (tests/unit/test_multipath.py).
-        starts = [(static_lam, 0, static), (_congestion(c, even := c.volume[c.pair_of] / k[c.pair_of], inv_c), 1,
-                                            even)]
-        if carried is not None:
-            starts.append((_congestion(c, carried, inv_c), 2, carried))
-        lam0, which, x0 = min(starts, key=lambda s: (s[0], s[1]))
-        from . import _mwu
-
-        # A warm start from the plan in force is near the optimum already: full steepness from the first round.
-        best_x, best_lam, done = _mwu.rounds(c.links, c.ptr, x0.copy(), c.base, inv_c, increments, float(epsilon),
-                                             which == 2, patience, _GAIN)
-    chosen, method = best_x, "mwu"
+        starts = [(static, static_L)] + ([] if carried is None else [(carried, carried_L)])
+        best_x, best_lam, done = _improve(c, inv_c, starts, increments, epsilon, patience)
+    chosen, lam, method = best_x, best_lam, "mwu"
     if best_lam >= static_lam / (1 + hysteresis):
-        chosen, method = static, "mwu(static)"
-    if carried is not None:
-        if _congestion(c, carried, inv_c) <= _congestion(c, chosen, inv_c) * (1 + hysteresis):
-            chosen, method = carried, "mwu(previous)"
+        chosen, lam, method = static, static_lam, "mwu(static)"
+    if carried is not None and carried_lam <= lam * (1 + hysteresis):
+        chosen, method = carried, "mwu(previous)"
     return Plan(cands=c, flows=chosen, method=method, seconds=time.perf_counter() - t0, rounds=int(done),
                 capacity=given)

@@ -194,3 +194,14 @@ def test_plan_reuses_paths_and_keeps_small_pairs_as_fixed_load():
     # The second plan of the same demand finds every path enumerated.
     again = plan(t, D)
     assert again.flows.tobytes() == pl.flows.tobytes()
+
+
+def test_plan_does_not_depend_on_the_unit_of_capacity():
+    """Capacities in bytes/s or in GB/s give the same plan: path costs compare the bottleneck first and the
+    gradient only on exact ties, never a sum of the two with a fixed weight."""
+    t = preset("h100", nodes=3)
+    D = demand_matrix(t.size, "zipf-pairs:1.5", 16 << 20, seed=1)
+    a = plan(t, D, hysteresis=0)
+    b = plan(t, D, hysteresis=0, capacity=t.capacity * 1e-9)
+    assert a.method == b.method == "mwu" and a.rounds == b.rounds
+    np.testing.assert_allclose(b.flows, a.flows, rtol=1e-6, atol=1e-6 * float(D.max()))

@@ -42,34 +42,39 @@ def loads(links, x, base, out):
 
 
 @njit(cache=True)
-def split_demand(D, min_bytes, static, pid, vol, fixed, fvol, base):
+def split_demand(D, min_bytes, static, node, pid, vol, base, sent, received, local):
     """One pass over the ``(P, P)`` demand ``D``: pairs with at least ``min_bytes`` (and > 0) go to ``pid``
-    (``s * P + d``) and ``vol``, the other non-zero pairs to ``fixed`` and ``fvol`` with their bytes added to
-    ``base`` (zeroed here) along their static routes (``static``, one row per ``s * P + d``); the diagonal is
-    skipped. Returns ``(flexible count, fixed count)``, or ``(-1, -1)`` at the first negative or non-finite
+    (``s * P + d``) and ``vol``, the other non-zero pairs' bytes are added to ``base`` along their static
+    routes (``static``, one row per ``s * P + d``); per rank the bytes ``sent`` and ``received``, per node
+    (``node``: each rank's) the bytes between its own ranks (``local``). The diagonal is skipped; every
+    output array is zeroed here. Returns the flexible count, or -1 at the first negative or non-finite
     entry (diagonal included)."""
     p = D.shape[0]
     base[:] = 0.0
+    received[:] = 0.0
+    local[:] = 0.0
     nf = 0
-    nx = 0
     for s in range(p):
+        row = 0.0
         for d in range(p):
             v = D[s, d]
             if not (v >= 0.0 and v < np.inf):
-                return -1, -1
+                return -1
             if s == d or v == 0.0:
                 continue
+            row += v
+            received[d] += v
+            if node[s] == node[d]:
+                local[node[s]] += v
             q = s * p + d
             if v >= min_bytes:
                 pid[nf] = q
                 vol[nf] = v
                 nf += 1
             else:
-                fixed[nx] = q
-                fvol[nx] = v
-                nx += 1
                 _add_path(static, q, v, base)
-    return nf, nx
+        sent[s] = row
+    return nf
 
 
 @njit(cache=True)
@@ -208,11 +213,12 @@ def _directions(links, ptr, x, w, g1, g2, by_gradient, best, worst, t, mark, sta
 
 
 @njit(cache=True)
-def rounds(links, ptr, x, L, inv_c, increments, epsilon, sharp, patience, gain):
+def rounds(links, ptr, x, L, inv_c, increments, epsilon, sharp, patience, gain, bound):
     """Run up to ``increments`` rounds from the flows ``x`` (modified) and their link loads ``L`` (modified;
     fixed pairs included); return ``(best flows, their congestion, rounds run)``. ``sharp``:
     start at the target steepness (a warm start near the optimum). ``patience``: stop after that many rounds
-    without a relative ``gain`` in congestion (0: never)."""
+    without a relative ``gain`` in congestion (0: never). ``bound``: a lower bound on the congestion; stop
+    once within ``gain`` of it."""
     n_links = L.size
     n_pairs = ptr.size - 1
     log_m = math.log(max(n_links, 2))
@@ -263,6 +269,6 @@ def rounds(links, ptr, x, L, inv_c, increments, epsilon, sharp, patience, gain):
                 since = 0
             best_lam = lam_x
             best_x[:] = x
-        if patience > 0 and since >= patience:
+        if (patience > 0 and since >= patience) or best_lam <= bound * (1.0 + gain):
             break
     return best_x, best_lam, done

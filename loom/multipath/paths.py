@@ -22,7 +22,7 @@ import scipy.sparse as sp
 
 from .topology import Path, Topology
 
-__all__ = ["Candidates", "PathTable", "candidates", "check_demand", "path_table"]
+__all__ = ["Candidates", "Cuts", "PathTable", "candidates", "check_demand", "cuts", "path_table"]
 
 
 def _kind_name(code: int) -> str:
@@ -152,6 +152,64 @@ class PathTable:
         return got
 
 
+class Cuts:
+    """Sets of directed links that every byte between two groups of ranks must cross, whatever its path: per
+    rank its outgoing and its incoming links, per node (with more than one) the links leaving and entering
+    the node (its ranks, plus every switch whose adjacent ranks are all on that node: NICs, an NVSwitch).
+    ``bytes over the cut / its capacity`` bounds the congestion of any routing from below (:func:`lower_bound`)."""
+
+    def __init__(self, topology: Topology):
+        from ._enumerate import enumerator
+
+        en = enumerator(topology)
+        p = topology.size
+        self.node = np.asarray(topology.node_of, dtype=np.int64)
+        self.nodes = int(self.node.max()) + 1 if p else 0
+        owner = np.full(len(en.names), -1, dtype=np.int64)
+        owner[:p] = self.node
+        for v in range(p, len(en.names)):
+            ranks = np.concatenate([en.dst[en.src == v], en.src[en.dst == v]])
+            on = np.unique(self.node[ranks[ranks < p]])
+            if len(on) == 1:
+                owner[v] = on[0]
+        groups = [(en.src == r, en.dst == r) for r in range(p)]
+        if self.nodes > 1:
+            for n in range(self.nodes):
+                inside = owner == n
+                groups.append((inside[en.src] & ~inside[en.dst], ~inside[en.src] & inside[en.dst]))
+        sets = [np.flatnonzero(m) for g in groups for m in g]
+        self.ptr = np.zeros(len(sets) + 1, dtype=np.int64)
+        np.cumsum([len(x) for x in sets], out=self.ptr[1:])
+        self.links = np.concatenate(sets) if sets else np.zeros(0, dtype=np.int64)
+        """Links of cut ``i``: ``links[ptr[i]:ptr[i + 1]]``; order: rank 0 out, rank 0 in, ..., node 0 out,
+        node 0 in, ..."""
+        self.cut_of = np.repeat(np.arange(len(sets)), np.diff(self.ptr))
+
+    def crossing(self, sent: np.ndarray, received: np.ndarray, local: np.ndarray) -> np.ndarray:
+        """Bytes over each cut from per-rank bytes ``sent`` and ``received`` and per-node bytes ``local``
+        (between a node's own ranks); the diagonal not counted."""
+        out = [np.stack([sent, received], axis=1).ravel()]
+        if self.nodes > 1:
+            node_sent = np.bincount(self.node, weights=sent, minlength=self.nodes) - local
+            node_received = np.bincount(self.node, weights=received, minlength=self.nodes) - local
+            out.append(np.stack([node_sent, node_received], axis=1).ravel())
+        return np.concatenate(out)
+
+    def lower_bound(self, crossing: np.ndarray, capacity: np.ndarray) -> float:
+        """``max_cut bytes / capacity``: no routing's congestion (busiest link's seconds) is lower."""
+        cap = np.bincount(self.cut_of, weights=capacity[self.links], minlength=len(self.ptr) - 1)
+        ok = cap > 0  # an empty cut bounds nothing
+        return float((crossing[ok] / cap[ok]).max(initial=0.0))
+
+
+def cuts(topology: Topology) -> Cuts:
+    """The topology's :class:`Cuts` (built on first use, kept for the topology's lifetime)."""
+    got = topology._cache.get("cuts")
+    if got is None:
+        got = topology._cache["cuts"] = Cuts(topology)
+    return got
+
+
 def path_table(topology: Topology) -> PathTable:
     """The topology's :class:`PathTable` (created on first use, kept for the topology's lifetime)."""
     got = topology._cache.get("paths")
@@ -198,14 +256,29 @@ class Candidates:
     """``(n_paths, l_max)`` directed links of each path, -1 padded."""
     rows: np.ndarray
     """``(n_paths, 2)`` (table row, index within the pair) of each path, for :attr:`paths`."""
-    fixed_pairs: np.ndarray
-    """``(m,)`` ids ``s * P + d`` of the pairs kept on their static route (demand below the threshold)."""
-    fixed_volume: np.ndarray
-    """``(m,)`` their bytes."""
+    min_bytes: float
+    """Pairs with less demand (and > 0) are fixed on their static route."""
     base: np.ndarray
     """Bytes per directed link from the fixed pairs."""
+    crossing: np.ndarray
+    """Bytes that must cross each of the topology's cuts (:class:`Cuts` order), whatever the routing."""
     _paths: list[Path] | None = field(default=None, repr=False)
     _incidence: sp.csr_matrix | None = field(default=None, repr=False)
+    _fixed: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def fixed_pairs(self) -> np.ndarray:
+        """``(m,)`` ids ``s * P + d`` of the pairs kept on their static route (demand below the threshold)."""
+        if self._fixed is None:
+            flat = self.demand.ravel().copy()
+            flat[:: self.topology.size + 1] = 0
+            self._fixed = np.flatnonzero((flat > 0) & (flat < self.min_bytes))
+        return self._fixed
+
+    @property
+    def fixed_volume(self) -> np.ndarray:
+        """``(m,)`` their bytes."""
+        return self.demand.ravel()[self.fixed_pairs]
 
     @property
     def paths(self) -> list[Path]:
@@ -245,16 +318,15 @@ def candidates(topology: Topology, demand, min_bytes: float = 0.0, *, trusted: b
         check_demand(topology, D)  # raises the shape error
     from ._mwu import split_demand
 
-    table = path_table(topology)
+    table, cut = path_table(topology), cuts(topology)
     D = np.ascontiguousarray(D, dtype=np.float64)
-    pid, fixed = np.empty(p * p, dtype=np.int64), np.empty(p * p, dtype=np.int64)
-    vol, fvol = np.empty(p * p), np.empty(p * p)
-    base = np.empty(len(topology.links))
-    nf, nx = split_demand(D, float(min_bytes), table.static, pid, vol, fixed, fvol, base)
+    pid, vol = np.empty(p * p, dtype=np.int64), np.empty(p * p)
+    base, sent, received, local = np.empty(len(topology.links)), np.empty(p), np.empty(p), np.empty(cut.nodes)
+    nf = split_demand(D, float(min_bytes), table.static, cut.node, pid, vol, base, sent, received, local)
     if nf < 0:
         check_demand(topology, D)  # raises the entry error
     pid, vol = pid[:nf].copy(), vol[:nf].copy()
     ptr, pair_of, links, rows = table.view(pid)
     return Candidates(topology=topology, demand=D, pairs=np.stack([pid // p, pid % p], axis=1), volume=vol,
-                      ptr=ptr, pair_of=pair_of, links=links, rows=rows, fixed_pairs=fixed[:nx].copy(),
-                      fixed_volume=fvol[:nx].copy(), base=base)
+                      ptr=ptr, pair_of=pair_of, links=links, rows=rows, min_bytes=float(min_bytes), base=base,
+                      crossing=cut.crossing(sent, received, local))

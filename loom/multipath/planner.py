@@ -20,18 +20,24 @@ Method (:func:`plan`; multiplicative weights in the Garg-Koenemann family, made 
    step on the exponential potential ``sum_e exp(eta * u_e)`` (a smooth maximum of the link utilisations),
    and the round's joint step is scaled by an exact line search on that potential, so congestion never
    oscillates between rounds. When a shared bottleneck stalls the bottleneck direction, the potential's
-   own gradient picks the paths instead. Rounds stop early when no pair can improve.
+   own gradient picks the paths instead. Rounds stop early when no pair can improve, after ``patience``
+   rounds without a 0.1 % gain, or once within 0.1 % of the *cut bound*: per rank its outgoing and incoming
+   links, per node the links leaving and entering it, carry every byte between the two sides whatever the
+   routing, so ``max_cut bytes / capacity`` is a lower bound on the congestion of any plan
+   (:class:`loom.multipath.paths.Cuts`). A start already within 0.1 % of it runs no rounds (even striping on
+   a rail-symmetric cluster meets it exactly).
 3. The best round's flows are kept. Hysteresis: when they beat the static routes by less than
    ``hysteresis`` (or a ``previous`` plan, re-applied to this demand, by less than that), the old routing is
    returned unchanged -- balanced traffic stays on the direct routes, and re-planning does not flap.
 
 Run-time costs (every step of a job re-plans from that step's counts): candidate paths are enumerated once
 per topology and pair (:mod:`loom.multipath.paths`); one compiled pass over the demand splits it into
-flexible pairs and the fixed pairs' link loads; the rounds are compiled (:mod:`loom.multipath._mwu`, one pass
-over every pair's paths each, O(paths x links per path), choosing, stepping and shifting the loads at once);
-the link loads of each start are computed once and carried into the rounds; a ``previous`` plan warm-starts
-the rounds when it is the best start, and is reused outright while the demand moved by less than ``reuse``
-(relative L1 change). ``loom plan`` prints the median planning time.
+flexible pairs and the fixed pairs' link loads and sums the bytes over every cut; the rounds are compiled
+(:mod:`loom.multipath._mwu`, one pass over every pair's paths each, O(paths x links per path), choosing,
+stepping and shifting the loads at once); the link loads of each start are computed once and carried into
+the rounds; a ``previous`` plan warm-starts the rounds when it is the best start, and is reused outright
+while the demand moved by less than ``reuse`` (relative L1 change). ``loom plan`` prints the median planning
+time.
 
 Everything runs in a fixed order, so every rank computes the same plan from the same inputs.
 """
@@ -44,7 +50,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .paths import Candidates, candidates
+from .paths import Candidates, candidates, cuts
 from .topology import Path, Topology
 
 __all__ = ["Candidates", "Plan", "plan", "candidates", "plan_from_flows"]
@@ -69,6 +75,9 @@ class Plan:
     """Multiplicative-weights rounds run (0 when none were needed)."""
     capacity: np.ndarray | None = None
     """Bytes/s per directed link the plan was made for (``None``: the topology's own)."""
+    bound: float = 0.0
+    """A lower bound on the congestion of any routing of this demand (the cut bound of
+    :class:`loom.multipath.paths.Cuts`; 0 when not computed)."""
     loads: np.ndarray = field(init=False)
     """Bytes per directed link (:attr:`Topology.links` order)."""
 
@@ -165,22 +174,24 @@ def _max_util(loads: np.ndarray, inv_c: np.ndarray) -> float:
 
 
 def _improve(c: Candidates, inv_c: np.ndarray, given: list[tuple[np.ndarray, np.ndarray]], increments: int,
-             epsilon: float, patience: int) -> tuple[np.ndarray, float, int]:
+             epsilon: float, patience: int, bound: float) -> tuple[np.ndarray, float, int]:
     """The rounds from the least congested start: ``given`` ``[(flows, loads), ...]`` (the static routes, then
-    the plan in force re-applied when there is one) and even striping; returns ``(flows, congestion, rounds
-    run)``."""
+    the plan in force re-applied when there is one) and even striping; none when that start is within
+    ``_GAIN`` of ``bound`` (no routing is lower); returns ``(flows, congestion, rounds run)``."""
     k = np.diff(c.ptr).astype(np.float64)
     even = c.volume[c.pair_of] / k[c.pair_of]
     # Even striping as a start: on large clusters the rounds alone, each moving flow between two paths per
     # pair, did not get from the static routes to even striping (tests/unit/test_multipath.py).
     starts = [given[0], (even, c.loads(even)), *given[1:]]
-    _, which = min((_max_util(L, inv_c), i) for i, (_, L) in enumerate(starts))
+    lam0, which = min((_max_util(L, inv_c), i) for i, (_, L) in enumerate(starts))
     x0, L0 = starts[which]
+    if lam0 <= bound * (1 + _GAIN):
+        return x0, lam0, 0
     from . import _mwu
 
     # A warm start from the plan in force is near the optimum already: full steepness from the first round.
     return _mwu.rounds(c.links, c.ptr, x0.copy(), L0.copy(), inv_c, increments, float(epsilon), which == 2, patience,
-                       _GAIN)
+                       _GAIN, bound)
 
 
 def _validate(epsilon: float, increments: int, hysteresis: float, reuse: float, patience: int) -> None:
@@ -247,7 +258,8 @@ def plan(
             rounds and for the hysteresis test.
         reuse: with ``previous``, return its shares re-applied without planning when the demand moved by at
             most this fraction (``sum |D - D_prev| <= reuse * sum D_prev``); 0 always plans.
-        patience: stop the rounds after this many without a 0.1 % gain in congestion (0: run them all).
+        patience: stop the rounds after this many without a 0.1 % gain in congestion (0: run them all, with no
+            stop at the cut bound either).
         capacity: bytes/s per directed link to plan for instead of the topology's (measured capacities,
             :class:`loom.multipath.links.LinkMonitor`); a ``previous`` plan made for other capacities is
             re-planned, never reused.
@@ -268,16 +280,19 @@ def plan(
         return Plan(cands=c, flows=carried, method="mwu(reused)", seconds=time.perf_counter() - t0, capacity=given)
     static_L = c.loads(static)
     static_lam = _max_util(static_L, inv_c)
+    bound = cuts(topology).lower_bound(c.crossing, cap)
     best_x, best_lam, done = static, static_lam, 0
     carried_L = None if carried is None else c.loads(carried)
     carried_lam = None if carried is None else _max_util(carried_L, inv_c)
     if (np.diff(c.ptr) > 1).any() and static_lam > 0:
         starts = [(static, static_L)] + ([] if carried is None else [(carried, carried_L)])
-        best_x, best_lam, done = _improve(c, inv_c, starts, increments, epsilon, patience)
+        # patience 0 runs every round: no stop at the bound either.
+        best_x, best_lam, done = _improve(c, inv_c, starts, increments, epsilon, patience,
+                                          bound if patience else 0.0)
     chosen, lam, method = best_x, best_lam, "mwu"
     if best_lam >= static_lam / (1 + hysteresis):
         chosen, lam, method = static, static_lam, "mwu(static)"
     if carried is not None and carried_lam <= lam * (1 + hysteresis):
         chosen, method = carried, "mwu(previous)"
     return Plan(cands=c, flows=chosen, method=method, seconds=time.perf_counter() - t0, rounds=int(done),
-                capacity=given)
+                capacity=given, bound=bound)

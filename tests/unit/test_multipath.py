@@ -35,6 +35,7 @@ def test_mwu_within_10pct_of_lp_and_feasible(seed):
     lp.check(rtol=1e-6)
     assert lp.congestion <= pl.congestion * (1 + 1e-6)
     assert pl.congestion <= 1.10 * lp.congestion, (pl.congestion / lp.congestion)
+    assert 0 < pl.bound <= lp.congestion * (1 + 1e-9)  # the cut bound holds for every routing
     # Never worse than the static routes (the planner starts there and only accepts improvements).
     assert pl.congestion <= single_path(t, D).congestion * (1 + 1e-9)
 
@@ -205,3 +206,26 @@ def test_plan_does_not_depend_on_the_unit_of_capacity():
     b = plan(t, D, hysteresis=0, capacity=t.capacity * 1e-9)
     assert a.method == b.method == "mwu" and a.rounds == b.rounds
     np.testing.assert_allclose(b.flows, a.flows, rtol=1e-6, atol=1e-6 * float(D.max()))
+
+
+@pytest.mark.parametrize("skew", ["zipf-pairs:1.5", "zipf-dest:1.5", "hot-pair"])
+def test_cut_bound_is_tight_on_rails(skew):
+    """On a rail-symmetric cluster the node and rank cuts meet the LP optimum."""
+    t = preset("h100", nodes=2)
+    D = demand_matrix(t.size, skew, 16 << 20, seed=0)
+    pl = plan(t, D)
+    assert pl.bound == pytest.approx(lp_optimum(t, D).congestion, rel=1e-6)
+    # Measured capacities enter the bound: halving every link doubles it.
+    assert plan(t, D, capacity=t.capacity / 2).bound == pytest.approx(2 * pl.bound, rel=1e-12)
+
+
+def test_start_at_the_cut_bound_runs_no_rounds():
+    """Even striping meets the cut bound here (no routing is lower), so the planner keeps it without rounds;
+    with patience 0 every round runs."""
+    t = preset("h100", nodes=4)
+    D = demand_matrix(t.size, "zipf-pairs:1.5", 16 << 20, seed=0)
+    pl = plan(t, D)
+    assert pl.rounds == 0 and pl.method == "mwu"
+    assert pl.congestion <= pl.bound * (1 + 1e-3)
+    assert stripe(t, D).congestion == pytest.approx(pl.bound, rel=1e-9)
+    assert plan(t, D, patience=0, increments=8).rounds == 8

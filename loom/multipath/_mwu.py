@@ -16,7 +16,7 @@ import math
 import numpy as np
 from numba import njit
 
-__all__ = ["loads", "rounds", "split_demand"]
+__all__ = ["carry", "gather_paths", "l1_change", "loads", "rounds", "split_demand"]
 
 # Terms of the potential more than this many e-folds below its largest term change no float64 result.
 _NEGLIGIBLE = 40.0
@@ -75,6 +75,63 @@ def split_demand(D, min_bytes, static, node, pid, vol, base, sent, received, loc
                 _add_path(static, q, v, base)
         sent[s] = row
     return nf
+
+
+@njit(cache=True)
+def gather_paths(slots, k, table):
+    """The candidate paths of the path-table rows ``slots`` (``k``: paths per row, ``table``: ``(rows, k_max,
+    l_max)`` links) flattened in row order: ``(ptr, pair_of, links, rows)`` as :class:`Candidates` holds them."""
+    n = slots.size
+    ptr = np.zeros(n + 1, np.int64)
+    for i in range(n):
+        ptr[i + 1] = ptr[i] + k[slots[i]]
+    m = ptr[n]
+    width = table.shape[2]
+    pair_of = np.empty(m, np.int64)
+    rows = np.empty((m, 2), np.int64)
+    links = np.empty((m, width), np.int32)
+    for i in range(n):
+        r = slots[i]
+        for j in range(ptr[i + 1] - ptr[i]):
+            q = ptr[i] + j
+            pair_of[q] = i
+            rows[q, 0] = r
+            rows[q, 1] = j
+            for e in range(width):
+                links[q, e] = table[r, j, e]
+    return ptr, pair_of, links, rows
+
+
+@njit(cache=True)
+def carry(old_pid, old_ptr, old_flows, old_vol, pid, ptr, vol, out):
+    """``out``: each pair of ``pid`` (ascending ``s * P + d``, paths at ``ptr``) gets ``vol`` bytes split in
+    the shares its paths had in the old plan (``old_*``, ascending too); a pair new to it all on path 0."""
+    j = 0
+    for i in range(pid.size):
+        q = pid[i]
+        while j < old_pid.size and old_pid[j] < q:
+            j += 1
+        a, b = ptr[i], ptr[i + 1]
+        if j < old_pid.size and old_pid[j] == q and old_vol[j] > 0.0:
+            o = old_ptr[j]
+            for t in range(b - a):
+                out[a + t] = old_flows[o + t] / old_vol[j] * vol[i]
+        else:
+            out[a] = vol[i]
+            for t in range(a + 1, b):
+                out[t] = 0.0
+
+
+@njit(cache=True)
+def l1_change(D, old):
+    """``(sum |D - old|, sum old)``."""
+    diff = 0.0
+    total = 0.0
+    for s in range(D.shape[0]):
+        for d in range(D.shape[1]):
+            diff += abs(D[s, d] - old[s, d])
+            total += old[s, d]
+    return diff, total
 
 
 @njit(cache=True)

@@ -137,15 +137,9 @@ class PathTable:
         key = pid.tobytes()
         got = self._views.pop(key, None)
         if got is None:
-            slots = self.ensure(pid)
-            k = self.k[slots]
-            ptr = np.zeros(len(pid) + 1, dtype=np.int64)
-            np.cumsum(k, out=ptr[1:])
-            pair_of = np.repeat(np.arange(len(pid)), k)
-            within = np.arange(int(ptr[-1])) - ptr[pair_of]
-            rows = np.stack([slots[pair_of], within], axis=1)
-            links = self.links[rows[:, 0], rows[:, 1]] if len(rows) else np.full((0, 1), -1, dtype=np.int32)
-            got = (ptr, pair_of, np.ascontiguousarray(links), rows)
+            from ._mwu import gather_paths
+
+            got = gather_paths(self.ensure(pid), self.k, self.links)
         self._views[key] = got
         if len(self._views) > 8:
             self._views.pop(next(iter(self._views)))

@@ -153,19 +153,14 @@ def _carry(previous: Plan, c: Candidates) -> np.ndarray | None:
     """``previous``'s per-pair path shares applied to ``c``'s volumes (pairs new to ``c``: static)."""
     if previous.topology is not c.topology:
         return None
+    from ._mwu import carry
+
     p = c.topology.size
-    pid = c.pairs[:, 0] * p + c.pairs[:, 1]
-    old = previous.cands.pairs[:, 0] * p + previous.cands.pairs[:, 1]
-    share = np.zeros(len(c.pair_of))
-    if len(c.volume):
-        share[c.ptr[:-1]] = 1.0
-    if len(old) and len(pid):
-        pos = np.minimum(np.searchsorted(old, pid), len(old) - 1)
-        hit = (old[pos] == pid)[c.pair_of]
-        within = np.arange(len(c.pair_of)) - c.ptr[c.pair_of]
-        src = previous.cands.ptr[pos[c.pair_of]] + within
-        share[hit] = previous.fractions()[src[hit]]
-    return share * c.volume[c.pair_of]
+    old = previous.cands
+    out = np.empty(len(c.pair_of))
+    carry(old.pairs[:, 0] * p + old.pairs[:, 1], old.ptr, np.ascontiguousarray(previous.flows, dtype=np.float64),
+          old.volume, c.pairs[:, 0] * p + c.pairs[:, 1], c.ptr, c.volume, out)
+    return out
 
 
 def _max_util(loads: np.ndarray, inv_c: np.ndarray) -> float:
@@ -226,8 +221,10 @@ def _reusable(previous: Plan | None, D: np.ndarray, topology: Topology, reuse: f
     if (previous.capacity is None) != (capacity is None) or (
             capacity is not None and not np.array_equal(previous.capacity, capacity)):
         return False  # the links changed: the old shares may be wrong however little the demand moved
-    old = previous.demand
-    return float(np.abs(D - old).sum()) <= reuse * float(old.sum())
+    from ._mwu import l1_change
+
+    moved, total = l1_change(D, np.ascontiguousarray(previous.demand, dtype=np.float64))
+    return moved <= reuse * total
 
 
 def plan(

@@ -229,3 +229,34 @@ def test_start_at_the_cut_bound_runs_no_rounds():
     assert pl.congestion <= pl.bound * (1 + 1e-3)
     assert stripe(t, D).congestion == pytest.approx(pl.bound, rel=1e-9)
     assert plan(t, D, patience=0, increments=8).rounds == 8
+
+
+def test_warm_start_carries_shares_by_pair():
+    """The previous plan's shares follow each pair (matched by source and destination) to the new volumes;
+    pairs new to this demand start on their static route, pairs that left are dropped."""
+    from loom.multipath.paths import candidates
+    from loom.multipath.planner import _carry
+
+    t = preset("h100", nodes=2)
+    rng = np.random.default_rng(5)
+    D1 = demand_matrix(t.size, "zipf-pairs:1.5", 4 << 20, seed=5)
+    D2 = D1 * rng.uniform(0.5, 1.5, D1.shape) * (rng.random(D1.shape) < 0.8)
+    off = D1 + np.eye(t.size) * D1.max()
+    D2[np.unravel_index(np.argmin(off), off.shape)] = 64 << 20  # a pair below min_bytes before: new
+    first = plan(t, D1, hysteresis=0)
+    c = candidates(t, D2, 1 << 20)
+    got = _carry(first, c)
+    old = {tuple(pr): i for i, pr in enumerate(first.cands.pairs.tolist())}
+    frac = first.fractions()
+    new = 0
+    for i, (s, d) in enumerate(c.pairs.tolist()):
+        a, b = c.ptr[i], c.ptr[i + 1]
+        if (s, d) in old:
+            j = old[(s, d)]
+            want = frac[first.cands.ptr[j]:first.cands.ptr[j + 1]] * c.volume[i]
+        else:
+            new += 1
+            want = np.zeros(b - a)
+            want[0] = c.volume[i]
+        np.testing.assert_allclose(got[a:b], want, rtol=1e-12, err_msg=str((s, d)))
+    assert new > 0 and len(old) > len(c.volume) - new  # some pairs new, some gone

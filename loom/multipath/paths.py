@@ -29,6 +29,13 @@ def _kind_name(code: int) -> str:
     return ("static", "direct", "relay")[code] if code < 3 else f"rail{code - 3}"
 
 
+def _regrow(a: np.ndarray, shape: tuple[int, ...], fill: int) -> np.ndarray:
+    """``a`` copied into the corner of a new ``shape`` array of ``fill``."""
+    out = np.full(shape, fill, dtype=a.dtype)
+    out[tuple(slice(0, n) for n in a.shape)] = a
+    return out
+
+
 class PathTable:
     """Every candidate path of the pairs seen so far, as arrays (one table per :class:`Topology`).
 
@@ -48,6 +55,8 @@ class PathTable:
         """``s * P + d`` of each row."""
         self.kinds = np.zeros((0, 1), dtype=np.int16)
         self.relays = np.full((0, 1, 1), -1, dtype=np.int32)
+        self.n = 0
+        """Rows filled (the arrays above have room for more)."""
         self._objects: dict[tuple[int, int], Path] = {}
         self._static: np.ndarray | None = None
         self._views: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -86,24 +95,25 @@ class PathTable:
         return rows, k, kinds, relays
 
     def _append(self, missing, rows, k, kinds, relays) -> None:
-        old = len(self.k)
-        shape = (old + len(missing), max(self.links.shape[1], rows.shape[1]), max(self.links.shape[2], rows.shape[2]))
-        grown = np.full(shape, -1, dtype=np.int32)
-        grown[:old, :self.links.shape[1], :self.links.shape[2]] = self.links
-        grown[old:, :rows.shape[1], :rows.shape[2]] = rows
-        self.links = grown
-        g_kinds = np.zeros(shape[:2], dtype=np.int16)
-        g_kinds[:old, :self.kinds.shape[1]] = self.kinds
-        g_kinds[old:, :kinds.shape[1]] = kinds
-        self.kinds = g_kinds
+        old, need = self.n, self.n + len(missing)
+        shape = (max(self.links.shape[1], rows.shape[1]), max(self.links.shape[2], rows.shape[2]))
         rmax = max(self.relays.shape[2], relays.shape[2])
-        g_rel = np.full((*shape[:2], rmax), -1, dtype=np.int32)
-        g_rel[:old, :self.relays.shape[1], :self.relays.shape[2]] = self.relays
-        g_rel[old:, :relays.shape[1], :relays.shape[2]] = relays
-        self.relays = g_rel
-        self.k = np.concatenate([self.k, k]).astype(np.int64)
-        self.pair = np.concatenate([self.pair, missing]).astype(np.int64)
-        self.slot[missing] = np.arange(old, old + len(missing))
+        if need > len(self.k) or shape != self.links.shape[1:] or rmax != self.relays.shape[2]:
+            # Room for twice the rows: a job meets new flexible pairs over many steps, and copying the whole
+            # table for each few would cost every such step O(table).
+            cap = max(need, 2 * len(self.k), 64)
+            self.links = _regrow(self.links[:old], (cap, *shape), -1)
+            self.kinds = _regrow(self.kinds[:old], (cap, shape[0]), 0)
+            self.relays = _regrow(self.relays[:old], (cap, shape[0], rmax), -1)
+            self.k = _regrow(self.k[:old], (cap,), 0)
+            self.pair = _regrow(self.pair[:old], (cap,), -1)
+        self.links[old:need, :rows.shape[1], :rows.shape[2]] = rows
+        self.kinds[old:need, :kinds.shape[1]] = kinds
+        self.relays[old:need, :relays.shape[1], :relays.shape[2]] = relays
+        self.k[old:need] = k
+        self.pair[old:need] = missing
+        self.slot[missing] = np.arange(old, need)
+        self.n = need
 
     def path(self, row: int, j: int) -> Path:
         """Candidate ``j`` of table row ``row`` as a :class:`Path` (built on first use)."""

@@ -40,6 +40,29 @@ def test_table_equals_reference(name):
     pid = np.array([s * p + d for s in range(p) for d in range(p) if s != d])
     table = path_table(fast)
     rows = table.ensure(pid[::-1].copy())[::-1]  # any order of first sight
+    _assert_table_matches(fast, ref, pid, rows)
+
+
+@pytest.mark.parametrize("name", ["h100x2", "testbed-routes", "odd-shared-nics"])
+def test_table_grows_over_many_batches(name):
+    """Pairs met a few at a time over many steps (the table grows with room to spare, and wider when a batch
+    has more paths or longer ones) give the same table as one batch."""
+    fast, ref = TOPOLOGIES[name](), TOPOLOGIES[name]()
+    p = fast.size
+    pid = np.array([s * p + d for s in range(p) for d in range(p) if s != d])
+    node = np.asarray(fast.node_of)
+    same = node[pid // p] == node[pid % p]
+    intra, inter = pid[same], pid[~same]
+    table = path_table(fast)
+    for chunk in [intra[:1], inter[:3], intra[1:5], *np.array_split(inter[3:], 7), intra[5:]]:
+        if len(chunk):
+            table.ensure(chunk.copy())
+    assert table.n == len(pid) and len(table.k) >= table.n
+    _assert_table_matches(fast, ref, pid, table.slot[pid])
+
+
+def _assert_table_matches(fast, ref, pid, rows):
+    table, p = path_table(fast), fast.size
     for q, r in zip(pid.tolist(), rows.tolist()):
         s, d = divmod(q, p)
         want = ref.paths(s, d)

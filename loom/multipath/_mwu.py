@@ -42,15 +42,16 @@ def loads(links, x, base, out):
 
 
 @njit(cache=True)
-def split_demand(D, min_bytes, static, node, pid, vol, base, sent, received, local):
+def split_demand(D, min_bytes, static, node, pid, vol, base, flex, sent, received, local):
     """One pass over the ``(P, P)`` demand ``D``: pairs with at least ``min_bytes`` (and > 0) go to ``pid``
-    (``s * P + d``) and ``vol``, the other non-zero pairs' bytes are added to ``base`` along their static
-    routes (``static``, one row per ``s * P + d``); per rank the bytes ``sent`` and ``received``, per node
-    (``node``: each rank's) the bytes between its own ranks (``local``). The diagonal is skipped; every
-    output array is zeroed here. Returns the flexible count, or -1 at the first negative or non-finite
+    (``s * P + d``) and ``vol`` and their bytes to ``flex`` along their static routes (``static``, one row per
+    ``s * P + d``), the other non-zero pairs' bytes to ``base`` along theirs; per rank the bytes ``sent`` and
+    ``received``, per node (``node``: each rank's) the bytes between its own ranks (``local``). The diagonal
+    is skipped; every output array is zeroed here. Returns the flexible count, or -1 at the first negative or non-finite
     entry (diagonal included)."""
     p = D.shape[0]
     base[:] = 0.0
+    flex[:] = 0.0
     received[:] = 0.0
     local[:] = 0.0
     nf = 0
@@ -71,6 +72,7 @@ def split_demand(D, min_bytes, static, node, pid, vol, base, sent, received, loc
                 pid[nf] = q
                 vol[nf] = v
                 nf += 1
+                _add_path(static, q, v, flex)
             else:
                 _add_path(static, q, v, base)
         sent[s] = row
@@ -80,7 +82,7 @@ def split_demand(D, min_bytes, static, node, pid, vol, base, sent, received, loc
 @njit(cache=True)
 def gather_paths(slots, k, table):
     """The candidate paths of the path-table rows ``slots`` (``k``: paths per row, ``table``: ``(rows, k_max,
-    l_max)`` links) flattened in row order: ``(ptr, pair_of, links, rows)`` as :class:`Candidates` holds them."""
+    l_max)`` links) flattened in row order: ``(ptr, pair_of, links)`` as :class:`Candidates` holds them."""
     n = slots.size
     ptr = np.zeros(n + 1, np.int64)
     for i in range(n):
@@ -88,18 +90,15 @@ def gather_paths(slots, k, table):
     m = ptr[n]
     width = table.shape[2]
     pair_of = np.empty(m, np.int64)
-    rows = np.empty((m, 2), np.int64)
     links = np.empty((m, width), np.int32)
     for i in range(n):
         r = slots[i]
         for j in range(ptr[i + 1] - ptr[i]):
             q = ptr[i] + j
             pair_of[q] = i
-            rows[q, 0] = r
-            rows[q, 1] = j
             for e in range(width):
                 links[q, e] = table[r, j, e]
-    return ptr, pair_of, links, rows
+    return ptr, pair_of, links
 
 
 @njit(cache=True)

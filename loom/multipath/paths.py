@@ -142,14 +142,15 @@ class PathTable:
         return got
 
     def view(self, pid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(ptr, pair_of, links, rows)`` of the pairs ``pid`` (see :class:`Candidates`); the last few pair
+        """``(ptr, pair_of, links, slots)`` of the pairs ``pid`` (see :class:`Candidates`); the last few pair
         sets are kept, since a job's heavy pairs stay the same over many steps."""
         key = pid.tobytes()
         got = self._views.pop(key, None)
         if got is None:
             from ._mwu import gather_paths
 
-            got = gather_paths(self.ensure(pid), self.k, self.links)
+            slots = self.ensure(pid)
+            got = (*gather_paths(slots, self.k, self.links), slots)
         self._views[key] = got
         if len(self._views) > 8:
             self._views.pop(next(iter(self._views)))
@@ -258,12 +259,14 @@ class Candidates:
     """``(n_paths,)`` pair index of each path."""
     links: np.ndarray
     """``(n_paths, l_max)`` directed links of each path, -1 padded."""
-    rows: np.ndarray
-    """``(n_paths, 2)`` (table row, index within the pair) of each path, for :attr:`paths`."""
+    slots: np.ndarray
+    """``(n,)`` each pair's row in the topology's :class:`PathTable`."""
     min_bytes: float
     """Pairs with less demand (and > 0) are fixed on their static route."""
     base: np.ndarray
     """Bytes per directed link from the fixed pairs."""
+    static_loads: np.ndarray
+    """Bytes per directed link when every pair, fixed or flexible, uses its static route."""
     crossing: np.ndarray
     """Bytes that must cross each of the topology's cuts (:class:`Cuts` order), whatever the routing."""
     _paths: list[Path] | None = field(default=None, repr=False)
@@ -283,6 +286,11 @@ class Candidates:
     def fixed_volume(self) -> np.ndarray:
         """``(m,)`` their bytes."""
         return self.demand.ravel()[self.fixed_pairs]
+
+    @property
+    def rows(self) -> np.ndarray:
+        """``(n_paths, 2)`` (table row, index within the pair) of each path."""
+        return np.stack([self.slots[self.pair_of], np.arange(len(self.pair_of)) - self.ptr[self.pair_of]], axis=1)
 
     @property
     def paths(self) -> list[Path]:
@@ -325,12 +333,13 @@ def candidates(topology: Topology, demand, min_bytes: float = 0.0, *, trusted: b
     table, cut = path_table(topology), cuts(topology)
     D = np.ascontiguousarray(D, dtype=np.float64)
     pid, vol = np.empty(p * p, dtype=np.int64), np.empty(p * p)
-    base, sent, received, local = np.empty(len(topology.links)), np.empty(p), np.empty(p), np.empty(cut.nodes)
-    nf = split_demand(D, float(min_bytes), table.static, cut.node, pid, vol, base, sent, received, local)
+    base, flex = np.empty(len(topology.links)), np.empty(len(topology.links))
+    sent, received, local = np.empty(p), np.empty(p), np.empty(cut.nodes)
+    nf = split_demand(D, float(min_bytes), table.static, cut.node, pid, vol, base, flex, sent, received, local)
     if nf < 0:
         check_demand(topology, D)  # raises the entry error
     pid, vol = pid[:nf].copy(), vol[:nf].copy()
-    ptr, pair_of, links, rows = table.view(pid)
+    ptr, pair_of, links, slots = table.view(pid)
     return Candidates(topology=topology, demand=D, pairs=np.stack([pid // p, pid % p], axis=1), volume=vol,
-                      ptr=ptr, pair_of=pair_of, links=links, rows=rows, min_bytes=float(min_bytes), base=base,
-                      crossing=cut.crossing(sent, received, local))
+                      ptr=ptr, pair_of=pair_of, links=links, slots=slots, min_bytes=float(min_bytes), base=base,
+                      static_loads=base + flex, crossing=cut.crossing(sent, received, local))

@@ -45,7 +45,7 @@ Everything runs in a fixed order, so every rank computes the same plan from the 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -78,11 +78,12 @@ class Plan:
     bound: float = 0.0
     """A lower bound on the congestion of any routing of this demand (the cut bound of
     :class:`loom.multipath.paths.Cuts`; 0 when not computed)."""
-    loads: np.ndarray = field(init=False)
-    """Bytes per directed link (:attr:`Topology.links` order)."""
+    loads: np.ndarray | None = None
+    """Bytes per directed link (:attr:`Topology.links` order); computed from the flows when not given."""
 
     def __post_init__(self) -> None:
-        self.loads = self.cands.loads(self.flows)
+        if self.loads is None:
+            self.loads = self.cands.loads(self.flows)
 
     @property
     def topology(self) -> Topology:
@@ -169,10 +170,11 @@ def _max_util(loads: np.ndarray, inv_c: np.ndarray) -> float:
 
 
 def _improve(c: Candidates, inv_c: np.ndarray, given: list[tuple[np.ndarray, np.ndarray]], increments: int,
-             epsilon: float, patience: int, bound: float) -> tuple[np.ndarray, float, int]:
+             epsilon: float, patience: int, bound: float) -> tuple[np.ndarray, float, int, np.ndarray | None]:
     """The rounds from the least congested start: ``given`` ``[(flows, loads), ...]`` (the static routes, then
     the plan in force re-applied when there is one) and even striping; none when that start is within
-    ``_GAIN`` of ``bound`` (no routing is lower); returns ``(flows, congestion, rounds run)``."""
+    ``_GAIN`` of ``bound`` (no routing is lower); returns ``(flows, congestion, rounds run, their loads or
+    None when the rounds changed them)``."""
     k = np.diff(c.ptr).astype(np.float64)
     even = c.volume[c.pair_of] / k[c.pair_of]
     # Even striping as a start: on large clusters the rounds alone, each moving flow between two paths per
@@ -181,12 +183,13 @@ def _improve(c: Candidates, inv_c: np.ndarray, given: list[tuple[np.ndarray, np.
     lam0, which = min((_max_util(L, inv_c), i) for i, (_, L) in enumerate(starts))
     x0, L0 = starts[which]
     if lam0 <= bound * (1 + _GAIN):
-        return x0, lam0, 0
+        return x0, lam0, 0, L0
     from . import _mwu
 
     # A warm start from the plan in force is near the optimum already: full steepness from the first round.
-    return _mwu.rounds(c.links, c.ptr, x0.copy(), L0.copy(), inv_c, increments, float(epsilon), which == 2, patience,
-                       _GAIN, bound)
+    x, lam, done = _mwu.rounds(c.links, c.ptr, x0.copy(), L0.copy(), inv_c, increments, float(epsilon), which == 2,
+                               patience, _GAIN, bound)
+    return x, lam, done, None  # the rounds' loads are updated in steps: the plan's are summed afresh
 
 
 def _validate(epsilon: float, increments: int, hysteresis: float, reuse: float, patience: int) -> None:
@@ -275,21 +278,21 @@ def plan(
     carried = None if previous is None else _carry(previous, c)
     if carried is not None and _reusable(previous, D, topology, reuse, given):
         return Plan(cands=c, flows=carried, method="mwu(reused)", seconds=time.perf_counter() - t0, capacity=given)
-    static_L = c.loads(static)
+    static_L = c.static_loads
     static_lam = _max_util(static_L, inv_c)
     bound = cuts(topology).lower_bound(c.crossing, cap)
-    best_x, best_lam, done = static, static_lam, 0
+    best_x, best_lam, done, best_L = static, static_lam, 0, static_L
     carried_L = None if carried is None else c.loads(carried)
     carried_lam = None if carried is None else _max_util(carried_L, inv_c)
     if (np.diff(c.ptr) > 1).any() and static_lam > 0:
         starts = [(static, static_L)] + ([] if carried is None else [(carried, carried_L)])
         # patience 0 runs every round: no stop at the bound either.
-        best_x, best_lam, done = _improve(c, inv_c, starts, increments, epsilon, patience,
-                                          bound if patience else 0.0)
-    chosen, lam, method = best_x, best_lam, "mwu"
+        best_x, best_lam, done, best_L = _improve(c, inv_c, starts, increments, epsilon, patience,
+                                                  bound if patience else 0.0)
+    chosen, lam, method, loads = best_x, best_lam, "mwu", best_L
     if best_lam >= static_lam / (1 + hysteresis):
-        chosen, lam, method = static, static_lam, "mwu(static)"
+        chosen, lam, method, loads = static, static_lam, "mwu(static)", static_L
     if carried is not None and carried_lam <= lam * (1 + hysteresis):
-        chosen, method = carried, "mwu(previous)"
+        chosen, method, loads = carried, "mwu(previous)", carried_L
     return Plan(cands=c, flows=chosen, method=method, seconds=time.perf_counter() - t0, rounds=int(done),
-                capacity=given, bound=bound)
+                capacity=given, bound=bound, loads=loads)

@@ -36,6 +36,7 @@ def test_mwu_within_10pct_of_lp_and_feasible(seed):
     assert lp.congestion <= pl.congestion * (1 + 1e-6)
     assert pl.congestion <= 1.10 * lp.congestion, (pl.congestion / lp.congestion)
     assert 0 < pl.bound <= lp.congestion * (1 + 1e-9)  # the cut bound holds for every routing
+    np.testing.assert_allclose(pl.loads, pl.cands.loads(pl.flows), rtol=1e-12, atol=1e-9 * float(D.max()))
     # Never worse than the static routes (the planner starts there and only accepts improvements).
     assert pl.congestion <= single_path(t, D).congestion * (1 + 1e-9)
 
@@ -69,6 +70,9 @@ def test_min_bytes_keeps_small_pairs_static_and_hysteresis_keeps_previous():
     same = plan(t, D * 1.01, previous=first)
     assert same.method == "mwu(reused)" and same.rounds == 0
     np.testing.assert_allclose(same.fractions(), first.fractions())
+    # The loads a plan reports are its flows' (kept from the start it chose, or summed afresh).
+    for pl in (first, again, same, plan(t, demand_matrix(4, "balanced", 16 << 20))):
+        np.testing.assert_allclose(pl.loads, pl.cands.loads(pl.flows), rtol=1e-12)
 
 
 def test_baselines_feasible_and_ordered():

@@ -16,7 +16,7 @@ import math
 import numpy as np
 from numba import njit
 
-__all__ = ["carry", "gather_paths", "l1_change", "loads", "rounds", "split_demand"]
+__all__ = ["carry", "cut_bytes", "gather_paths", "l1_change", "loads", "rounds", "split_demand"]
 
 # Terms of the potential more than this many e-folds below its largest term change no float64 result.
 _NEGLIGIBLE = 40.0
@@ -77,6 +77,23 @@ def split_demand(D, min_bytes, static, node, pid, vol, base, flex, sent, receive
                 _add_path(static, q, v, base)
         sent[s] = row
     return nf
+
+
+@njit(cache=True)
+def cut_bytes(sent, received, local, node, out):
+    """``out``: bytes over each cut of :class:`loom.multipath.paths.Cuts` (rank 0 out, rank 0 in, ...; then,
+    when ``out`` has room, node 0 out, node 0 in, ...: its ranks' bytes less those between them)."""
+    p = sent.size
+    for r in range(p):
+        out[2 * r] = sent[r]
+        out[2 * r + 1] = received[r]
+    if out.size > 2 * p:
+        for n in range(local.size):
+            out[2 * p + 2 * n] = -local[n]
+            out[2 * p + 2 * n + 1] = -local[n]
+        for r in range(p):
+            out[2 * p + 2 * node[r]] += sent[r]
+            out[2 * p + 2 * node[r] + 1] += received[r]
 
 
 @njit(cache=True)

@@ -193,12 +193,11 @@ class Cuts:
     def crossing(self, sent: np.ndarray, received: np.ndarray, local: np.ndarray) -> np.ndarray:
         """Bytes over each cut from per-rank bytes ``sent`` and ``received`` and per-node bytes ``local``
         (between a node's own ranks); the diagonal not counted."""
-        out = [np.stack([sent, received], axis=1).ravel()]
-        if self.nodes > 1:
-            node_sent = np.bincount(self.node, weights=sent, minlength=self.nodes) - local
-            node_received = np.bincount(self.node, weights=received, minlength=self.nodes) - local
-            out.append(np.stack([node_sent, node_received], axis=1).ravel())
-        return np.concatenate(out)
+        from ._mwu import cut_bytes
+
+        out = np.empty(len(self.ptr) - 1)
+        cut_bytes(sent, received, local, self.node, out)
+        return out
 
     def lower_bound(self, crossing: np.ndarray, capacity: np.ndarray) -> float:
         """``max_cut bytes / capacity``: no routing's congestion (busiest link's seconds) is lower."""

@@ -22,11 +22,18 @@ import scipy.sparse as sp
 
 from .topology import Path, Topology
 
-__all__ = ["Candidates", "PathTable", "candidates", "check_demand", "path_table"]
+__all__ = ["Candidates", "Cuts", "PathTable", "candidates", "check_demand", "cuts", "path_table"]
 
 
 def _kind_name(code: int) -> str:
     return ("static", "direct", "relay")[code] if code < 3 else f"rail{code - 3}"
+
+
+def _regrow(a: np.ndarray, shape: tuple[int, ...], fill: int) -> np.ndarray:
+    """``a`` copied into the corner of a new ``shape`` array of ``fill``."""
+    out = np.full(shape, fill, dtype=a.dtype)
+    out[tuple(slice(0, n) for n in a.shape)] = a
+    return out
 
 
 class PathTable:
@@ -48,6 +55,8 @@ class PathTable:
         """``s * P + d`` of each row."""
         self.kinds = np.zeros((0, 1), dtype=np.int16)
         self.relays = np.full((0, 1, 1), -1, dtype=np.int32)
+        self.n = 0
+        """Rows filled (the arrays above have room for more)."""
         self._objects: dict[tuple[int, int], Path] = {}
         self._static: np.ndarray | None = None
         self._views: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
@@ -86,24 +95,25 @@ class PathTable:
         return rows, k, kinds, relays
 
     def _append(self, missing, rows, k, kinds, relays) -> None:
-        old = len(self.k)
-        shape = (old + len(missing), max(self.links.shape[1], rows.shape[1]), max(self.links.shape[2], rows.shape[2]))
-        grown = np.full(shape, -1, dtype=np.int32)
-        grown[:old, :self.links.shape[1], :self.links.shape[2]] = self.links
-        grown[old:, :rows.shape[1], :rows.shape[2]] = rows
-        self.links = grown
-        g_kinds = np.zeros(shape[:2], dtype=np.int16)
-        g_kinds[:old, :self.kinds.shape[1]] = self.kinds
-        g_kinds[old:, :kinds.shape[1]] = kinds
-        self.kinds = g_kinds
+        old, need = self.n, self.n + len(missing)
+        shape = (max(self.links.shape[1], rows.shape[1]), max(self.links.shape[2], rows.shape[2]))
         rmax = max(self.relays.shape[2], relays.shape[2])
-        g_rel = np.full((*shape[:2], rmax), -1, dtype=np.int32)
-        g_rel[:old, :self.relays.shape[1], :self.relays.shape[2]] = self.relays
-        g_rel[old:, :relays.shape[1], :relays.shape[2]] = relays
-        self.relays = g_rel
-        self.k = np.concatenate([self.k, k]).astype(np.int64)
-        self.pair = np.concatenate([self.pair, missing]).astype(np.int64)
-        self.slot[missing] = np.arange(old, old + len(missing))
+        if need > len(self.k) or shape != self.links.shape[1:] or rmax != self.relays.shape[2]:
+            # Room for twice the rows: a job meets new flexible pairs over many steps, and copying the whole
+            # table for each few would cost every such step O(table).
+            cap = max(need, 2 * len(self.k), 64)
+            self.links = _regrow(self.links[:old], (cap, *shape), -1)
+            self.kinds = _regrow(self.kinds[:old], (cap, shape[0]), 0)
+            self.relays = _regrow(self.relays[:old], (cap, shape[0], rmax), -1)
+            self.k = _regrow(self.k[:old], (cap,), 0)
+            self.pair = _regrow(self.pair[:old], (cap,), -1)
+        self.links[old:need, :rows.shape[1], :rows.shape[2]] = rows
+        self.kinds[old:need, :kinds.shape[1]] = kinds
+        self.relays[old:need, :relays.shape[1], :relays.shape[2]] = relays
+        self.k[old:need] = k
+        self.pair[old:need] = missing
+        self.slot[missing] = np.arange(old, need)
+        self.n = need
 
     def path(self, row: int, j: int) -> Path:
         """Candidate ``j`` of table row ``row`` as a :class:`Path` (built on first use)."""
@@ -132,32 +142,76 @@ class PathTable:
         return got
 
     def view(self, pid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``(ptr, pair_of, links, rows)`` of the pairs ``pid`` (see :class:`Candidates`); the last few pair
+        """``(ptr, pair_of, links, slots)`` of the pairs ``pid`` (see :class:`Candidates`); the last few pair
         sets are kept, since a job's heavy pairs stay the same over many steps."""
         key = pid.tobytes()
         got = self._views.pop(key, None)
         if got is None:
+            from ._mwu import gather_paths
+
             slots = self.ensure(pid)
-            k = self.k[slots]
-            ptr = np.zeros(len(pid) + 1, dtype=np.int64)
-            np.cumsum(k, out=ptr[1:])
-            pair_of = np.repeat(np.arange(len(pid)), k)
-            within = np.arange(int(ptr[-1])) - ptr[pair_of]
-            rows = np.stack([slots[pair_of], within], axis=1)
-            links = self.links[rows[:, 0], rows[:, 1]] if len(rows) else np.full((0, 1), -1, dtype=np.int32)
-            got = (ptr, pair_of, np.ascontiguousarray(links), rows)
+            got = (*gather_paths(slots, self.k, self.links), slots)
         self._views[key] = got
         if len(self._views) > 8:
             self._views.pop(next(iter(self._views)))
         return got
 
-    def static_loads(self, flat: np.ndarray) -> np.ndarray:
-        """Bytes per directed link when every pair ``s * P + d`` sends ``flat[s * P + d]`` on its static route."""
-        from ._mwu import loads
 
-        out = np.empty(len(self.topology.links))
-        loads(self.static, flat, np.zeros(len(out)), out)
+class Cuts:
+    """Sets of directed links that every byte between two groups of ranks must cross, whatever its path: per
+    rank its outgoing and its incoming links, per node (with more than one) the links leaving and entering
+    the node (its ranks, plus every switch whose adjacent ranks are all on that node: NICs, an NVSwitch).
+    ``bytes over the cut / its capacity`` bounds the congestion of any routing from below (:func:`lower_bound`)."""
+
+    def __init__(self, topology: Topology):
+        from ._enumerate import enumerator
+
+        en = enumerator(topology)
+        p = topology.size
+        self.node = np.asarray(topology.node_of, dtype=np.int64)
+        self.nodes = int(self.node.max()) + 1 if p else 0
+        owner = np.full(len(en.names), -1, dtype=np.int64)
+        owner[:p] = self.node
+        for v in range(p, len(en.names)):
+            ranks = np.concatenate([en.dst[en.src == v], en.src[en.dst == v]])
+            on = np.unique(self.node[ranks[ranks < p]])
+            if len(on) == 1:
+                owner[v] = on[0]
+        groups = [(en.src == r, en.dst == r) for r in range(p)]
+        if self.nodes > 1:
+            for n in range(self.nodes):
+                inside = owner == n
+                groups.append((inside[en.src] & ~inside[en.dst], ~inside[en.src] & inside[en.dst]))
+        sets = [np.flatnonzero(m) for g in groups for m in g]
+        self.ptr = np.zeros(len(sets) + 1, dtype=np.int64)
+        np.cumsum([len(x) for x in sets], out=self.ptr[1:])
+        self.links = np.concatenate(sets) if sets else np.zeros(0, dtype=np.int64)
+        """Links of cut ``i``: ``links[ptr[i]:ptr[i + 1]]``; order: rank 0 out, rank 0 in, ..., node 0 out,
+        node 0 in, ..."""
+        self.cut_of = np.repeat(np.arange(len(sets)), np.diff(self.ptr))
+
+    def crossing(self, sent: np.ndarray, received: np.ndarray, local: np.ndarray) -> np.ndarray:
+        """Bytes over each cut from per-rank bytes ``sent`` and ``received`` and per-node bytes ``local``
+        (between a node's own ranks); the diagonal not counted."""
+        from ._mwu import cut_bytes
+
+        out = np.empty(len(self.ptr) - 1)
+        cut_bytes(sent, received, local, self.node, out)
         return out
+
+    def lower_bound(self, crossing: np.ndarray, capacity: np.ndarray) -> float:
+        """``max_cut bytes / capacity``: no routing's congestion (busiest link's seconds) is lower."""
+        cap = np.bincount(self.cut_of, weights=capacity[self.links], minlength=len(self.ptr) - 1)
+        ok = cap > 0  # an empty cut bounds nothing
+        return float((crossing[ok] / cap[ok]).max(initial=0.0))
+
+
+def cuts(topology: Topology) -> Cuts:
+    """The topology's :class:`Cuts` (built on first use, kept for the topology's lifetime)."""
+    got = topology._cache.get("cuts")
+    if got is None:
+        got = topology._cache["cuts"] = Cuts(topology)
+    return got
 
 
 def path_table(topology: Topology) -> PathTable:
@@ -204,16 +258,38 @@ class Candidates:
     """``(n_paths,)`` pair index of each path."""
     links: np.ndarray
     """``(n_paths, l_max)`` directed links of each path, -1 padded."""
-    rows: np.ndarray
-    """``(n_paths, 2)`` (table row, index within the pair) of each path, for :attr:`paths`."""
-    fixed_pairs: np.ndarray
-    """``(m,)`` ids ``s * P + d`` of the pairs kept on their static route (demand below the threshold)."""
-    fixed_volume: np.ndarray
-    """``(m,)`` their bytes."""
+    slots: np.ndarray
+    """``(n,)`` each pair's row in the topology's :class:`PathTable`."""
+    min_bytes: float
+    """Pairs with less demand (and > 0) are fixed on their static route."""
     base: np.ndarray
     """Bytes per directed link from the fixed pairs."""
+    static_loads: np.ndarray
+    """Bytes per directed link when every pair, fixed or flexible, uses its static route."""
+    crossing: np.ndarray
+    """Bytes that must cross each of the topology's cuts (:class:`Cuts` order), whatever the routing."""
     _paths: list[Path] | None = field(default=None, repr=False)
     _incidence: sp.csr_matrix | None = field(default=None, repr=False)
+    _fixed: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def fixed_pairs(self) -> np.ndarray:
+        """``(m,)`` ids ``s * P + d`` of the pairs kept on their static route (demand below the threshold)."""
+        if self._fixed is None:
+            flat = self.demand.ravel().copy()
+            flat[:: self.topology.size + 1] = 0
+            self._fixed = np.flatnonzero((flat > 0) & (flat < self.min_bytes))
+        return self._fixed
+
+    @property
+    def fixed_volume(self) -> np.ndarray:
+        """``(m,)`` their bytes."""
+        return self.demand.ravel()[self.fixed_pairs]
+
+    @property
+    def rows(self) -> np.ndarray:
+        """``(n_paths, 2)`` (table row, index within the pair) of each path."""
+        return np.stack([self.slots[self.pair_of], np.arange(len(self.pair_of)) - self.ptr[self.pair_of]], axis=1)
 
     @property
     def paths(self) -> list[Path]:
@@ -246,20 +322,23 @@ class Candidates:
 def candidates(topology: Topology, demand, min_bytes: float = 0.0, *, trusted: bool = False) -> Candidates:
     """Every pair with at least ``min_bytes`` (and > 0) of demand, with all its candidate paths; the rest
     fixed on their static routes (the diagonal is local and ignored). ``trusted``: ``demand`` already passed
-    :func:`check_demand`."""
-    D = demand if trusted else check_demand(topology, demand)
+    :func:`check_demand` (it is checked again in the same pass that splits it, at no extra cost)."""
+    D = demand if trusted else np.asarray(demand, dtype=np.float64)
     p = topology.size
-    flat = D.ravel().copy()
-    flat[:: p + 1] = 0
-    live = flat > 0
-    flex = live & (flat >= min_bytes)
-    pid = np.flatnonzero(flex)
-    fixed = np.flatnonzero(live & ~flex)
-    table = path_table(topology)
-    ptr, pair_of, links, rows = table.view(pid)
-    base = np.zeros(len(topology.links))
-    if len(fixed):
-        base = table.static_loads(np.where(live & ~flex, flat, 0.0))
-    return Candidates(topology=topology, demand=D, pairs=np.stack([pid // p, pid % p], axis=1), volume=flat[pid],
-                      ptr=ptr, pair_of=pair_of, links=links, rows=rows, fixed_pairs=fixed,
-                      fixed_volume=flat[fixed], base=base)
+    if D.shape != (p, p):
+        check_demand(topology, D)  # raises the shape error
+    from ._mwu import split_demand
+
+    table, cut = path_table(topology), cuts(topology)
+    D = np.ascontiguousarray(D, dtype=np.float64)
+    pid, vol = np.empty(p * p, dtype=np.int64), np.empty(p * p)
+    base, flex = np.empty(len(topology.links)), np.empty(len(topology.links))
+    sent, received, local = np.empty(p), np.empty(p), np.empty(cut.nodes)
+    nf = split_demand(D, float(min_bytes), table.static, cut.node, pid, vol, base, flex, sent, received, local)
+    if nf < 0:
+        check_demand(topology, D)  # raises the entry error
+    pid, vol = pid[:nf].copy(), vol[:nf].copy()
+    ptr, pair_of, links, slots = table.view(pid)
+    return Candidates(topology=topology, demand=D, pairs=np.stack([pid // p, pid % p], axis=1), volume=vol,
+                      ptr=ptr, pair_of=pair_of, links=links, slots=slots, min_bytes=float(min_bytes), base=base,
+                      static_loads=base + flex, crossing=cut.crossing(sent, received, local))

@@ -35,6 +35,8 @@ def test_mwu_within_10pct_of_lp_and_feasible(seed):
     lp.check(rtol=1e-6)
     assert lp.congestion <= pl.congestion * (1 + 1e-6)
     assert pl.congestion <= 1.10 * lp.congestion, (pl.congestion / lp.congestion)
+    assert 0 < pl.bound <= lp.congestion * (1 + 1e-9)  # the cut bound holds for every routing
+    np.testing.assert_allclose(pl.loads, pl.cands.loads(pl.flows), rtol=1e-12, atol=1e-9 * float(D.max()))
     # Never worse than the static routes (the planner starts there and only accepts improvements).
     assert pl.congestion <= single_path(t, D).congestion * (1 + 1e-9)
 
@@ -68,6 +70,9 @@ def test_min_bytes_keeps_small_pairs_static_and_hysteresis_keeps_previous():
     same = plan(t, D * 1.01, previous=first)
     assert same.method == "mwu(reused)" and same.rounds == 0
     np.testing.assert_allclose(same.fractions(), first.fractions())
+    # The loads a plan reports are its flows' (kept from the start it chose, or summed afresh).
+    for pl in (first, again, same, plan(t, demand_matrix(4, "balanced", 16 << 20))):
+        np.testing.assert_allclose(pl.loads, pl.cands.loads(pl.flows), rtol=1e-12)
 
 
 def test_baselines_feasible_and_ordered():
@@ -194,3 +199,80 @@ def test_plan_reuses_paths_and_keeps_small_pairs_as_fixed_load():
     # The second plan of the same demand finds every path enumerated.
     again = plan(t, D)
     assert again.flows.tobytes() == pl.flows.tobytes()
+
+
+def test_plan_does_not_depend_on_the_unit_of_capacity():
+    """Capacities in bytes/s or in GB/s give the same plan: path costs compare the bottleneck first and the
+    gradient only on exact ties, never a sum of the two with a fixed weight."""
+    t = preset("h100", nodes=3)
+    D = demand_matrix(t.size, "zipf-pairs:1.5", 16 << 20, seed=1)
+    a = plan(t, D, hysteresis=0)
+    b = plan(t, D, hysteresis=0, capacity=t.capacity * 1e-9)
+    assert a.method == b.method == "mwu" and a.rounds == b.rounds
+    np.testing.assert_allclose(b.flows, a.flows, rtol=1e-6, atol=1e-6 * float(D.max()))
+
+
+@pytest.mark.parametrize("skew", ["zipf-pairs:1.5", "zipf-dest:1.5", "hot-pair"])
+def test_cut_bound_is_tight_on_rails(skew):
+    """On a rail-symmetric cluster the node and rank cuts meet the LP optimum."""
+    t = preset("h100", nodes=2)
+    D = demand_matrix(t.size, skew, 16 << 20, seed=0)
+    pl = plan(t, D)
+    assert pl.bound == pytest.approx(lp_optimum(t, D).congestion, rel=1e-6)
+    # Measured capacities enter the bound: halving every link doubles it.
+    assert plan(t, D, capacity=t.capacity / 2).bound == pytest.approx(2 * pl.bound, rel=1e-12)
+
+
+def test_start_at_the_cut_bound_runs_no_rounds():
+    """Even striping meets the cut bound here (no routing is lower), so the planner keeps it without rounds;
+    with patience 0 every round runs."""
+    t = preset("h100", nodes=4)
+    D = demand_matrix(t.size, "zipf-pairs:1.5", 16 << 20, seed=0)
+    pl = plan(t, D)
+    assert pl.rounds == 0 and pl.method == "mwu"
+    assert pl.congestion <= pl.bound * (1 + 1e-3)
+    assert stripe(t, D).congestion == pytest.approx(pl.bound, rel=1e-9)
+    assert plan(t, D, patience=0, increments=8).rounds == 8
+
+
+def test_warm_start_carries_shares_by_pair():
+    """The previous plan's shares follow each pair (matched by source and destination) to the new volumes;
+    pairs new to this demand start on their static route, pairs that left are dropped."""
+    from loom.multipath.paths import candidates
+    from loom.multipath.planner import _carry
+
+    t = preset("h100", nodes=2)
+    rng = np.random.default_rng(5)
+    D1 = demand_matrix(t.size, "zipf-pairs:1.5", 4 << 20, seed=5)
+    D2 = D1 * rng.uniform(0.5, 1.5, D1.shape) * (rng.random(D1.shape) < 0.8)
+    off = D1 + np.eye(t.size) * D1.max()
+    D2[np.unravel_index(np.argmin(off), off.shape)] = 64 << 20  # a pair below min_bytes before: new
+    first = plan(t, D1, hysteresis=0)
+    c = candidates(t, D2, 1 << 20)
+    got = _carry(first, c)
+    old = {tuple(pr): i for i, pr in enumerate(first.cands.pairs.tolist())}
+    frac = first.fractions()
+    new = 0
+    for i, (s, d) in enumerate(c.pairs.tolist()):
+        a, b = c.ptr[i], c.ptr[i + 1]
+        if (s, d) in old:
+            j = old[(s, d)]
+            want = frac[first.cands.ptr[j]:first.cands.ptr[j + 1]] * c.volume[i]
+        else:
+            new += 1
+            want = np.zeros(b - a)
+            want[0] = c.volume[i]
+        np.testing.assert_allclose(got[a:b], want, rtol=1e-12, err_msg=str((s, d)))
+    assert new > 0 and len(old) > len(c.volume) - new  # some pairs new, some gone
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_start_near_the_cut_bound_closes_the_gap_in_few_rounds(seed):
+    """A start within 1 % of the cut bound runs at full steepness from the first round, as a warm start does,
+    and ends within 0.1 % of the bound (so of the optimum) after a round or two."""
+    t = preset("h100", nodes=2)
+    D = demand_matrix(t.size, "zipf-pairs:1.5", 16 << 20, seed=seed)
+    start = plan(t, D, increments=0)
+    assert start.bound * (1 + 1e-3) < start.congestion <= start.bound * 1.01
+    pl = plan(t, D)
+    assert pl.congestion <= pl.bound * (1 + 1e-3) and 1 <= pl.rounds <= 2

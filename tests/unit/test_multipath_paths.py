@@ -40,6 +40,29 @@ def test_table_equals_reference(name):
     pid = np.array([s * p + d for s in range(p) for d in range(p) if s != d])
     table = path_table(fast)
     rows = table.ensure(pid[::-1].copy())[::-1]  # any order of first sight
+    _assert_table_matches(fast, ref, pid, rows)
+
+
+@pytest.mark.parametrize("name", ["h100x2", "testbed-routes", "odd-shared-nics"])
+def test_table_grows_over_many_batches(name):
+    """Pairs met a few at a time over many steps (the table grows with room to spare, and wider when a batch
+    has more paths or longer ones) give the same table as one batch."""
+    fast, ref = TOPOLOGIES[name](), TOPOLOGIES[name]()
+    p = fast.size
+    pid = np.array([s * p + d for s in range(p) for d in range(p) if s != d])
+    node = np.asarray(fast.node_of)
+    same = node[pid // p] == node[pid % p]
+    intra, inter = pid[same], pid[~same]
+    table = path_table(fast)
+    for chunk in [intra[:1], inter[:3], intra[1:5], *np.array_split(inter[3:], 7), intra[5:]]:
+        if len(chunk):
+            table.ensure(chunk.copy())
+    assert table.n == len(pid) and len(table.k) >= table.n
+    _assert_table_matches(fast, ref, pid, table.slot[pid])
+
+
+def _assert_table_matches(fast, ref, pid, rows):
+    table, p = path_table(fast), fast.size
     for q, r in zip(pid.tolist(), rows.tolist()):
         s, d = divmod(q, p)
         want = ref.paths(s, d)
@@ -48,3 +71,36 @@ def test_table_equals_reference(name):
             assert table.path(r, j) == w, (s, d, j)
         st = table.static[q]
         assert tuple(st[st >= 0].tolist()) == ref._links_of(ref.static_route(s, d)), (s, d)
+
+
+@pytest.mark.parametrize("name", ["h100x2", "testbed-routes", "odd-shared-nics"])
+def test_candidates_split_flexible_and_fixed_pairs(name):
+    """The one-pass split of the demand: pairs at or above min_bytes flexible with all their paths, the rest
+    fixed on their static routes and summed into the per-link base load; the diagonal ignored."""
+    from loom.multipath.paths import candidates
+
+    t, ref = TOPOLOGIES[name](), TOPOLOGIES[name]()
+    p = t.size
+    rng = np.random.default_rng(7)
+    D = rng.exponential(1.0, (p, p)) * (rng.random((p, p)) < 0.7)
+    D[0, 1] = 0.5  # exactly at the threshold: flexible
+    D[1, 1] = 9.0  # local
+    c = candidates(t, D, min_bytes=0.5)
+    flex = [(s, d) for s in range(p) for d in range(p) if s != d and D[s, d] >= 0.5]
+    fixed = [(s, d) for s in range(p) for d in range(p) if s != d and 0 < D[s, d] < 0.5]
+    assert [tuple(x) for x in c.pairs.tolist()] == flex
+    np.testing.assert_array_equal(c.volume, [D[s, d] for s, d in flex])
+    assert c.fixed_pairs.tolist() == [s * p + d for s, d in fixed]
+    np.testing.assert_array_equal(c.fixed_volume, [D[s, d] for s, d in fixed])
+    base = np.zeros(len(t.links))
+    for s, d in fixed:
+        for e in ref._links_of(ref.static_route(s, d)):
+            base[e] += D[s, d]
+    np.testing.assert_allclose(c.base, base, rtol=1e-12)
+    for bad in (np.nan, -1.0, np.inf):
+        E = D.copy()
+        E[p - 1, p - 1] = bad  # checked on the diagonal too
+        with pytest.raises(ValueError, match="negative or non-finite"):
+            candidates(t, E)
+    with pytest.raises(ValueError, match="shape"):
+        candidates(t, D[:, :-1])

@@ -418,6 +418,53 @@ def test_numpy_arrays_framed_directly_read_back_as_dask_reads_them(deserialize):
             np.testing.assert_array_equal(x, a)
 
 
+def test_array_framing_reuses_a_packer_per_thread_safely():
+    """dumps_arrays keeps one msgpack packer per thread: a failed pack leaves no bytes behind for the next, the
+    frame list is not kept past the call, and threads packing at once each get their own message back."""
+    import sys
+    import threading
+
+    from distributed.protocol import to_serialize
+
+    assert frames_mod.dumps_arrays({"s": {1}}) is None  # fails inside the packer
+    assert frames_mod.dumps_arrays({"a": b"x"}) == ([protocol_dumps({"a": b"x"})[0]], False)
+    x = np.arange(5.0)
+    frames, _ = frames_mod.dumps_arrays({"x": to_serialize(x), "bad": {2}}) or (None, None)
+    assert frames is None and frames_mod._PACKERS.frames == []
+    errors: list = []
+
+    def work(k: int) -> None:
+        for i in range(300):
+            a = np.full(k + 1, i, np.int32)
+            msg = {"k": k, "i": i, "a": to_serialize(a), "s": "y" * (i % 7)}
+            try:
+                frames, arrays = frames_mod.dumps_arrays(msg)
+                got = frames_mod.loads_arrays([frames[0], memoryview(bytearray(frames[1]))])
+                ok = arrays and got["k"] == k and got["i"] == i and np.array_equal(got["a"], a)
+            except Exception as exc:  # noqa: BLE001 - a shared packer fails here
+                ok = repr(exc)
+            if ok is not True:
+                errors.append((k, i, ok))
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch inside the packer's callback as often as they can
+    try:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == []
+
+
+def protocol_dumps(msg):
+    from distributed import protocol
+
+    return protocol.dumps(msg)
+
+
 def test_array_messages_fall_back_to_dask_under_compression_or_other_serializers():
     from distributed.protocol import to_serialize
 

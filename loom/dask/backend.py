@@ -80,10 +80,8 @@ import dask.config
 import numpy as np
 from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
 from distributed.comm.registry import Backend
-import msgpack as _msgpack
 from distributed import protocol
-from distributed.protocol.serialize import Serialize, msgpack_decode_default
-from distributed.protocol.utils import msgpack_opts
+from distributed.protocol.serialize import Serialize
 from distributed.comm.utils import OFFLOAD_THRESHOLD as _OFFLOAD
 from distributed.comm.utils import from_frames, to_frames
 from distributed.sizeof import safe_sizeof
@@ -794,19 +792,6 @@ class _ReadOp:
         self.frames = frames
 
 
-_NOT_PLAIN = object()
-
-
-def _plain_loads(frame):
-    """Dask's ``protocol.loads`` of a one-frame message: with no sub-frames its object hook reduces to
-    ``msgpack_decode_default`` (an ``__Serialized__``/``__Pickled__`` marker needs a second frame).
-    ``_NOT_PLAIN`` on any error, so that Dask's own loads raises (and logs) it."""
-    try:
-        return _msgpack.loads(frame, object_hook=msgpack_decode_default, use_list=False, **msgpack_opts)
-    except Exception:  # noqa: BLE001
-        return _NOT_PLAIN
-
-
 def _copy_cost(msg, depth: int = 0) -> int:
     """Bytes of ``msg`` that Dask's serialisation copies or pickles (-1: unknown): its ``sizeof`` less the
     contiguous numpy arrays of plain dtypes behind ``to_serialize`` (as a worker's ``get_data`` reply carries
@@ -939,8 +924,8 @@ class MPIComm(Comm):
         if op.arrays:
             return frames_mod.loads_arrays(frames, self.deserialize)
         if len(frames) == 1:
-            msg = _plain_loads(frames[0])
-            if msg is not _NOT_PLAIN:
+            msg = frames_mod.loads_plain(frames[0])
+            if msg is not frames_mod.NOT_PLAIN:
                 return msg
         if (op.cheap or not (_OFFLOAD and self.allow_offload and self.deserialize)
                 or sum(map(nbytes, frames)) <= _OFFLOAD):

@@ -374,10 +374,19 @@ def test_plain_message_fast_paths_match_dask_protocol():
     for msg in plain:
         frames, arrays = frames_mod.dumps_arrays(msg)
         assert frames == protocol.dumps(msg) and not arrays, msg
-        assert B._plain_loads(frames[0]) == protocol.loads(frames), msg
+        assert frames_mod.loads_plain(frames[0]) == protocol.loads(frames), msg
     for msg in [{1, 2}, {"x": to_serialize(np.arange(3, dtype=object))}, np.arange(3), {"s": frozenset([1])},
                 {"x": to_serialize(np.arange(6.0)[::2])}, {"x": to_serialize([1, 2])}]:
         assert frames_mod.dumps_arrays(msg) is None, msg
+    assert frames_mod.loads_plain(protocol.dumps({"s": {1, 2}})[0]) == {"s": {1, 2}}  # Dask's own decode hook
+    one = protocol.dumps({"op": "x"})[0]
+    # Malformed, truncated, or with bytes after the object: Dask's loads raises it; the next frame still decodes.
+    for bad in (b"\xc1", one[:-1], one + b"\x01", b""):
+        assert frames_mod.loads_plain(bad) is frames_mod.NOT_PLAIN, bad
+        assert frames_mod.loads_plain(one) == {"op": "x"}
+    big = {"x": b"\1" * (frames_mod.UNPACK_MAX + 1), "l": [1]}  # past the reused unpacker's size
+    assert frames_mod.loads_plain(protocol.dumps(big)[0]) == protocol.loads(protocol.dumps(big))
+    assert frames_mod.loads_plain(one + b"\x01" * frames_mod.UNPACK_MAX) is frames_mod.NOT_PLAIN
 
 
 _ARRAYS = [np.arange(12.0).reshape(3, 4), np.asfortranarray(np.arange(24, dtype=np.int16).reshape(2, 3, 4)),
@@ -419,8 +428,9 @@ def test_numpy_arrays_framed_directly_read_back_as_dask_reads_them(deserialize):
 
 
 def test_array_framing_reuses_a_packer_per_thread_safely():
-    """dumps_arrays keeps one msgpack packer per thread: a failed pack leaves no bytes behind for the next, the
-    frame list is not kept past the call, and threads packing at once each get their own message back."""
+    """dumps_arrays and loads_plain keep one msgpack packer and unpacker per thread: a failed pack leaves no bytes
+    behind for the next, the frame list is not kept past the call, and threads packing and unpacking at once each
+    get their own message back."""
     import sys
     import threading
 
@@ -441,6 +451,8 @@ def test_array_framing_reuses_a_packer_per_thread_safely():
                 frames, arrays = frames_mod.dumps_arrays(msg)
                 got = frames_mod.loads_arrays([frames[0], memoryview(bytearray(frames[1]))])
                 ok = arrays and got["k"] == k and got["i"] == i and np.array_equal(got["a"], a)
+                small = {"k": k, "i": i, "s": "y" * (i % 7)}
+                ok = ok and frames_mod.loads_plain(frames_mod.dumps_arrays(small)[0][0]) == small
             except Exception as exc:  # noqa: BLE001 - a shared packer fails here
                 ok = repr(exc)
             if ok is not True:

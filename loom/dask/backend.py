@@ -688,7 +688,7 @@ class _ReadOp:
     def __init__(self, comm: "MPIComm"):
         self.comm = comm
         self.chan = comm._chan
-        self.misses = 0
+        self.misses = 1  # see poll: the close tag is not probed on a read's first miss
         self.cheap = False  # the message's header carried _CHEAP
         self.arrays = False  # ... and _ARRAYS
         self.frames: list | None = None
@@ -717,8 +717,9 @@ class _ReadOp:
             if self.head_req is None:
                 m = chan.eng.comm.try_recv(chan.peer, chan.recv_tag, EAGER_HEADER)
                 if m is None:
-                    # The close tag is probed on the first miss and every 8th after it: a waiting read then
-                    # costs one probe per test, not two, and a close is still seen within 8 tests.
+                    # The close tag is probed on every 8th miss, and on the first test after the poller was rung
+                    # (``bell`` resets misses): a waiting read costs one probe per test, not two, a reply that
+                    # comes within a few tests (a request's) costs none, and a close is seen within 8 tests.
                     self.misses += 1
                     if self.misses & 7 == 1 and chan.check_peer_close():
                         self.comm._mark_closed()
@@ -899,7 +900,7 @@ class MPIComm(Comm):
         if op is None or op.frames is not None or op.head_req is not None or op.reqs:
             op = self._op = _ReadOp(self)  # the last one was abandoned mid-message: a fresh one
         else:
-            op.misses = 0
+            op.misses = 1
         self._reader = op
         self._loop = asyncio.get_running_loop()
         try:

@@ -158,7 +158,6 @@ class _Packers(threading.local):
     hence one set per thread."""
 
     def __init__(self) -> None:
-        self.plain = msgpack.Packer(use_bin_type=True)
         self.meta = msgpack.Packer(use_bin_type=True)  # nested inside ``arrays``' pack: a packer of its own
         self.arrays = msgpack.Packer(use_bin_type=True, default=self._array)
         self.frames: list = []
@@ -200,11 +199,7 @@ def dumps_arrays(msg) -> tuple[list, bool] | None:
     (the arrays' frames are uint8 views, no copy; without arrays it is Dask's own single msgpack frame);
     ``None`` for anything else, which Dask's ``protocol.dumps`` must frame."""
     packers = _PACKERS
-    try:
-        return [packers.plain.pack(msg)], False  # msgpack's types only: the common small message
-    except Exception:  # noqa: BLE001 - a type msgpack does not know (the packer resets itself)
-        pass
-    packers.frames = frames = [None]
+    packers.frames = frames = [None]  # without arrays the default hook never runs: msgpack's own bytes
     try:
         frames[0] = packers.arrays.pack(msg)
     except Exception:  # noqa: BLE001 - _Other, or a type msgpack refuses: Dask's dumps decides (and reports)

@@ -235,6 +235,7 @@ def _watchdog_loop() -> None:
                     f"a peer probably never joined this operation. Aborting the job.\n"
                 )
                 sys.stderr.flush()
+                time.sleep(ABORT_GRACE_S)  # let the launcher read the report before it kills the ranks
                 MPI.COMM_WORLD.Abort(3)
         time.sleep(min(0.25, limit / 4))
 

@@ -862,9 +862,11 @@ def _layout_arrays(frames: list) -> tuple[list[int], bytearray, list, int]:
     sizes += [a.size for a in frames[1:]]
     flags = bytearray(_HOST if size >= INLINE_MAX else _INLINE for size in sizes)
     inline = sum(size for size, flag in zip(sizes, flags) if flag == _INLINE)
-    if flags[0] == _HOST:  # a large msgpack frame (many small arrays or long strings): sent as a uint8 view
-        frames = [np.frombuffer(frames[0], np.uint8), *frames[1:]]
-    return sizes, flags, frames, inline
+    # What is sent separately goes as a uint8 array (a large msgpack frame: many small arrays, long strings);
+    # what is copied into the header as a buffer bytearray's slice assignment takes (it refuses an ndarray).
+    arrays = [(np.frombuffer(f, np.uint8) if type(f) is bytes else f) if flag else
+              (f if type(f) is bytes else memoryview(f)) for f, flag in zip(frames, flags)]
+    return sizes, flags, arrays, inline
 
 
 class MPIComm(Comm):

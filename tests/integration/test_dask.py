@@ -136,6 +136,7 @@ def test_bench_dask_small_end_to_end(tmp_path):
     assert [r["Size"] for r in doc["latency"]][:2] == [1, 2] and doc["latency"][-1]["Size"] == 131072
     assert all(r["mpi (us)"] > 0 and r["tcp (us)"] > 0 for r in doc["latency"])
     assert all(r["loom.comm (MB/s)"] > 0 and r["mpi/loom.comm"] > 0 for r in doc["bandwidth"])  # raw reference
+    assert all(r["2 bufs (MB/s)"] > 0 and r["mpi/2 bufs"] > 0 for r in doc["bandwidth"])  # ... with a comm's buffers
     assert {r["Application"] for r in doc["apps"]} == {"(x + x.T).sum()", "dataframe merge", "tiny tasks"}
     assert "tcp cluster first" in proc.stdout
     assert all(r["mpi cpu (s)"] > 0 and r["tcp cpu (s)"] > 0 for r in doc["apps"])

@@ -427,6 +427,33 @@ def test_numpy_arrays_framed_directly_read_back_as_dask_reads_them(deserialize):
             np.testing.assert_array_equal(x, a)
 
 
+def test_framed_arrays_cross_a_comm_inline_and_separate():
+    """Through a real comm pair: arrays below INLINE_MAX ride in the header, larger ones and a msgpack frame
+    past INLINE_MAX (long strings) travel as frames of their own; every array reads back equal."""
+    from distributed.protocol import to_serialize
+
+    big = np.random.default_rng(5).standard_normal(B.INLINE_MAX // 4)  # 2x INLINE_MAX bytes
+    msgs = [{"data": {f"k{i}": to_serialize(a) for i, a in enumerate([*_ARRAYS, big])}},
+            {"text": "t" * (B.INLINE_MAX + 1), "x": to_serialize(_ARRAYS[1]), "y": to_serialize(big)}]
+    assert all(frames_mod.dumps_arrays(m)[1] for m in msgs)
+
+    async def main():
+        a, b = await C.comm_pair(ADDR)
+        for m in msgs:
+            await a.write(m)
+            got = await b.read()
+            sent = m["data"] if "data" in m else {"x": m["x"], "y": m["y"]}
+            for k, v in sent.items():
+                g = got["data"][k] if "data" in m else got[k]
+                assert g.dtype == v.data.dtype and g.strides == v.data.strides, k
+                np.testing.assert_array_equal(g, v.data)
+            assert "data" in m or got["text"] == m["text"]
+        await a.close()
+        await b.close()
+
+    run(main())
+
+
 def test_array_framing_reuses_a_packer_per_thread_safely():
     """dumps_arrays and loads_plain keep one msgpack packer and unpacker per thread: a failed pack leaves no bytes
     behind for the next, the frame list is not kept past the call, and threads packing and unpacking at once each

@@ -166,8 +166,8 @@ def _unpacker() -> msgpack.Unpacker:
 
 class _Packers(threading.local):
     """This thread's msgpack packers. ``msgpack.dumps`` builds a ``Packer`` (and its 256 KiB buffer) on every
-    call, ~1.1 us of the ~3 us of Python in a 1-byte message's write; a packer is reusable but not thread-safe,
-    hence one set per thread."""
+    call: 0.65-1.3 us for a 1-byte message (timeit), against 0.12-0.14 us for a reused packer. A packer is not
+    thread-safe, hence one set per thread."""
 
     def __init__(self) -> None:
         self.meta = msgpack.Packer(use_bin_type=True)  # nested inside ``arrays``' pack: a packer of its own

@@ -1055,7 +1055,8 @@ class MPIComm(Comm):
         chan = self._chan
         n = len(frames)
         if n == 1 and type(frames[0]) is bytes and len(frames[0]) < INLINE_MAX:  # the common small message
-            head = _HEAD1.pack(_DATA, 1, CHUNK_BYTES, len(frames[0]), _INLINE) + frames[0]
+            kind = _DATA | (_ARRAYS if framed_arrays else 0)  # arrays inlined in the frame (frames.INLINE_ARRAY_MAX)
+            head = _HEAD1.pack(kind, 1, CHUNK_BYTES, len(frames[0]), _INLINE) + frames[0]
             req = chan.eng.comm.isend_eager(head, chan.peer, chan.send_tag)
             chan.n_sent += 1
             if req is None:  # sent eagerly (the usual case): nothing to keep

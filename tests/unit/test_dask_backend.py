@@ -395,21 +395,24 @@ _ARRAYS = [np.arange(12.0).reshape(3, 4), np.asfortranarray(np.arange(24, dtype=
            np.arange(10.0)[2:7], np.arange(12).reshape(3, 4)[:, :1].copy(order="F")]
 
 
+@pytest.mark.parametrize("inline", [False, True])
 @pytest.mark.parametrize("deserialize", [True, False])
-def test_numpy_arrays_framed_directly_read_back_as_dask_reads_them(deserialize):
+def test_numpy_arrays_framed_directly_read_back_as_dask_reads_them(deserialize, inline, monkeypatch):
     """dumps_arrays/loads_arrays against Dask's protocol.dumps/loads: the same arrays (dtype, shape, memory
-    order, values, writeable), built over the received frames without a copy; not deserialising gives Dask's
-    Serialized, which deserialises to the same array."""
+    order, values, writeable), built over the received frames without a copy (or, up to INLINE_ARRAY_MAX,
+    carried inside the msgpack frame); not deserialising gives Dask's Serialized, which deserialises to the same
+    array."""
     from distributed import protocol
     from distributed.protocol import to_serialize
     from distributed.protocol.serialize import Serialized, deserialize as dask_deserialize
 
+    monkeypatch.setattr(frames_mod, "INLINE_ARRAY_MAX", 1 << 20 if inline else -1)
     ro = np.arange(3.0)
     ro.flags.writeable = False
     arrays = [*_ARRAYS, ro]
     msg = {"op": "get_data", "data": {f"k{i}": to_serialize(a) for i, a in enumerate(arrays)}, "l": [1, (2,)]}
     frames, has_arrays = frames_mod.dumps_arrays(msg)
-    assert has_arrays and len(frames) == 1 + len(arrays)
+    assert has_arrays and len(frames) == (1 if inline else 1 + len(arrays))
     received = [frames[0]] + [memoryview(bytearray(f)) for f in frames[1:]]  # as they land in a receive block
     got = frames_mod.loads_arrays(received, deserialize=deserialize)
     want = protocol.loads(protocol.dumps(msg), deserialize=deserialize)
@@ -419,7 +422,7 @@ def test_numpy_arrays_framed_directly_read_back_as_dask_reads_them(deserialize):
         if not deserialize:
             assert type(g) is type(w) is Serialized
             g, w = dask_deserialize(g.header, g.frames), dask_deserialize(w.header, w.frames)
-        else:
+        elif not inline:
             assert np.shares_memory(g, np.frombuffer(received[i + 1], np.uint8)) or a.size == 0
         for x in (g, w):
             assert x.dtype == a.dtype and x.shape == a.shape and x.strides == a.strides, (i, x.strides)
@@ -428,13 +431,17 @@ def test_numpy_arrays_framed_directly_read_back_as_dask_reads_them(deserialize):
 
 
 def test_framed_arrays_cross_a_comm_inline_and_separate():
-    """Through a real comm pair: arrays below INLINE_MAX ride in the header, larger ones and a msgpack frame
-    past INLINE_MAX (long strings) travel as frames of their own; every array reads back equal."""
+    """Through a real comm pair: arrays up to INLINE_ARRAY_MAX ride inside the msgpack frame, larger ones below
+    INLINE_MAX in the header, larger ones still and a msgpack frame past INLINE_MAX (long strings) as frames of
+    their own; every array reads back equal."""
     from distributed.protocol import to_serialize
 
     big = np.random.default_rng(5).standard_normal(B.INLINE_MAX // 4)  # 2x INLINE_MAX bytes
-    msgs = [{"data": {f"k{i}": to_serialize(a) for i, a in enumerate([*_ARRAYS, big])}},
-            {"text": "t" * (B.INLINE_MAX + 1), "x": to_serialize(_ARRAYS[1]), "y": to_serialize(big)}]
+    mid = np.arange(frames_mod.INLINE_ARRAY_MAX // 4, dtype=np.float64)  # 2x INLINE_ARRAY_MAX: in the header
+    assert frames_mod.INLINE_ARRAY_MAX < mid.nbytes < B.INLINE_MAX
+    msgs = [{"data": {f"k{i}": to_serialize(a) for i, a in enumerate([*_ARRAYS, mid, big])}},
+            {"text": "t" * (B.INLINE_MAX + 1), "x": to_serialize(_ARRAYS[1]), "y": to_serialize(big)},
+            {"data": {"small": to_serialize(_ARRAYS[0])}}]  # one frame: the backend's one-frame path
     assert all(frames_mod.dumps_arrays(m)[1] for m in msgs)
 
     async def main():
@@ -472,12 +479,14 @@ def test_array_framing_reuses_a_packer_per_thread_safely():
 
     def work(k: int) -> None:
         for i in range(300):
-            a = np.full(k + 1, i, np.int32)
+            # odd i: an array past INLINE_ARRAY_MAX, in a frame of its own; even i: inside the msgpack frame
+            a = np.full(k + 1 + (i % 2) * frames_mod.INLINE_ARRAY_MAX // 4, i, np.int32)
             msg = {"k": k, "i": i, "a": to_serialize(a), "s": "y" * (i % 7)}
             try:
                 frames, arrays = frames_mod.dumps_arrays(msg)
-                got = frames_mod.loads_arrays([frames[0], memoryview(bytearray(frames[1]))])
-                ok = arrays and got["k"] == k and got["i"] == i and np.array_equal(got["a"], a)
+                got = frames_mod.loads_arrays([frames[0], *(memoryview(bytearray(f)) for f in frames[1:])])
+                ok = arrays and len(frames) == 1 + i % 2 and got["k"] == k and got["i"] == i
+                ok = ok and np.array_equal(got["a"], a)
                 small = {"k": k, "i": i, "s": "y" * (i % 7)}
                 ok = ok and frames_mod.loads_plain(frames_mod.dumps_arrays(small)[0][0]) == small
             except Exception as exc:  # noqa: BLE001 - a shared packer fails here

@@ -28,7 +28,8 @@ fields), without its per-message machinery (serializer dispatch, compression che
 which costs more than MPI's copy of a 4 MiB frame on one host. The receiver builds each array over its frame
 in the block (no copy), or, for a comm that does not deserialise (the scheduler), Dask's own ``Serialized``
 of it. Arrays up to :data:`INLINE_ARRAY_MAX` carry their bytes inside the extension object instead (frame index
--1), so that a message of small arrays stays one frame. Anything else (other types, compression negotiated, other serializers) takes Dask's path.
+-1), so that a message of small arrays stays one frame. Anything else (other types, compression negotiated,
+other serializers) takes Dask's path.
 
 **CUDA frames** (objects with ``__cuda_array_interface__``, e.g. from Dask's ``"cuda"`` serializers) travel as
 device tensors. A CUDA-aware MPI reads device memory outside every stream's order, so before the pointer reaches

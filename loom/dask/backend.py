@@ -856,8 +856,8 @@ def _layout(frames: list) -> tuple[list[int], bytearray, list, int]:
 
 def _layout_arrays(frames: list) -> tuple[list[int], bytearray, list, int]:
     """:func:`_layout` of what :func:`loom.dask.frames.dumps_arrays` framed: a ``bytes`` frame, then flat uint8
-    arrays. Their sizes are known and no frame continues another (none was split), so nothing is looked up: after
-    a large copy has flushed the caches, each Python step on the critical path costs ~10x its warm time."""
+    arrays. Their sizes are known and no frame continues another (none was split), so nothing is looked up: on the
+    critical path of a large message, right after a copy has flushed the caches, every Python step counts."""
     sizes = [len(frames[0])]
     sizes += [a.size for a in frames[1:]]
     flags = bytearray(_HOST if size >= INLINE_MAX else _INLINE for size in sizes)

@@ -109,7 +109,7 @@ class BlockPool:
 
     def _owner_type(self, size: int) -> type:
         """The owner class of blocks of ``size`` bytes: a ``ctypes`` array whose ``__del__`` hands its block
-        back (a ``weakref.finalize`` per block cost ~4-9 us per message warm, ~25 us with cold caches)."""
+        back (cheaper per message than a ``weakref.finalize`` per block, which registers and later unregisters it)."""
         cls = self._owners.get(size)
         if cls is None:
             give_back = self._returned.append
@@ -161,9 +161,8 @@ NOT_PLAIN = object()
 #: as large as the largest frame); larger ones through ``msgpack.loads``
 UNPACK_MAX = 64 * 1024
 #: arrays up to this many bytes travel inside the message's msgpack frame (copied by each packer and unpacker on
-#: the way, cheap at this size), so a message of small arrays is one frame and takes the backend's one-frame path:
-#: with a separate frame, an echoed 64-byte array took 66-81 us one way against 8-13 us for 64 ``bytes`` (two
-#: ranks, 2026-12-03), and inlining it brought the median from 106 to 73 us in an A/B run
+#: the way, cheap at this size), so a message of small arrays is one frame and takes the backend's one-frame path
+#: rather than a header and a frame per array
 INLINE_ARRAY_MAX = 16 * 1024
 
 

@@ -34,6 +34,7 @@ subsystems numbering tags from 0 never match each other's messages.
 from __future__ import annotations
 
 import pickle
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -58,6 +59,7 @@ _as_bytes = _b.as_bytes
 _host_view = _b.host_view
 _fromaddress = MPI.buffer.fromaddress
 _BYTE = MPI.BYTE
+_clock = time.perf_counter
 _Tensor = torch.Tensor
 _ndarray = np.ndarray
 
@@ -206,15 +208,27 @@ class Communicator:
             return None
         return Request([req], keep=buf, what=("isend to", dest, self.name))
 
-    def try_recv(self, source: int, tag: int, limit: int) -> "bytearray | Message | None":
+    def try_recv(self, source: int, tag: int, limit: int, spin_s: float = 0.0) -> "bytearray | Message | None":
         """Match the next message from ``source`` on ``tag`` (``MPI_Improbe``) without blocking: ``None`` when
         none is waiting; a new ``bytearray`` holding it when it is at most ``limit`` bytes (received at once,
         ``MPI_Mrecv``: such a message travelled eagerly); else the :class:`Message`, to receive with ``irecv``.
+
+        ``spin_s``: keep probing for up to that many seconds before giving up, in a loop of nothing but the probe
+        and a clock read (a few times the probe rate of a Python poll loop: a message is seen sooner after it
+        lands); the calling thread does nothing else meanwhile.
         """
         status = MPI.Status()
-        msg = self.mpi.Improbe(source, tag, status)
+        improbe = self.mpi.Improbe
+        msg = improbe(source, tag, status)
         if msg is None:
-            return None
+            if spin_s <= 0:
+                return None
+            clock = _clock
+            end = clock() + spin_s
+            while msg is None:
+                if clock() >= end:
+                    return None
+                msg = improbe(source, tag, status)
         n = status.Get_count(MPI.BYTE)
         if n <= limit:
             out = bytearray(n)  # cheaper to make and to index than a small numpy array

@@ -709,13 +709,14 @@ class _ReadOp:
         self.misses = 0
         return True
 
-    def poll(self) -> tuple[bool, Any]:
+    def poll(self, spin_s: float = 0.0) -> tuple[bool, Any]:
+        """Test once; ``spin_s``: while no message has begun, probe for it for up to that long (an inline read)."""
         chan = self.chan
         if self.comm._closed:
             raise CommClosedError(f"{self.comm!r} was closed while reading")
         if self.frames is None:
             if self.head_req is None:
-                m = chan.eng.comm.try_recv(chan.peer, chan.recv_tag, EAGER_HEADER)
+                m = chan.eng.comm.try_recv(chan.peer, chan.recv_tag, EAGER_HEADER, spin_s)
                 if m is None:
                     # The close tag is probed on every 8th miss, and on the first test after the poller was rung
                     # (``bell`` resets misses): a waiting read costs one probe per test, not two, a reply that
@@ -959,18 +960,19 @@ class MPIComm(Comm):
             raise CommClosedError(f"{self!r}: aborted on truncated data") from None
 
     def _spin(self, op: "_ReadOp") -> tuple[bool, Any]:
-        """Wait for a reply inline, without a trip through the event loop, for at most :data:`INLINE_SPIN_S`.
+        """Wait for a reply inline, without a trip through the event loop, for at most :data:`INLINE_SPIN_S`:
+        until its header comes, in loom.comm's probe loop (``try_recv``'s ``spin_s``), then testing its frames.
 
         Only right after a write on this comm (a request/reply exchange, where the answer usually comes within
         tens of microseconds); the loop is blocked meanwhile, so a spin that times out makes this comm skip
         the next 1, 2, 4, ... 64 chances (reset by a spin that succeeds): a comm whose replies are slow
         (a stream, a long computation) soon stops spinning and costs the loop at most ~1/64 of a spin per read.
         """
-        end = time.perf_counter() + INLINE_SPIN_S
-        poll = op.poll
         clock = time.perf_counter
-        while clock() < end:
-            done, frames = poll()
+        end = clock() + INLINE_SPIN_S
+        poll = op.poll
+        while (left := end - clock()) > 0:
+            done, frames = poll(left)
             if done:
                 self._spin_fail = 0
                 return True, frames

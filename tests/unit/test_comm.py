@@ -117,12 +117,14 @@ def test_poller_sleeps_on_a_timerfd_and_still_delivers():
 
 def test_isend_eager_and_try_recv_to_self():
     """The Dask backend's cheapest pair: an eager send (None once complete, else a Request) and a
-    non-blocking matched receive (None, a received array up to ``limit``, or a Message above it)."""
+    non-blocking matched receive (None, a received array up to ``limit``, or a Message above it), optionally
+    spinning for a while first."""
     comm = world()
     me = comm.rank
     assert comm.try_recv(me, 4242, 64) is None
+    assert comm.try_recv(me, 4242, 64, spin_s=1e-3) is None  # spins, then gives up
     pending = [comm.isend_eager(b"hello", me, 4242), comm.isend_eager(np.arange(100, dtype=np.uint8), me, 4242)]
-    got = None
+    got = comm.try_recv(me, 4242, 64, spin_s=60.0)  # returns as soon as the message is matched
     while got is None:
         got = comm.try_recv(me, 4242, 64)
     assert isinstance(got, bytearray) and got == b"hello"

@@ -1028,18 +1028,22 @@ class MPIComm(Comm):
         """``(frames, arrays)``: Dask's ``to_frames`` inline when what it would copy is at most Dask's offload
         size (``distributed.comm.offload``); ``(None, False)`` when it belongs in Dask's offload thread.
 
-        Dask decides by the message's whole size; past that size, arrays that serialise as views
-        (:func:`_copy_cost`) do not count here, since a thread hop on each end costs more than framing views.
-        A message framed inline after that check is marked cheap to deserialise too (:data:`_CHEAP`). A message
-        of msgpack types and plain numpy arrays is framed by :func:`loom.dask.frames.dumps_arrays` (``arrays``
-        true), unless compression was negotiated or the serializers exclude Dask's own.
+        A message of msgpack types only (most of Dask's traffic: requests, replies, heartbeats) is packed first,
+        whatever its size (:func:`loom.dask.frames.dumps_plain`): msgpack holds the GIL while it packs, so in
+        Dask's thread the same pack would stall this loop as long, and sizing a small message first (Dask's
+        ``sizeof``, or :func:`_copy_cost`) costs several times more than packing it.
+
+        For anything else Dask decides by the message's whole size; past that size, arrays that serialise as
+        views (:func:`_copy_cost`) do not count here, since a thread hop on each end costs more than framing
+        views. A message framed inline after that check is marked cheap to deserialise too (:data:`_CHEAP`). A
+        message of msgpack types and plain numpy arrays is framed by :func:`loom.dask.frames.dumps_arrays`
+        (``arrays`` true), unless compression was negotiated or the serializers exclude Dask's own.
         """
-        if _OFFLOAD and self.allow_offload:
-            if type(msg) is bytes:
-                if len(msg) > _OFFLOAD:
-                    return None, False
-            elif not 0 <= _copy_cost(msg) <= _OFFLOAD:  # at most the message's sizeof, and ~10x cheaper
-                return None, False
+        plain = frames_mod.dumps_plain(msg)
+        if plain is not None:
+            return [plain], False
+        if _OFFLOAD and self.allow_offload and not 0 <= _copy_cost(msg) <= _OFFLOAD:
+            return None, False  # at most the message's sizeof, and ~10x cheaper
         done = frames_mod.dumps_arrays(msg)
         if done is not None and (not done[1] or (not self.handshake_options.get("compression")
                                                  and (serializers is None or "dask" in serializers))):

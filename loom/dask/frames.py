@@ -52,8 +52,8 @@ from distributed.protocol.serialize import Serialize, Serialized, msgpack_decode
 from distributed.protocol.utils import msgpack_opts
 from distributed.utils import ensure_memoryview
 
-__all__ = ["BlockPool", "POOL", "frame_array", "MIN_POOLED", "POOL_BYTES", "HOST", "CUDA", "dumps_arrays",
-           "loads_arrays", "loads_plain", "NOT_PLAIN", "ARRAY_EXT"]
+__all__ = ["BlockPool", "POOL", "frame_array", "MIN_POOLED", "POOL_BYTES", "HOST", "CUDA", "dumps_plain",
+           "dumps_arrays", "loads_arrays", "loads_plain", "NOT_PLAIN", "ARRAY_EXT"]
 
 #: frame flags of a message's header (0 is a frame inline in the header)
 HOST, CUDA = 1, 2
@@ -176,6 +176,7 @@ class _Packers(threading.local):
     thread-safe, hence one set per thread."""
 
     def __init__(self) -> None:
+        self.plain = msgpack.Packer(use_bin_type=True)  # no default hook: refuses anything but msgpack types
         self.meta = msgpack.Packer(use_bin_type=True)  # nested inside ``arrays``' pack: a packer of its own
         self.arrays = msgpack.Packer(use_bin_type=True, default=self._array)
         self.frames: list = []
@@ -216,6 +217,16 @@ class _Packers(threading.local):
 
 
 _PACKERS = _Packers()
+
+
+def dumps_plain(msg) -> bytes | None:
+    """The one msgpack frame Dask's ``protocol.dumps`` makes of a message of msgpack types only (most of Dask's
+    traffic: requests, replies, heartbeats); ``None`` for anything else (``Serialize``, arrays, sets, ...).
+    A failed pack stops at the first such object and leaves the packer empty."""
+    try:
+        return _PACKERS.plain.pack(msg)
+    except Exception:  # noqa: BLE001 - a type msgpack refuses: dumps_arrays or Dask's dumps decides
+        return None
 
 
 def dumps_arrays(msg) -> tuple[list, bool] | None:

@@ -644,6 +644,15 @@ class Message:
         self._msg.Recv(_as_send(tmp))
         return _b.finish_recv(out, tmp)
 
+    def irecv_eager(self, out: np.ndarray) -> "Request | None":
+        """Start receiving the matched message into a contiguous writeable uint8 numpy array (``MPI_Imrecv``) and
+        test it once: ``None`` when it already completed (the usual case on one host, where the receiver copies
+        the message itself), else the pending :class:`Request`. No request object when none is needed."""
+        req = self._msg.Irecv([out, _BYTE])
+        if req.Test():
+            return None
+        return Request([req], keep=out, what=("irecv of a probed message from", self.source, self._name))
+
     def irecv(self, out: _b.Buffer) -> Request:
         """Non-blocking receive of the matched message (``MPI_Imrecv``); ``wait()`` returns ``out``."""
         tmp = _b.recv_target(out)

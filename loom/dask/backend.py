@@ -29,10 +29,10 @@ tags where the engine runs on COMM_WORLD itself; see :func:`tag_window`):
    (``__cuda_array_interface__``) are flagged and travel as device tensors once their producing stream is
    done, zero-copy when the MPI is CUDA-aware and staged through the host by loom.comm otherwise.
    ``write`` returns once the sends are posted (like TCP's write buffer); the requests are kept until done.
-   Serialisation is Dask's (``protocol.dumps``/``loads``, offloaded to a thread above Dask's
-   ``distributed.comm.offload`` size exactly as its ``to_frames``/``from_frames`` do), called inline below it,
-   except for messages of msgpack types and plain numpy arrays, whose arrays are framed as views by
-   :func:`loom.dask.frames.dumps_arrays` (header flag ``_ARRAYS``) and rebuilt over the received block.
+   Messages of msgpack types and plain numpy arrays (most of Dask's traffic) are framed inline by
+   :func:`loom.dask.frames.dumps_arrays`, the arrays as views (header flag ``_ARRAYS``), and rebuilt over the
+   received block. Anything else is serialised by Dask (``protocol.dumps``/``loads``, offloaded to a thread
+   above Dask's ``distributed.comm.offload`` size as its ``to_frames``/``from_frames`` do, called inline below it).
 3. **Reads wait on loom's poller.** A read is a :class:`_ReadOp` pollable: ``improbe`` on the data tag, then
    the header, then the pending frame receives. While nothing arrives the poller backs off to one test per
    2 ms, so an idle process costs well under 5 % of a core, and spins while traffic flows. A read that
@@ -734,8 +734,9 @@ class _ReadOp:
                     self.head = m  # already received: small messages travel eagerly
                 else:
                     self.head = np.empty(m.nbytes, np.uint8)
-                    # A large header may need the sender's progress to arrive: never block the loop on it.
-                    self.head_req = m.irecv(self.head)
+                    # A large header may need the sender's progress to arrive: never block the loop on it. On one
+                    # host it is usually complete at once (the receiver copies it): no request object then.
+                    self.head_req = m.irecv_eager(self.head)
             if self.head_req is not None:
                 if not self.head_req.test():
                     if chan.dead:
@@ -1025,29 +1026,28 @@ class MPIComm(Comm):
         return n
 
     def _serialise_inline(self, msg, serializers, on_error) -> tuple[list | None, bool]:
-        """``(frames, arrays)``: Dask's ``to_frames`` inline when what it would copy is at most Dask's offload
-        size (``distributed.comm.offload``); ``(None, False)`` when it belongs in Dask's offload thread.
+        """``(frames, arrays)``: the message framed here, on the loop's thread, or ``(None, False)`` when it belongs
+        in Dask's offload thread (``distributed.comm.offload``).
 
-        A message of msgpack types only (most of Dask's traffic: requests, replies, heartbeats) is packed first,
-        whatever its size (:func:`loom.dask.frames.dumps_plain`): msgpack holds the GIL while it packs, so in
-        Dask's thread the same pack would stall this loop as long, and sizing a small message first (Dask's
-        ``sizeof``, or :func:`_copy_cost`) costs several times more than packing it.
+        A message of msgpack types and plain numpy arrays behind ``to_serialize`` (most of Dask's traffic:
+        requests, replies, heartbeats, a worker's ``get_data`` reply) is framed by
+        :func:`loom.dask.frames.dumps_arrays` (``arrays`` true when it holds arrays) whatever its size, unless it
+        holds arrays and compression was negotiated or the serializers exclude Dask's own. Its arrays are framed
+        as views, and msgpack holds the GIL while it packs the rest, so in Dask's thread the same work would
+        stall this loop as long; sizing the message first (Dask's ``sizeof``, or :func:`_copy_cost`) would cost
+        a small one several times more than framing it.
 
-        For anything else Dask decides by the message's whole size; past that size, arrays that serialise as
-        views (:func:`_copy_cost`) do not count here, since a thread hop on each end costs more than framing
-        views. A message framed inline after that check is marked cheap to deserialise too (:data:`_CHEAP`). A
-        message of msgpack types and plain numpy arrays is framed by :func:`loom.dask.frames.dumps_arrays`
-        (``arrays`` true), unless compression was negotiated or the serializers exclude Dask's own.
+        Anything else goes through Dask's ``protocol.dumps``: inline when what it would copy is at most Dask's
+        offload size, where, unlike Dask, arrays that serialise as views (:func:`_copy_cost`) do not count, since
+        a thread hop on each end costs more than framing views. A message framed inline is marked cheap to
+        deserialise too (:data:`_CHEAP`).
         """
-        plain = frames_mod.dumps_plain(msg)
-        if plain is not None:
-            return [plain], False
-        if _OFFLOAD and self.allow_offload and not 0 <= _copy_cost(msg) <= _OFFLOAD:
-            return None, False  # at most the message's sizeof, and ~10x cheaper
         done = frames_mod.dumps_arrays(msg)
         if done is not None and (not done[1] or (not self.handshake_options.get("compression")
                                                  and (serializers is None or "dask" in serializers))):
             return done
+        if _OFFLOAD and self.allow_offload and not 0 <= _copy_cost(msg) <= _OFFLOAD:
+            return None, False  # at most the message's sizeof, and ~10x cheaper
         context = {"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options}
         try:
             frames = list(protocol.dumps(msg, serializers=serializers, on_error=on_error, context=context,

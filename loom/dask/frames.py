@@ -52,8 +52,8 @@ from distributed.protocol.serialize import Serialize, Serialized, msgpack_decode
 from distributed.protocol.utils import msgpack_opts
 from distributed.utils import ensure_memoryview
 
-__all__ = ["BlockPool", "POOL", "frame_array", "MIN_POOLED", "POOL_BYTES", "HOST", "CUDA", "dumps_plain",
-           "dumps_arrays", "loads_arrays", "loads_plain", "NOT_PLAIN", "ARRAY_EXT"]
+__all__ = ["BlockPool", "POOL", "frame_array", "MIN_POOLED", "POOL_BYTES", "HOST", "CUDA", "dumps_arrays",
+           "loads_arrays", "loads_plain", "NOT_PLAIN", "ARRAY_EXT"]
 
 #: frame flags of a message's header (0 is a frame inline in the header)
 HOST, CUDA = 1, 2
@@ -176,11 +176,10 @@ class _Packers(threading.local):
     thread-safe, hence one set per thread."""
 
     def __init__(self) -> None:
-        self.plain = msgpack.Packer(use_bin_type=True)  # no default hook: refuses anything but msgpack types
         self.meta = msgpack.Packer(use_bin_type=True)  # nested inside ``arrays``' pack: a packer of its own
         self.arrays = msgpack.Packer(use_bin_type=True, default=self._array)
-        self.frames: list = []
-        self.inlined = 0  # arrays the last pack carried inside its own frame
+        self.frames: list = [None]  # the message's frames: its msgpack frame's place, then the arrays' frames
+        self.inlined = 0  # arrays the pack under way carries inside its own frame
         self.unpacker = _unpacker()
 
     def unpack(self, frame):
@@ -219,30 +218,24 @@ class _Packers(threading.local):
 _PACKERS = _Packers()
 
 
-def dumps_plain(msg) -> bytes | None:
-    """The one msgpack frame Dask's ``protocol.dumps`` makes of a message of msgpack types only (most of Dask's
-    traffic: requests, replies, heartbeats); ``None`` for anything else (``Serialize``, arrays, sets, ...).
-    A failed pack stops at the first such object and leaves the packer empty."""
-    try:
-        return _PACKERS.plain.pack(msg)
-    except Exception:  # noqa: BLE001 - a type msgpack refuses: dumps_arrays or Dask's dumps decides
-        return None
-
-
 def dumps_arrays(msg) -> tuple[list, bool] | None:
     """``(frames, has_arrays)`` for a message of msgpack types and plain numpy arrays behind ``to_serialize``
     (the arrays' frames are uint8 views, no copy; without arrays it is Dask's own single msgpack frame);
     ``None`` for anything else, which Dask's ``protocol.dumps`` must frame."""
     packers = _PACKERS
-    packers.frames = frames = [None]  # without arrays the default hook never runs: msgpack's own bytes
-    packers.inlined = 0
     try:
-        frames[0] = packers.arrays.pack(msg)
+        head = packers.arrays.pack(msg)
     except Exception:  # noqa: BLE001 - _Other, or a type msgpack refuses: Dask's dumps decides (and reports)
+        packers.frames = [None]  # hold no array past this call
+        packers.inlined = 0
         return None
-    finally:
-        packers.frames = []  # hold no array past this call
-    return frames, len(frames) > 1 or packers.inlined > 0
+    frames = packers.frames
+    if len(frames) == 1 and not packers.inlined:  # no array met (the default hook never ran): most messages
+        return [head], False
+    packers.frames = [None]
+    packers.inlined = 0
+    frames[0] = head
+    return frames, True
 
 
 def loads_plain(frame):

@@ -123,7 +123,8 @@ def test_isend_eager_and_try_recv_to_self():
     me = comm.rank
     assert comm.try_recv(me, 4242, 64) is None
     assert comm.try_recv(me, 4242, 64, spin_s=1e-3) is None  # spins, then gives up
-    pending = [comm.isend_eager(b"hello", me, 4242), comm.isend_eager(np.arange(100, dtype=np.uint8), me, 4242)]
+    pending = [comm.isend_eager(b"hello", me, 4242), comm.isend_eager(np.arange(100, dtype=np.uint8), me, 4242),
+               comm.isend_eager(np.arange(200, dtype=np.uint8), me, 4242)]
     got = comm.try_recv(me, 4242, 64, spin_s=60.0)  # returns as soon as the message is matched
     while got is None:
         got = comm.try_recv(me, 4242, 64)
@@ -135,6 +136,12 @@ def test_isend_eager_and_try_recv_to_self():
     out = np.empty(100, np.uint8)
     m.irecv(out).wait()
     assert np.array_equal(out, np.arange(100, dtype=np.uint8))
+    m = comm.try_recv(me, 4242, 64, spin_s=60.0)
+    out = np.empty(200, np.uint8)
+    req = m.irecv_eager(out)  # None when complete at once (no request object), else a Request to wait on
+    if req is not None:
+        req.wait(timeout=10)
+    assert np.array_equal(out, np.arange(200, dtype=np.uint8))
     for r in pending:
         if r is not None:  # a send to self completes once received
             r.wait(timeout=10)

@@ -44,6 +44,7 @@ from mpi4py import MPI
 from .. import settings
 from .. import stats as _stats
 from . import buffers as _b
+from .errors import CommError
 from .progress import Request
 
 __all__ = ["Communicator", "world", "stats", "reset_stats", "tag_ub", "ANY_SOURCE", "ANY_TAG", "REDUCE_OPS",
@@ -649,8 +650,11 @@ class Message:
         test it once: ``None`` when it already completed (the usual case on one host, where the receiver copies
         the message itself), else the pending :class:`Request`. No request object when none is needed."""
         req = self._msg.Irecv([out, _BYTE])
-        if req.Test():
-            return None
+        try:
+            if req.Test():
+                return None
+        except MPI.Exception as exc:  # worded as Request.test words it
+            raise CommError(f"irecv of a probed message from {self.source} on {self._name} failed: {exc}") from exc
         return Request([req], keep=out, what=("irecv of a probed message from", self.source, self._name))
 
     def irecv(self, out: _b.Buffer) -> Request:

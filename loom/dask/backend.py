@@ -128,6 +128,8 @@ _SPIN_DEFAULT = 1000 if not _OVERSUBSCRIBED else (0 if settings.get("doorbell") 
 SPIN_S = settings.get("dask_spin_us", fallback=_SPIN_DEFAULT) * 1e-6
 #: how long a read right after a write on the same comm waits inline for the reply (see MPIComm._spin)
 INLINE_SPIN_S = settings.get("dask_inline_us", fallback=0 if _OVERSUBSCRIBED else 50) * 1e-6
+#: the longest probe loop of an inline read between two polls of its read op (see MPIComm._spin)
+_SPIN_SLICE_S = 20e-6
 #: header messages up to this size are received at once; larger ones by a non-blocking receive
 EAGER_HEADER = 4096
 #: frames above this many bytes are sent as several MPI messages of at most this size
@@ -973,7 +975,9 @@ class MPIComm(Comm):
         end = clock() + INLINE_SPIN_S
         poll = op.poll
         while (left := end - clock()) > 0:
-            done, frames = poll(left)
+            # The probe loop checks neither the close tag nor the peer's death: at most _SPIN_SLICE_S of it per
+            # poll, so a longer window (set_spin) still sees a CLOSE within 8 polls, as the poller does.
+            done, frames = poll(min(left, _SPIN_SLICE_S))
             if done:
                 self._spin_fail = 0
                 return True, frames
@@ -1040,7 +1044,9 @@ class MPIComm(Comm):
         Anything else goes through Dask's ``protocol.dumps``: inline when what it would copy is at most Dask's
         offload size, where, unlike Dask, arrays that serialise as views (:func:`_copy_cost`) do not count, since
         a thread hop on each end costs more than framing views. A message framed inline is marked cheap to
-        deserialise too (:data:`_CHEAP`).
+        deserialise too (:data:`_CHEAP`). A message refused part-way has had what precedes the refused object
+        packed once here for nothing: Dask's messages put small fields first and wrap bulk data in
+        ``Serialize``/``ToPickle``, which is refused as soon as it is met.
         """
         done = frames_mod.dumps_arrays(msg)
         if done is not None and (not done[1] or (not self.handshake_options.get("compression")

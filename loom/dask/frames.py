@@ -225,10 +225,12 @@ def dumps_arrays(msg) -> tuple[list, bool] | None:
     packers = _PACKERS
     try:
         head = packers.arrays.pack(msg)
-    except Exception:  # noqa: BLE001 - _Other, or a type msgpack refuses: Dask's dumps decides (and reports)
-        packers.frames = [None]  # hold no array past this call
+    except BaseException as exc:  # the hook may have met arrays first: hold none past this call, whatever ended it
+        packers.frames = [None]
         packers.inlined = 0
-        return None
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not ours to swallow
+            raise
+        return None  # _Other, or a type msgpack refuses: Dask's dumps decides (and reports)
     frames = packers.frames
     if len(frames) == 1 and not packers.inlined:  # no array met (the default hook never ran): most messages
         return [head], False

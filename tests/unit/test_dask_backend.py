@@ -468,13 +468,37 @@ def test_array_framing_reuses_a_packer_per_thread_safely():
     import sys
     import threading
 
+    import msgpack
     from distributed.protocol import to_serialize
 
+    plain = ([protocol_dumps({"a": b"x"})[0]], False)
     assert frames_mod.dumps_arrays({"s": {1}}) is None  # fails inside the packer
-    assert frames_mod.dumps_arrays({"a": b"x"}) == ([protocol_dumps({"a": b"x"})[0]], False)
-    x = np.arange(5.0)
-    frames, _ = frames_mod.dumps_arrays({"x": to_serialize(x), "bad": {2}}) or (None, None)
-    assert frames is None and frames_mod._PACKERS.frames == [None]
+    assert frames_mod.dumps_arrays({"a": b"x"}) == plain
+    big, small = np.arange(4000.0), np.arange(5.0)  # one framed apart, one inlined in the msgpack frame
+    for arrays in ([big], [small], [small, big]):
+        bad = {**{f"x{i}": to_serialize(a) for i, a in enumerate(arrays)}, "bad": {2}}
+        assert frames_mod.dumps_arrays(bad) is None
+        assert frames_mod._PACKERS.frames == [None] and frames_mod._PACKERS.inlined == 0
+        assert frames_mod.dumps_arrays({"a": b"x"}) == plain  # nothing left over from the failed pack
+    frames, arrays = frames_mod.dumps_arrays({"x": to_serialize(small)})
+    assert len(frames) == 1 and arrays is True
+    assert frames_mod.dumps_arrays({"a": b"x"}) == plain  # nor from an inlined-only one
+
+    class Interrupt(BaseException):  # as a signal handler's KeyboardInterrupt, raised inside the packer's hook
+        pass
+
+    def interrupting(obj):
+        raise Interrupt
+
+    packer = frames_mod._PACKERS.arrays
+    frames_mod._PACKERS.arrays = msgpack.Packer(use_bin_type=True, default=interrupting)
+    frames_mod._PACKERS.frames.append(big)  # as if the hook had met an array before the interrupt
+    try:
+        with pytest.raises(Interrupt):  # propagated, not taken for a message Dask must frame
+            frames_mod.dumps_arrays({"x": to_serialize(big)})
+    finally:
+        frames_mod._PACKERS.arrays = packer
+    assert frames_mod._PACKERS.frames == [None] and frames_mod.dumps_arrays({"a": b"x"}) == plain
     errors: list = []
 
     def work(k: int) -> None:

@@ -1053,7 +1053,7 @@ class MPIComm(Comm):
                                                  and (serializers is None or "dask" in serializers))):
             return done
         if _OFFLOAD and self.allow_offload and not 0 <= _copy_cost(msg) <= _OFFLOAD:
-            return None, False  # at most the message's sizeof, and ~10x cheaper
+            return None, False  # _copy_cost: at most the message's sizeof, less its arrays framed as views
         context = {"sender": self.local_info, "recipient": self.remote_info, **self.handshake_options}
         try:
             frames = list(protocol.dumps(msg, serializers=serializers, on_error=on_error, context=context,

@@ -215,7 +215,7 @@ class Communicator:
         ``MPI_Mrecv``: such a message travelled eagerly); else the :class:`Message`, to receive with ``irecv``.
 
         ``spin_s``: keep probing for up to that many seconds before giving up, in a loop of nothing but the probe
-        and a clock read (a few times the probe rate of a Python poll loop: a message is seen sooner after it
+        and a clock read (more probes per second than a Python poll loop makes: a message is seen sooner after it
         lands); the calling thread does nothing else meanwhile.
         """
         status = MPI.Status()

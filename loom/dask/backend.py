@@ -1038,8 +1038,8 @@ class MPIComm(Comm):
         :func:`loom.dask.frames.dumps_arrays` (``arrays`` true when it holds arrays) whatever its size, unless it
         holds arrays and compression was negotiated or the serializers exclude Dask's own. Its arrays are framed
         as views, and msgpack holds the GIL while it packs the rest, so in Dask's thread the same work would
-        stall this loop as long; sizing the message first (Dask's ``sizeof``, or :func:`_copy_cost`) would cost
-        a small one several times more than framing it.
+        stall this loop as long; the message is therefore not sized first (Dask's ``sizeof``, or
+        :func:`_copy_cost`): the size would decide nothing.
 
         Anything else goes through Dask's ``protocol.dumps``: inline when what it would copy is at most Dask's
         offload size, where, unlike Dask, arrays that serialise as views (:func:`_copy_cost`) do not count, since

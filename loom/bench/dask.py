@@ -354,11 +354,9 @@ def _app_table(comm, args, doc: dict) -> None:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    from loom.cli import _inside_mpi
+    from loom.comm import launch
 
-    if not _inside_mpi():
-        from loom.comm import launch
-
+    if not launch.inside_job():
         env = {"LOOM_LAUNCHED": "1", "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED": "error"}
         return launch.run(4, [sys.executable, "-m", "loom.cli", "bench", "dask", *argv], env=env).returncode
     import logging

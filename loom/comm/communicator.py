@@ -44,6 +44,7 @@ from mpi4py import MPI
 from .. import settings
 from .. import stats as _stats
 from . import buffers as _b
+from . import safety as _safety
 from .errors import CommError
 from .progress import Request
 
@@ -599,6 +600,8 @@ class Communicator:
         MPI.COMM_WORLD.Abort(code)
 
 
+_safety.attach(Communicator)  # check mode and the watchdog wrap its methods while they are on
+
 _WORLD: Communicator | None = None
 
 
@@ -606,9 +609,7 @@ def world() -> Communicator:
     """COMM_WORLD as a :class:`Communicator`; also installs loom's abort-on-exception hook."""
     global _WORLD
     if _WORLD is None:
-        from . import safety
-
-        safety.install()
+        _safety.install()
         tag_ub()  # a bad LOOM_TAG_UB fails here, at start, on every rank
         _WORLD = Communicator(MPI.COMM_WORLD, name="world")
     return _WORLD

@@ -15,8 +15,9 @@
   seconds, shape) and the job is aborted. mpi4py releases the GIL inside MPI calls, so the watchdog runs
   while the main thread is stuck in a blocking call.
 
-Both modes are installed by wrapping :class:`Communicator` methods, so when they are off the hot path pays
-nothing.
+Both modes are installed by wrapping the methods of the communicator class handed to :func:`attach` (loom.comm's
+:class:`Communicator` hands itself over when its module loads, so this module never imports it), so when they are
+off the hot path pays nothing.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ from mpi4py import MPI
 from .errors import CollectiveMismatchError
 from .. import settings
 
-__all__ = ["install", "configure", "check_enabled", "watchdog_timeout"]
+__all__ = ["attach", "install", "configure", "check_enabled", "watchdog_timeout"]
 
 _INSTALLED = False
 _CHECK = False
 _TIMEOUT: float | None = None
 _ORIGINALS: dict[str, Callable] = {}
+_TARGET: type | None = None  # the communicator class whose methods the modes wrap
 ABORT_GRACE_S = 0.5  # between writing the traceback and MPI_Abort (see _abort_hook)
 
 
@@ -298,27 +300,42 @@ def configure(*, check: bool | None = None, timeout: float | None | bool = False
         timeout: seconds for the watchdog, ``None`` to switch it off; ``False`` (default) leaves it as is.
     """
     global _CHECK, _TIMEOUT, _WATCHDOG
-    from .communicator import Communicator
-    from .progress import Request
-
     if check is not None:
         _CHECK = bool(check)
     if timeout is not False:
         if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"watchdog timeout {timeout!r} must be a positive number of seconds or None")
         _TIMEOUT = None if timeout is None else float(timeout)
+    _apply()
+    if _TIMEOUT is not None and (_WATCHDOG is None or not _WATCHDOG.is_alive()):
+        _WATCHDOG = threading.Thread(target=_watchdog_loop, name="loom-watchdog", daemon=True)
+        _WATCHDOG.start()
+
+
+def attach(communicator: type) -> None:
+    """Wrap ``communicator``'s methods while a mode is on (now and at every later :func:`configure`)."""
+    global _TARGET
+    if _TARGET is not None and _TARGET is not communicator:
+        raise RuntimeError(f"safety modes already wrap {_TARGET.__qualname__}; one communicator class only")
+    _TARGET = communicator
+    _apply()
+
+
+def _apply() -> None:
+    """Wrap or unwrap the attached class's methods and ``Request.wait`` to match the modes now chosen."""
+    from .progress import Request
+
+    if _TARGET is None:  # nothing to wrap yet: attach() applies the modes when the class arrives
+        return
     active = _CHECK or _TIMEOUT is not None
     if active and not _ORIGINALS:
         for name in _WRAPPED:
-            _ORIGINALS[name] = getattr(Communicator, name)
-            setattr(Communicator, name, _wrap(name, _ORIGINALS[name]))
+            _ORIGINALS[name] = getattr(_TARGET, name)
+            setattr(_TARGET, name, _wrap(name, _ORIGINALS[name]))
         _ORIGINALS["Request.wait"] = Request.wait
         Request.wait = _wrap_wait(Request.wait)
     elif not active and _ORIGINALS:
         Request.wait = _ORIGINALS.pop("Request.wait")
         for name, fn in _ORIGINALS.items():
-            setattr(Communicator, name, fn)
+            setattr(_TARGET, name, fn)
         _ORIGINALS.clear()
-    if _TIMEOUT is not None and (_WATCHDOG is None or not _WATCHDOG.is_alive()):
-        _WATCHDOG = threading.Thread(target=_watchdog_loop, name="loom-watchdog", daemon=True)
-        _WATCHDOG.start()

@@ -24,6 +24,7 @@ import sys
 import traceback
 
 from .. import cli_args
+from ..comm import launch
 
 __all__ = ["main", "parser"]
 
@@ -88,12 +89,6 @@ def _run_script(script: str, args: list[str]) -> int:
     return 0
 
 
-def _inside_mpi() -> bool:
-    from loom.cli import _inside_mpi as inside
-
-    return inside()
-
-
 # A rank's parent (loom/dask/rank.py) reports its child's death itself: the launcher then sees a clean exit.
 _KILLED = re.compile(r"loom dask: MPI rank \d+ \(pid (\d+)\) was killed by signal (\d+)")
 
@@ -148,8 +143,6 @@ def _launch(n: int, argv: list[str], timeout: float | None, fail_fast: bool = Fa
     import subprocess
     import tempfile
     import threading
-
-    from loom.comm import launch
 
     with tempfile.TemporaryDirectory(prefix="loom-dask-") as tmp:
         roles_path = os.path.join(tmp, "roles.json")
@@ -263,7 +256,7 @@ def main(argv: list[str]) -> int:
         what = args.script or "no script (serving outside clients)"
         print(f"loom dask: would run {what} {' '.join(args.args)} as the client on rank 1")
         return 0
-    if args.np is not None and not _inside_mpi():
+    if args.np is not None and not launch.inside_job():
         return _launch(args.np, argv, args.timeout, args.fail_fast)
     if not args.verbose:
         _quiet_dask()

@@ -51,7 +51,9 @@ import torch
 from torch import nn
 
 from ..models.llama import chunked_ffn, chunked_lm_loss
+from ..models.tokenizer import decode, encode
 from ..parallel.meta import guard_device_constructors
+from ..parallel.partition import Graph, Node, Ref, register_graph_source
 from ..parallel.sequence import check_sizes, fpdt_attention, gather_sequence, shard_sequence, ulysses_attention
 
 # Before any from_pretrained: it must not be the first to fill torch's device-context table (see the guard).
@@ -377,7 +379,7 @@ def is_transformers_decoder(model: Any) -> bool:
             and callable(getattr(model, "get_decoder", None)))
 
 
-def decoder_graph(model: nn.Module):
+def decoder_graph(model: nn.Module) -> Graph:
     """A :class:`loom.parallel.partition.Graph` of a transformers decoder for pipeline stages (decoder-aware:
     no tracing of transformers' forward, whose mask and cache logic ``torch.fx`` cannot follow).
 
@@ -388,8 +390,6 @@ def decoder_graph(model: nn.Module):
     and the last unit; :class:`~loom.parallel.hybrid.HybridParallel` keeps one copy per stage that reads it and
     sums their gradients.
     """
-    from ..parallel.partition import Graph, Node, Ref
-
     decoder = check_model(model)
     holder = _PIPELINE_POSITIONS.get(model)
     pos_arg = () if holder is not None else (Ref("position_ids"),)
@@ -414,6 +414,11 @@ def decoder_graph(model: nn.Module):
     units = [(i, i + 1) for i in range(n - 2)] + [(n - 2, n)]
     inputs = ["input_ids"] if holder is not None else ["input_ids", "position_ids"]
     return Graph(inputs=inputs, nodes=nodes, units=units, output=Ref("logits"), kind="transformers")
+
+
+# HybridParallel's partitioner asks its registered sources first: importing this module is what makes it split
+# a transformers decoder by layers (fx cannot trace transformers' mask and cache logic).
+register_graph_source("transformers", is_transformers_decoder, decoder_graph)
 
 
 class _LayerCall:
@@ -618,8 +623,6 @@ def build_train_model(cfg: Any, *, sp_comm: Any = None, dtype: torch.dtype = tor
 def generate_text(model: nn.Module, model_cfg: Any, prompt: str, *, tokens: int, temperature: float, top_k: int,
                   seed: int) -> str:
     """Continue ``prompt`` with the model's own ``generate`` (its tokenizer, or loom's bytes without one)."""
-    from ..train.data import decode, encode
-
     tok = _tokenizer(model_cfg)
     ids = tok(prompt, return_tensors="pt")["input_ids"] if tok is not None else encode(prompt or "\n")[None]
     torch.manual_seed(seed)

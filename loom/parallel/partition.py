@@ -7,8 +7,11 @@ the boundary after stage ``s`` is every value made at or before ``s`` that a lat
 Graph inputs are never live: every stage rank of a replica holds the same batch (HyPar-Flow's layout), so a
 skip connection from the input costs nothing, and one from stage 0 to stage 3 crosses 1 and 2 hop by hop.
 
-Three front ends build the same :class:`Graph`:
+Three front ends build the same :class:`Graph`, after the graph sources that integrations register:
 
+* a registered graph source (:func:`register_graph_source`) -- a library integration that knows how to split
+  the models of its library (``loom.integrations.transformers`` registers Hugging Face decoders when imported),
+  so this module never imports an integration;
 * ``nn.Sequential`` -- one unit per child;
 * any ``nn.Module`` that ``torch.fx.symbolic_trace`` can trace -- one node per graph node; failing that, and
   given a sample micro-batch, ``torch.export`` (aten-level nodes, specialised to the sample's shapes);
@@ -27,7 +30,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["Ref", "Node", "Graph", "capture", "balance", "split_units", "TraceError"]
+__all__ = ["Ref", "Node", "Graph", "capture", "balance", "split_units", "TraceError", "register_graph_source",
+           "graph_sources"]
 
 
 class TraceError(TypeError):
@@ -252,6 +256,27 @@ def split_units(graph: Graph, parts: int, how: str | Sequence[int], sample: Sequ
 
 
 # ---------------------------------------------------------------------------- front ends
+_GRAPH_SOURCES: dict[str, tuple[Callable[[Any], bool], Callable[[Any], "Graph"]]] = {}
+
+
+def register_graph_source(name: str, claims: Callable[[Any], bool], build: Callable[[Any], "Graph"]) -> None:
+    """Let :func:`capture` ask ``build(model)`` for the graph of every model that ``claims(model)`` accepts.
+
+    An integration registers when it is imported, so a capability never names the library a model came from.
+    Sources are asked in registration order, before the built-in front ends; registering ``name`` again
+    replaces it (a reloaded integration stays one source).
+    """
+    if not (callable(claims) and callable(build)):
+        raise TypeError(f"graph source {name!r}: claims and build must be callables, got "
+                        f"{type(claims).__name__} and {type(build).__name__}")
+    _GRAPH_SOURCES[name] = (claims, build)
+
+
+def graph_sources() -> list[str]:
+    """The names of the registered graph sources, in the order :func:`capture` asks them."""
+    return list(_GRAPH_SOURCES)
+
+
 def capture(model: Any, *, leaf_modules: Sequence[type] = (), sample: Sequence[Any] | None = None) -> Graph:
     """Build the :class:`Graph` of ``model`` (``nn.Sequential``, a Keras 3 model, or an fx-traceable module).
 
@@ -269,10 +294,9 @@ def capture(model: Any, *, leaf_modules: Sequence[type] = (), sample: Sequence[A
     """
     if _is_keras(model):
         return _from_keras(model)
-    from ..integrations.transformers import decoder_graph, is_transformers_decoder
-
-    if is_transformers_decoder(model):  # a decoder-aware split: fx cannot trace transformers' mask/cache logic
-        return decoder_graph(model)
+    for claims, build in _GRAPH_SOURCES.values():  # e.g. a decoder-aware split fx could not trace
+        if claims(model):
+            return build(model)
     if isinstance(model, nn.Sequential):
         return _from_sequential(model)
     if isinstance(model, nn.Module):
@@ -326,7 +350,9 @@ def _from_fx(model: nn.Module, leaves: tuple[type, ...] = (), sample: Sequence[A
             f"data-dependent control flow (an `if`/`for` on a tensor's value) or a non-torch call on a tensor. "
             f"Fix: move that code into a submodule and pass its class in leaf_modules=(...) so it runs as one "
             f"layer, pass sample_inputs= (one micro-batch) to capture it with torch.export instead, wrap the "
-            f"function with torch.fx.wrap, or express the model as nn.Sequential"
+            f"function with torch.fx.wrap, or express the model as nn.Sequential. A model of a library loom "
+            f"integrates is split by that integration once imported (e.g. import loom.integrations.transformers; "
+            f"registered now: {', '.join(_GRAPH_SOURCES) or 'none'})"
         ) from exc
     return _walk_fx(gm, type(model).__name__, "fx")
 

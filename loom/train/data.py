@@ -7,7 +7,8 @@ with a separator, and the tail ``data.heldout`` fraction is held out for evaluat
 Batches: step ``s`` draws ``data.batch`` random windows of ``seq_len + 1`` bytes with a generator seeded by
 ``(seed, s)``; every rank draws the same windows and keeps its own slice (rows by ``dp`` coordinate, columns
 by ``sp`` coordinate). Because nothing depends on what came before, a resumed run sees exactly the batches
-the uninterrupted run would have, and any mesh sees the same global batch as one rank does.
+the uninterrupted run would have, and any mesh sees the same global batch as one rank does. The bytes are the
+token ids (:mod:`loom.models.tokenizer`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from .config import ConfigError, DataConfig
 
-__all__ = ["Corpus", "stdlib_files", "load_corpus", "batch_windows", "encode", "decode"]
+__all__ = ["Corpus", "stdlib_files", "load_corpus", "batch_windows"]
 
 _SEP = b"\n\n"
 
@@ -54,16 +55,6 @@ def _files(cfg: DataConfig) -> tuple[Iterable[Path], str]:
         return files, f"{p} ({cfg.glob})"
     raise ConfigError(f"data.path = {cfg.path!r} is neither a file nor a directory; give a text file or directory "
                       f"(empty = the Python standard library)")
-
-
-def encode(text: str) -> torch.Tensor:
-    """Byte-level tokenization: UTF-8 bytes as int64 token ids (vocab 256)."""
-    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
-
-
-def decode(tokens) -> str:
-    """Inverse of :func:`encode`; invalid UTF-8 sequences are replaced."""
-    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
 @dataclass(slots=True)

@@ -12,9 +12,9 @@ import sys
 import torch
 
 from .. import cli_args
+from ..models.tokenizer import decode, encode
 from . import checkpoint as ckpt
 from .config import ConfigError, config_from_dict
-from .data import decode, encode
 from .model import build_model
 
 __all__ = ["main", "load_model", "sample"]

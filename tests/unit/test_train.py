@@ -11,7 +11,8 @@ import torch
 from loom.testing import ROOT
 from loom.train import checkpoint as ckpt
 from loom.train.config import Config, ConfigError, config_from_dict, config_to_dict, load_config, parse_overrides
-from loom.train.data import batch_windows, decode, encode, load_corpus
+from loom.models.tokenizer import decode, encode
+from loom.train.data import batch_windows, load_corpus
 from loom.train.trainer import lr_at, sp_layout
 
 

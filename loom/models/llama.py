@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -55,111 +54,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.moe import MoE, MoEConfig
+from .config import SEQUENCE_PARALLEL, LlamaConfig, LlamaShape
 from ..parallel.offload import chunk_store
 from ..parallel.sequence import FPDTPipeline, _global_docs, check_sizes, local_positions, ulysses_attention
 
 __all__ = [
-    "LlamaConfig", "Llama", "MoEFeedForward", "build_llama", "chunked_lm_loss", "chunked_ffn", "SEQUENCE_PARALLEL",
+    "LlamaShape", "LlamaConfig", "Llama", "MoEFeedForward", "build_llama", "chunked_lm_loss", "chunked_ffn",
+    "SEQUENCE_PARALLEL",
 ]
-
-SEQUENCE_PARALLEL = ("none", "ulysses", "fpdt")
-_FFN = ("swiglu", "gelu", "moe")
-
-
-@dataclass(kw_only=True, slots=True)
-class LlamaConfig:
-    """Shape of the decoder and how its sequence dimension is parallelised and chunked."""
-
-    layers: int = 2
-    """Number of transformer blocks."""
-    hidden: int = 64
-    """Model width."""
-    heads: int = 4
-    """Query heads; ``hidden`` divides by it and ``hidden / heads`` is even (RoPE)."""
-    kv_heads: int | None = None
-    """Key/value heads (GQA/MQA); divides ``heads``. Default: ``heads``."""
-    vocab: int = 256
-    """Vocabulary size."""
-    ffn: str = "swiglu"
-    """FFN kind: ``swiglu``, ``gelu`` or ``moe`` (:class:`~loom.parallel.moe.MoE`, experts over ``ep``)."""
-    ffn_mult: float = 2.6667
-    """FFN inner width as a multiple of ``hidden``, rounded up to a multiple of 8."""
-    experts: int = 4
-    """MoE only: number of experts (a multiple of the ``ep`` size)."""
-    top_k: int = 2
-    """MoE only: experts per token."""
-    rope_theta: float = 10000.0
-    """Rotary embedding base."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
-    tie_embeddings: bool = False
-    """Share the input embedding with the LM head."""
-    causal: bool = True
-    """Causal attention (a decoder); ``False`` for encoder-style experiments."""
-    sequence_parallel: str = "none"
-    """``none``, ``ulysses`` or ``fpdt``."""
-    chunks: int = 1
-    """FPDT chunks per rank (attention pipeline and token layout). Ignored unless ``fpdt``."""
-    offload: bool = False
-    """Keep FPDT chunks and (with ``checkpoint``) block inputs in host memory between uses."""
-    ffn_chunks: int | None = None
-    """FFN chunks along the local sequence (1 = unchunked). Default: ``chunks`` for fpdt, else 1."""
-    loss_chunks: int | None = None
-    """LM-head + loss chunks along the local sequence (1 = full logits). Default: ``chunks`` for fpdt, else 1."""
-    checkpoint: bool = False
-    """Recompute each block in backward, keeping only its input."""
-
-    def __post_init__(self) -> None:
-        for k in ("layers", "hidden", "heads", "vocab", "chunks", "experts", "top_k"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"LlamaConfig.{k} = {v!r} must be an integer >= 1")
-        if self.kv_heads is None:
-            self.kv_heads = self.heads
-        if self.hidden % self.heads:
-            raise ValueError(f"hidden = {self.hidden} is not divisible by heads = {self.heads}; choose hidden as "
-                             f"a multiple of heads")
-        if (self.hidden // self.heads) % 2:
-            raise ValueError(f"head size hidden/heads = {self.hidden // self.heads} must be even for RoPE")
-        if self.kv_heads < 1 or self.heads % self.kv_heads:
-            raise ValueError(f"heads = {self.heads} is not divisible by kv_heads = {self.kv_heads}; GQA needs "
-                             f"kv_heads to divide heads")
-        if self.ffn not in _FFN:
-            raise ValueError(f"ffn = {self.ffn!r}; valid: {', '.join(_FFN)}")
-        if self.top_k > self.experts:
-            raise ValueError(f"top_k = {self.top_k} exceeds experts = {self.experts}; choose top_k <= experts")
-        if self.sequence_parallel not in SEQUENCE_PARALLEL:
-            raise ValueError(f"sequence_parallel = {self.sequence_parallel!r}; valid: {', '.join(SEQUENCE_PARALLEL)}")
-        fp = self.sequence_parallel == "fpdt"
-        if self.ffn_chunks is None:
-            self.ffn_chunks = self.chunks if fp else 1
-        if self.loss_chunks is None:
-            self.loss_chunks = self.chunks if fp else 1
-        for k in ("ffn_chunks", "loss_chunks"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"LlamaConfig.{k} = {v!r} must be an integer >= 1")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def ffn_hidden(self) -> int:
-        return int(-(-int(math.ceil(self.hidden * self.ffn_mult)) // 8) * 8)
-
-    @property
-    def layout_chunks(self) -> int:
-        """The ``chunks`` to pass to ``shard_sequence`` for this model's token layout."""
-        return self.chunks if self.sequence_parallel == "fpdt" else 1
-
-    @classmethod
-    def from_any(cls, obj: Any, **overrides: Any) -> "LlamaConfig":
-        """A config from any object or dict with (some of) the same field names, e.g. loom.train's ModelConfig."""
-        names = [f.name for f in fields(cls)]
-        src = obj if isinstance(obj, dict) else {n: getattr(obj, n) for n in names if hasattr(obj, n)}
-        return cls(**{**{k: v for k, v in src.items() if k in names}, **overrides})
-
 
 # ---------------------------------------------------------------------------------------------- pieces
 class RMSNorm(nn.Module):

@@ -15,11 +15,12 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
+
+from ..models.config import LlamaShape
 
 __all__ = [
     "ConfigError",
@@ -58,31 +59,15 @@ def _at_least(cfg: Any, section: str, **least: float) -> None:
 
 
 @dataclass(kw_only=True, slots=True)
-class ModelConfig:
-    """The Llama-style decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU or MoE FFN."""
+class ModelConfig(LlamaShape):
+    """The Llama-style decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU or MoE FFN. Its shape
+    fields are :class:`loom.models.config.LlamaShape`'s (declared there once); this section adds where a
+    transformers model comes from."""
 
-    layers: int = 2
-    """Number of transformer blocks."""
-    hidden: int = 64
-    """Model width (embedding size)."""
-    heads: int = 4
-    """Attention (query) heads; ``hidden`` must divide by it."""
+    _PREFIX: ClassVar[str] = "model."
+
     kv_heads: int = 2
-    """Key/value heads (grouped-query attention); ``heads`` must divide by it."""
-    vocab: int = 256
-    """Vocabulary size; 256 for the byte-level tokenizer."""
-    ffn: str = "swiglu"
-    """FFN kind: ``swiglu``, ``gelu`` or ``moe`` (needs loom.parallel.moe)."""
-    ffn_mult: float = 2.6667
-    """FFN inner width as a multiple of ``hidden`` (rounded up to a multiple of 8)."""
-    experts: int = 4
-    """MoE only: number of experts."""
-    top_k: int = 2
-    """MoE only: experts per token."""
-    rope_theta: float = 10000.0
-    """Rotary embedding base."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
+    """Key/value heads (grouped-query attention); ``heads`` must divide by it. A run uses GQA by default."""
     hf: str = ""
     """A local transformers checkpoint directory (config.json, safetensors, tokenizer) to train; the shape
     fields above are then taken from its config (loom.integrations.transformers)."""
@@ -98,29 +83,10 @@ class ModelConfig:
             except (ValueError, OSError, ImportError) as exc:
                 raise ConfigError(f"model.hf / model.hf_config: {exc}") from None
             return
-        for k in ("layers", "hidden", "heads", "kv_heads", "vocab", "experts", "top_k"):
-            v = getattr(self, k)
-            _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-                  f"model.{k} = {v!r} must be an integer >= 1")
-        _need(self.hidden % self.heads == 0,
-              f"model.hidden = {self.hidden} is not divisible by model.heads = {self.heads}; "
-              f"choose hidden as a multiple of heads (e.g. {self.heads * max(1, self.hidden // self.heads)})")
-        _need((self.hidden // self.heads) % 2 == 0,
-              f"head size hidden/heads = {self.hidden // self.heads} must be even for rotary embeddings")
-        _need(self.heads % self.kv_heads == 0,
-              f"model.heads = {self.heads} is not divisible by model.kv_heads = {self.kv_heads}; "
-              f"grouped-query attention needs kv_heads to divide heads")
-        _need(self.ffn in ("swiglu", "gelu", "moe"), f"model.ffn = {self.ffn!r}; valid: swiglu, gelu, moe")
-        _need(self.top_k <= self.experts, f"model.top_k = {self.top_k} exceeds model.experts = {self.experts}")
-        _need(self.ffn_mult > 0, f"model.ffn_mult = {self.ffn_mult} must be > 0")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def ffn_hidden(self) -> int:
-        return int(math.ceil(self.hidden * self.ffn_mult / 8) * 8)
+        try:
+            LlamaShape.__post_init__(self)  # zero-argument super() does not work in a slots dataclass
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 @dataclass(kw_only=True, slots=True)

@@ -121,21 +121,10 @@ def latency(argv: list[str]) -> int:
     r = comm.rank
 
     def pingpong(ops: _P2P) -> Callable:
-        send, recv = ops.send, ops.recv
-
         def make(size):
-            b = _buf(args.buffer, size)
-            if r == 0:
-                def f():
-                    send(b, 1, 0)
-                    recv(b, 1, 0)
-            elif r == 1:
-                def f():
-                    recv(b, 0, 0)
-                    send(b, 0, 0)
-            else:
-                f = _idle
-            return f
+            if r > 1:
+                return _idle
+            return omb.pingpong(ops.send, ops.recv, _buf(args.buffer, size), 1 - r, first=r == 0)
         return make
 
     return _table("Latency Test", "Latency (us)", args, comm, pingpong(_P2P.of_loom(comm)),

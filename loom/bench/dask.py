@@ -81,14 +81,9 @@ def _msg(size: int):
 def _raw_pingpong(comm, peer: int, buf: np.ndarray, n: int, serve: bool, into: np.ndarray | None = None) -> None:
     """``n`` round trips of ``buf`` over loom.comm's blocking send/recv (the raw reference); the client
     receives into ``into`` when given (a comm's buffers: its message stays, the reply lands elsewhere)."""
-    into = buf if into is None else into
+    trip = omb.pingpong(comm.send, comm.recv, buf, peer, first=not serve, tag=11, into=into)
     for _ in range(n):
-        if serve:
-            comm.recv(buf, peer, tag=11)
-            comm.send(buf, peer, tag=11)
-        else:
-            comm.send(buf, peer, tag=11)
-            comm.recv(into, peer, tag=11)
+        trip()
 
 
 async def _echo_server(comm, transports: list[str]) -> None:

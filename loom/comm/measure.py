@@ -31,6 +31,7 @@ __all__ = [
     "sizes",
     "iterations",
     "time_op",
+    "pingpong",
     "Table",
     "machine_info",
 ]
@@ -95,6 +96,27 @@ def time_op(fn: Callable[[], Any], comm, warmup: int, iters: int, *, max_seconds
 
 
 _PER_CALL_CHECK = 1 << 20  # bytes per call above which time_op checks its time bound after every call
+
+
+def pingpong(send: Callable, recv: Callable, buf: Any, peer: int, *, first: bool, tag: int = 0,
+             into: Any = None) -> Callable[[], None]:
+    """One round trip with ``peer``, as a call to time: half its time is the one-way latency.
+
+    The ``first`` side sends ``buf`` and receives the reply into ``into`` (default: ``buf`` itself); the other
+    side receives into ``buf`` and sends it back. ``send(buffer, peer, tag)`` and ``recv(buffer, peer, tag)``
+    are blocking calls of one communicator: loom's, or raw mpi4py's ``Send``/``Recv`` when measuring the peer,
+    so every ping-pong loom times (``loom bench latency``, ``loom bench dask``, the testbed probe) is one pattern.
+    """
+    back = buf if into is None else into
+    if first:
+        def trip() -> None:
+            send(buf, peer, tag)
+            recv(back, peer, tag)
+    else:
+        def trip() -> None:
+            recv(buf, peer, tag)
+            send(buf, peer, tag)
+    return trip
 
 
 def _bounded(fn: Callable[[], Any], comm, n: int, max_seconds: float, every: int) -> int:

@@ -113,13 +113,7 @@ def measure(comm, topo: dict, name: str, *, size: int = 1 << 20, window: int = 8
         ack = np.zeros(1, np.uint8)
         bufs = [np.ones(size, np.uint8) for _ in range(window)]
 
-        def pingpong() -> None:
-            if sender:
-                sub.send(small, peer, tag=1)
-                sub.recv(small, peer, tag=1)
-            else:
-                sub.recv(small, peer, tag=1)
-                sub.send(small, peer, tag=1)
+        pingpong = omb.pingpong(sub.send, sub.recv, small, peer, first=sender, tag=1)
 
         def stream() -> None:
             if sender:

@@ -145,6 +145,35 @@ def test_untraceable_model_names_construct_and_fix():
         HybridParallel(object())
 
 
+def test_a_registered_graph_source_splits_the_models_it_claims(monkeypatch):
+    """capture() asks the registered sources before its own front ends; the partitioner names no library."""
+    from loom.parallel import partition
+
+    monkeypatch.setattr(partition, "_GRAPH_SOURCES", {})
+
+    class Opaque(nn.Module):  # untraceable by fx: only its source knows how to split it
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.b(self.a(x)) if x.sum() > 0 else x
+
+    with pytest.raises(TraceError, match="registered now: none"):
+        capture(Opaque())
+    partition.register_graph_source("opaque", lambda m: isinstance(m, Opaque),
+                                    lambda m: capture(nn.Sequential(m.a, m.b)))
+    g = capture(Opaque())
+    assert g.kind == "sequential" and len(g.units) == 2 and partition.graph_sources() == ["opaque"]
+    assert capture(Skip()).kind == "fx"  # a model no source claims goes to the built-in front ends
+    partition.register_graph_source("opaque", lambda m: False, lambda m: None)  # the same name replaces it
+    assert partition.graph_sources() == ["opaque"]
+    with pytest.raises(TraceError, match="registered now: opaque"):
+        capture(Opaque())
+    with pytest.raises(TypeError, match="must be callables"):
+        partition.register_graph_source("bad", None, lambda m: None)
+
+
 def test_config_errors():
     seq = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(ValueError, match="schedule='zb'"):

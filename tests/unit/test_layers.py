@@ -1,5 +1,7 @@
 """The layers, checked on the import statements: settings/stats at the bottom, loom.comm above them, the
-capabilities above loom.comm, the benchmark commands on top (nothing below them imports loom.bench)."""
+capabilities above loom.comm, the benchmark commands on top (nothing below them imports loom.bench); no
+capability imports an integration, the training job or the `loom` command; no two modules import each other,
+directly or round a circle."""
 
 import ast
 import sys
@@ -47,3 +49,103 @@ def test_settings_and_stats_import_only_the_standard_library():
 def test_the_import_finder_sees_relative_imports():
     found = _imports(ROOT / "loom/tour.py")
     assert "loom.bench.comm" in found and "loom.settings" in found
+
+
+# The boundaries of the house: a capability never knows the integration or the training job that uses it
+# (integrations register with it instead: loom.parallel.partition.register_graph_source), and only the command
+# layer knows the `loom` command itself.
+CAPABILITIES = ("loom/parallel/", "loom/models/", "loom/comm/")
+ABOVE_CAPABILITIES = ("loom.integrations", "loom.train", "loom.cli")
+
+
+def _is_in(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_capabilities_import_no_integration_training_job_or_command():
+    bad = {name: sorted(m for m in _imports(p) if any(_is_in(m, top) for top in ABOVE_CAPABILITIES))
+           for name, p in _modules() if name.startswith(CAPABILITIES)}
+    bad = {k: v for k, v in bad.items() if v}
+    assert bad == {}, (f"a capability ({', '.join(CAPABILITIES)}) imports {', '.join(ABOVE_CAPABILITIES)}: {bad}; "
+                       f"invert the dependency (the upper module registers with the capability) or move the shared "
+                       f"piece down")
+
+
+def test_nothing_below_the_command_layer_imports_loom_cli():
+    bad = [name for name, p in _modules()
+           if name not in COMMAND_LAYER and any(_is_in(m, "loom.cli") for m in _imports(p))]
+    assert bad == [], f"these import loom/cli.py, the top of the house (ask loom.comm.launch.inside_job): {bad}"
+
+
+def _module_of(name: str) -> str | None:
+    """The file (``loom/comm/safety.py``) of the module ``name`` or of the package holding the name ``name``."""
+    while name.startswith("loom"):
+        path = name.replace(".", "/")
+        for candidate in (f"{path}.py", f"{path}/__init__.py"):
+            if (ROOT / candidate).is_file():
+                return candidate
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _graph(prefix: str) -> dict[str, set[str]]:
+    """Import edges between the modules under ``prefix``, lazy (in-function) imports included; an edge to a
+    package's own ``__init__`` from inside it is left out (the package's export list, not a dependency)."""
+    edges: dict[str, set[str]] = {}
+    for name, p in _modules():
+        if not name.startswith(prefix):
+            continue
+        targets = {_module_of(m) for m in _imports(p)}
+        edges[name] = {t for t in targets if t and t != name and t.startswith(prefix)
+                       and not (t.endswith("/__init__.py") and name.startswith(t[: -len("__init__.py")]))}
+    return edges
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of two or more modules (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                out.append(sorted(part))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles_between_loom_comm_modules():
+    circles = _circles(_graph("loom/comm/"))
+    assert circles == [], (f"modules of loom.comm import each other: {circles}; hand the object over instead "
+                           f"(as the communicator hands its class to safety.attach)")
+
+
+def test_no_import_circles_in_loom():
+    circles = _circles(_graph("loom/"))
+    assert circles == [], f"import circles: {circles}; one side must register with the other or move down"
+
+
+def test_the_circle_finder_finds_a_planted_circle():
+    planted = {"a.py": {"b.py"}, "b.py": {"c.py"}, "c.py": {"a.py"}, "d.py": {"a.py"}}
+    assert _circles(planted) == [["a.py", "b.py", "c.py"]]
+    assert _module_of("loom.comm.safety.install") == "loom/comm/safety.py"
+    assert _module_of("loom.comm") == "loom/comm/__init__.py"

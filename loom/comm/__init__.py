@@ -20,6 +20,7 @@ _EXPORTS = {
     "CollectiveMismatchError": "errors", "CommError": "errors", "CommTimeoutError": "errors",
     "AXES": "mesh", "Mesh": "mesh",
     "Backoff": "progress", "Poller": "progress", "Request": "progress", "poller": "progress", "wait_all": "progress",
+    "ProgressThread": "progress", "Ticket": "progress",
     "configure": "safety",
     "doorbell": None,
 }
@@ -52,7 +53,9 @@ __all__ = [
     "Communicator",
     "Mesh",
     "Poller",
+    "ProgressThread",
     "Request",
+    "Ticket",
     "configure",
     "cuda_aware",
     "poller",

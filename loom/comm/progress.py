@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
 import time
 import weakref
 from typing import Any, Callable, Protocol
@@ -41,7 +42,7 @@ from .. import settings
 from . import doorbell as _doorbell
 from .errors import CommError, CommTimeoutError
 
-__all__ = ["Request", "Pollable", "Poller", "poller", "wait_all", "Backoff"]
+__all__ = ["Request", "Pollable", "Poller", "poller", "wait_all", "Backoff", "ProgressThread", "Ticket"]
 
 
 class Pollable(Protocol):
@@ -449,3 +450,135 @@ def poller() -> Poller:
         except AttributeError:  # a loop without a __dict__ (e.g. uvloop)
             _POLLERS[loop] = p
     return p
+
+
+class Ticket:
+    """A task handed to a :class:`ProgressThread`: ``wait()`` for its result; ``done`` without blocking.
+
+    Attributes:
+        posted_at: ``time.perf_counter()`` when the thread ran the task (``None`` until then).
+        done_at: when the thread saw it complete (its request tested complete, or the task returned).
+        tests: how many times the thread tested the task's request before it completed.
+    """
+
+    __slots__ = ("_event", "result", "error", "posted_at", "done_at", "tests")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.posted_at: float | None = None
+        self.done_at: float | None = None
+        self.tests = 0
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def _set(self, result: Any = None, error: BaseException | None = None) -> None:
+        self.result, self.error = result, error
+        self.done_at = time.perf_counter()
+        self._event.set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block (sleeping, no MPI call on this thread) until the task completed; its result, or its error raised."""
+        if not self._event.wait(timeout):
+            raise CommTimeoutError(f"a progress-thread task did not complete within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class ProgressThread:
+    """A background thread that runs communication tasks in submission order and tests the requests they post
+    until they complete, so non-blocking collectives move while the submitting thread computes.
+
+    MPICH moves a non-blocking collective only inside an MPI call of the process (it has no asynchronous
+    progress unless ``MPICH_ASYNC_PROGRESS=1``, whose thread spins for the whole job): a large allreduce posted
+    from a backward hook otherwise advances only at the next hook, and mostly after backward.
+
+    Plan: :meth:`submit` appends ``task`` to a FIFO and returns a :class:`Ticket`. The thread pops tasks in
+    order and calls each: a task that returns a :class:`Request` (it posted a non-blocking operation) joins the
+    in-flight list; any other return value completes its ticket at once (a blocking task, e.g. a compressed
+    allreduce, has done its communication inside the call). Between tasks the thread tests every in-flight
+    request once per pass and yields the GIL (``time.sleep(0)``; mpi4py releases it inside ``MPI_Test``), so
+    while anything is in flight it keeps one core busy, and when nothing is it sleeps on a condition.
+
+    Ordering: one thread issues every task, so the collectives submitted by one caller on one communicator are
+    posted in submission order, which is the same on every rank when the caller's order is. Needs
+    ``MPI_THREAD_MULTIPLE`` (mpi4py's default; :meth:`available` says): the submitting thread keeps calling
+    MPI on other communicators meanwhile. Requests handed to the thread belong to it: nobody else tests them.
+    """
+
+    def __init__(self, name: str = "loom-progress"):
+        self.name = name
+        self._cv = threading.Condition()
+        self._queue: list[tuple[Callable[[], Any], Ticket]] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.passes = 0  # test passes over in-flight requests (a mechanism count for tests, not a timing)
+
+    @staticmethod
+    def available() -> bool:
+        """True when MPI runs at ``MPI_THREAD_MULTIPLE`` (a second thread may call MPI at any time)."""
+        return bool(MPI.Is_initialized()) and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+    def submit(self, task: Callable[[], Any]) -> Ticket:
+        """Run ``task`` on the thread after every task submitted before it; its ticket."""
+        ticket = Ticket()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"progress thread {self.name!r} is closed; make a new one")
+            self._queue.append((task, ticket))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            self._cv.notify()
+        return ticket
+
+    def close(self) -> None:
+        """Let the thread finish what was submitted, then stop it."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join()
+
+    def _run(self) -> None:
+        inflight: list[tuple[Request, Ticket]] = []
+        while True:
+            with self._cv:
+                while not self._queue and not inflight and not self._closed:
+                    self._cv.wait()
+                if not self._queue and not inflight:
+                    return  # closed and drained
+                task = self._queue.pop(0) if self._queue else None
+            if task is not None:
+                fn, ticket = task
+                ticket.posted_at = time.perf_counter()
+                try:
+                    res = fn()
+                except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+                    ticket._set(error=exc)
+                    continue
+                if isinstance(res, Request):
+                    inflight.append((res, ticket))
+                else:
+                    ticket._set(res)
+                continue  # post everything queued first: MPI progresses all posted operations together
+            self.passes += 1
+            still = []
+            for req, ticket in inflight:
+                ticket.tests += 1
+                try:
+                    done = req.test()
+                except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+                    ticket._set(error=exc)
+                    continue
+                if done:
+                    ticket._set(req.wait())
+                else:
+                    still.append((req, ticket))
+            inflight = still
+            time.sleep(0)  # yield the GIL to the computing thread

@@ -2,46 +2,82 @@
 
 Plan (:class:`GradReducer`), per training step on the ``dp`` communicator:
 
-* buckets: the trainable tensors, in reverse registration order (roughly the order backward finishes them),
-  grouped by dtype into flat buckets of at most ``bucket_mb`` MiB; fixed at construction, identical on every
-  replica. Each bucket owns one flat buffer for the whole run;
+* buckets: the trainable tensors, in reverse registration order (roughly the order backward finishes them,
+  as torch DDP), grouped by dtype into flat buckets of at most ``bucket_mb`` MiB; fixed at construction,
+  identical on every replica. Each bucket owns one flat buffer for the whole run;
 * gradients as bucket views (as torch DDP's ``gradient_as_bucket_view``): :meth:`GradReducer.start` points
   every ``.grad`` at its slice of the zeroed bucket buffer, so backward accumulates straight into the buffer
   and the allreduce runs in place: no gathering copy, no result buffer, no copy back. A ``.grad`` replaced
   in between (``zero_grad(set_to_none=True)`` after ``start``) is copied in at launch instead;
 * readiness: a ``post_accumulate_grad`` hook counts accumulations; a tensor is final after ``expected``
-  accumulations (one per micro-batch), a bucket when all its tensors are;
+  accumulations (one per micro-batch: the earlier micro-batches only accumulate, as under DDP's
+  ``no_sync``), a bucket when all its tensors are;
 * launch: ready buckets are launched strictly in bucket order (so every replica issues the same collectives
-  in the same order): either ``iallreduce(buffer, op="avg", out=buffer)`` is started (default: overlaps the
-  remaining backward; every hook tests the outstanding requests, since MPICH progresses a non-blocking
-  collective only when tested), or the user's ``grad_hook(flat, comm, bucket_index) -> mean`` is called (the
-  compression hook point; blocking) and its result copied into the buffer;
-* finish (:meth:`GradReducer.finish`): launch what has not been launched, reduce a map of which tensors got
-  a gradient on each replica (one small allreduce, as DDP's ``find_unused_parameters``), wait for every
-  request. A tensor no replica produced a gradient for keeps the ``.grad`` it had before :meth:`start`
-  (``None`` stays ``None``: the optimizer skips it, as in one process); every other tensor's ``.grad`` is the
-  mean, on every replica, also where this replica had none (so replicas never diverge).
+  in the same order): ``iallreduce(buffer, op="avg", out=buffer)``, or the user's blocking
+  ``grad_hook(flat, comm, bucket_index) -> mean`` (the compression hook point, e.g.
+  ``loom.compress.dp_hook``) whose result is copied into the buffer;
+* progress (``progress=``), because MPICH moves a posted collective only inside an MPI call of the process:
+
+  - ``"thread"``: a :class:`loom.comm.ProgressThread` of this reducer posts each launched bucket and tests
+    the requests in flight while backward computes; a blocking ``grad_hook`` runs there too, so the
+    compressed path overlaps backward as well. Costs a core while a reduction is in flight;
+  - ``"hooks"``: the bucket is posted from the hook, and every later hook tests the requests in flight (no
+    thread, no extra core; progress only at hook times, the rest at :meth:`finish`); a ``grad_hook`` runs
+    inside the hook, blocking backward;
+  - ``"auto"`` (default): ``"thread"`` when every rank on this node has a core for it beside its torch
+    threads (:func:`default_progress`), else ``"hooks"``: on a node with as many ranks as cores a spinning
+    thread would take its core from a peer's backward. MPICH's own asynchronous progress
+    (``MPICH_ASYNC_PROGRESS=1``) is not used: its thread spins for the whole job, not only while a
+    reduction is in flight, and must be chosen before MPI starts;
+* finish (:meth:`GradReducer.finish`): launch what has not been launched (a bucket whose tensor got no
+  gradient on this replica: no hang, it is reduced with zeros at the end, as DDP's
+  ``find_unused_parameters=True`` but always on), reduce a map of which tensors got a gradient on each
+  replica (one small allreduce after the buckets, in the same order on every rank), wait for every request.
+  A tensor no replica produced a gradient for keeps the ``.grad`` it had before :meth:`start` (``None``
+  stays ``None``: the optimizer skips it, as in one process); every other tensor's ``.grad`` is the mean, on
+  every replica, also where this replica had none (so replicas never diverge).
+
+Accounting (``loom.stats``, kind ``time``, scope ``dp``; :func:`dp_stats`, and :attr:`GradReducer.last` for
+the last step): ``exposed_comm_s`` is the time backward was held up by the reduction (blocked in
+:meth:`finish`, plus blocking hooks run inside backward); ``overlapped_comm_s`` the time before
+:meth:`finish` during which at least one bucket's reduction was in flight (posted, not yet seen complete),
+i.e. communication hidden behind backward; ``buckets``, ``posted_in_backward`` (launched before
+:meth:`finish`) and ``tests_in_backward`` (tests of in-flight requests before :meth:`finish`) show the
+mechanism without any timing.
+
+Reuse (ZeRO stages 2-3): the piece that makes reductions progress is :class:`loom.comm.ProgressThread`; a
+sharded engine submits each bucket's ``ireduce_scatter`` as ``worker.submit(lambda: comm.ireduce_scatter(x))``
+from its hooks, in bucket order, and waits on the tickets where it needs the shard gradients.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable, Sequence
 
 import torch
 
+from .. import settings
 from .. import stats as _stats
-from ..comm import Communicator, Request
+from ..comm import Communicator, ProgressThread, Request, Ticket
 
-__all__ = ["GradHook", "GradReducer", "allreduce_hook", "dp_stats", "reset_dp_stats"]
+__all__ = ["GradHook", "GradReducer", "PROGRESS_MODES", "allreduce_hook", "default_progress", "dp_stats",
+           "reset_dp_stats"]
 
 GradHook = Callable[[torch.Tensor, Communicator, int], torch.Tensor]
 
+PROGRESS_MODES = ("auto", "hooks", "thread")
+
+_COUNTERS = ("exposed_comm_s", "overlapped_comm_s", "buckets", "posted_in_backward", "tests_in_backward")
 
 
 def dp_stats() -> dict[str, float]:
-    """Seconds every :class:`GradReducer` of this process spent blocked in :meth:`GradReducer.finish`."""
-    return {"exposed_comm_s": _stats.counters("time", "dp").get("exposed_comm_s", 0.0)}  # a registry view
+    """Every :class:`GradReducer` of this process, summed over steps: seconds backward was held up by the
+    reduction (``exposed_comm_s``), seconds of reduction hidden behind backward (``overlapped_comm_s``), and the
+    mechanism counts (``buckets``, ``posted_in_backward``, ``tests_in_backward``); see the module docstring."""
+    d = _stats.counters("time", "dp")  # a registry view
+    return {k: d.get(k, 0.0) for k in _COUNTERS}
 
 
 def reset_dp_stats() -> None:
@@ -53,23 +89,63 @@ def allreduce_hook(flat: torch.Tensor, comm: Communicator, bucket_index: int) ->
     return comm.allreduce(flat, op="avg")
 
 
+def default_progress() -> str:
+    """``"thread"`` when each rank on this node has a core for a progress thread beside its torch threads
+    (``cores >= local ranks x (torch threads + 1)``) and MPI allows a second thread, else ``"hooks"``."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    info = settings.launch_info()
+    local = (info.local_size if info is not None and info.local_size else None) or (info.size if info else 1)
+    if cores >= local * (torch.get_num_threads() + 1) and ProgressThread.available():
+        return "thread"
+    return "hooks"
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by the intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
 class GradReducer:
     """Average the gradients of ``params`` over ``comm`` as backward produces them.
 
     Args:
         params: this rank's trainable tensors (the same list, in the same order, on every replica).
         comm: the data-parallel communicator.
-        grad_hook: ``hook(flat, comm, bucket_index) -> mean over comm``; ``None`` uses a non-blocking
-            in-place ``iallreduce(op="avg")`` overlapped with the rest of backward.
+        grad_hook: ``hook(flat, comm, bucket_index) -> mean over comm`` (blocking); ``None`` uses a
+            non-blocking in-place ``iallreduce(op="avg")``.
         bucket_mb: bucket size cap in MiB.
+        progress: ``"auto"``, ``"hooks"`` or ``"thread"``: how reductions move during backward (module
+            docstring); the choice made is :attr:`progress`.
+
+    Attributes:
+        last: the last finished step's accounting (``exposed_s``, ``overlapped_s``, ``buckets``,
+            ``posted_in_backward``, ``tests_in_backward``, ``first_posted_at``: how many gradient hooks had run
+            when bucket 0 was launched, ``hooks``: gradient hooks in the step).
     """
 
     def __init__(self, params: Sequence[torch.Tensor], comm: Communicator, *, grad_hook: GradHook | None = None,
-                 bucket_mb: float = 25.0):
+                 bucket_mb: float = 25.0, progress: str = "auto"):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb={bucket_mb} must be > 0")
+        if progress not in PROGRESS_MODES:
+            raise ValueError(f"progress={progress!r} is not one of {', '.join(PROGRESS_MODES)}")
+        if progress == "thread" and not ProgressThread.available():
+            raise ValueError("progress='thread' needs MPI at MPI_THREAD_MULTIPLE (mpi4py's default level; was "
+                             "mpi4py.rc.thread_level changed?); use progress='hooks'")
         self.comm = comm
         self.hook = grad_hook
+        self.progress = default_progress() if progress == "auto" else progress
+        if comm.size == 1 and progress == "auto":
+            self.progress = "hooks"  # nothing travels: no thread
         cap = int(bucket_mb * (1 << 20))
         self.buckets: list[list[torch.Tensor]] = []
         open_: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
@@ -94,26 +170,43 @@ class GradReducer:
                 vs.append(buf[off:off + p.numel()].view_as(p))
                 off += p.numel()
             self._views.append(vs)
-        self._counts = [0] * len(self.params)
-        self._ready = [0] * len(self.buckets)
-        self._results: list[Request | torch.Tensor | None] = [None] * len(self.buckets)
-        self._had_grad: list[bool] = [False] * len(self.params)
-        self._next = 0
+        self._worker: ProgressThread | None = None
+        self._reset_step()
         self.expected = 1
         self.armed = False
+        self.last: dict[str, float] = {}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def _reset_step(self) -> None:
+        n = len(self.buckets)
+        self._counts = [0] * len(self.params)
+        self._used = [False] * len(self.params)
+        self._had_grad = [False] * len(self.params)
+        self._ready = [0] * n
+        self._results: list[Request | Ticket | torch.Tensor | None] = [None] * n
+        self._posted = [0.0] * n
+        self._seen_done: list[float | None] = [None] * n
+        self._tests = 0
+        self._hooks = 0
+        self._first_posted_at = -1
+        self._blocked = 0.0  # seconds of blocking hooks run inside backward
+        self._next = 0
+
+    @property
+    def live(self) -> dict[str, int]:
+        """This step so far (mechanism counts, no timing): buckets launched, tests of in-flight requests,
+        gradient hooks run, and how many hooks had run when bucket 0 was launched (-1: not yet)."""
+        tests = self._tests + sum(r.tests for r in self._results if isinstance(r, Ticket))
+        return {"posted": self._next, "tests": tests, "hooks": self._hooks, "first_posted_at": self._first_posted_at}
 
     def start(self, expected: int) -> None:
         """Arm for one step in which each tensor is accumulated ``expected`` times.
 
         Every ``.grad`` becomes its slice of the bucket buffer, keeping its value (zero where it was ``None``).
         """
+        self._reset_step()
         self.expected = expected
-        self._counts = [0] * len(self.params)
         self._had_grad = [p.grad is not None for p in self.params]
-        self._ready = [0] * len(self.buckets)
-        self._results = [None] * len(self.buckets)
-        self._next = 0
         with torch.no_grad():
             for b, vs in zip(self.buckets, self._views):
                 for p, v in zip(b, vs):
@@ -127,9 +220,39 @@ class GradReducer:
                     p.grad = v
         self.armed = True
 
+    def prepare(self, *outputs: torch.Tensor) -> None:
+        """Before a backward from ``outputs``: count every tensor this backward cannot reach as accumulated
+        (as DDP's ``find_unused_parameters`` after forward), so that a bucket holding a tensor unused on this
+        replica is launched during backward instead of at :meth:`finish`. Optional: without it such a bucket,
+        and every bucket after it, waits for :meth:`finish` (still exact, less overlap)."""
+        if not self.armed:
+            return
+        reached: set[int] = set()
+        seen: set = set()
+        stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            var = getattr(fn, "variable", None)  # AccumulateGrad: the leaf it writes
+            if var is not None:
+                reached.add(id(var))
+            stack.extend(f for f, _ in fn.next_functions)
+        for p in self.params:
+            if id(p) not in reached:
+                self._count(p)
+
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self.armed:
             return
+        self._hooks += 1
+        self._used[self._where[id(p)][1]] = True
+        self._count(p)
+        if self.progress == "hooks":
+            self._test_inflight()
+
+    def _count(self, p: torch.Tensor) -> None:
         i, k = self._where[id(p)]
         c = self._counts[k] + 1
         self._counts[k] = c
@@ -138,9 +261,15 @@ class GradReducer:
             while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
                 self._launch(self._next)
                 self._next += 1
-        for res in self._results:  # MPICH moves a posted collective only when it is tested
-            if isinstance(res, Request):
-                res.test()
+
+    def _test_inflight(self) -> None:
+        """Test every posted, not yet complete request once (MPICH moves it only inside an MPI call)."""
+        for j in range(self._next):
+            res = self._results[j]
+            if isinstance(res, Request) and self._seen_done[j] is None:
+                self._tests += 1
+                if res.test():
+                    self._seen_done[j] = time.perf_counter()
 
     def _launch(self, i: int) -> None:
         buf = self.buffers[i]
@@ -150,28 +279,68 @@ class GradReducer:
                 v.zero_()
             elif g.data_ptr() != v.data_ptr():
                 v.copy_(g)  # the gradient was replaced after start(): bring it into the bucket
-        if self.hook is None:
+        if self._first_posted_at < 0:
+            self._first_posted_at = self._hooks
+        self._posted[i] = time.perf_counter()
+        if self.progress == "thread":
+            if self._worker is None:
+                self._worker = ProgressThread(name=f"loom-dp-progress-{self.comm.name}")
+            self._results[i] = self._worker.submit(self._task(i))
+        elif self.hook is None:
             self._results[i] = self.comm.iallreduce(buf, op="avg", out=buf)
         else:
-            mean = self.hook(buf, self.comm, i)
-            if mean is not buf:
-                buf.copy_(mean)
-            self._results[i] = buf
+            self._run_hook(i)
+            now = time.perf_counter()
+            self._seen_done[i] = now
+            if self.armed:  # inside backward: backward waited for it
+                self._blocked += now - self._posted[i]
+
+    def _run_hook(self, i: int) -> torch.Tensor:
+        buf = self.buffers[i]
+        mean = self.hook(buf, self.comm, i)
+        if mean is not buf:
+            buf.copy_(mean)
+        return buf
+
+    def _task(self, i: int) -> Callable[[], object]:
+        """What the progress thread runs for bucket ``i``: post its allreduce, or run the blocking hook."""
+        if self.hook is None:
+            buf = self.buffers[i]
+            return lambda: self.comm.iallreduce(buf, op="avg", out=buf)
+        return lambda: self._run_hook(i)
 
     def finish(self) -> None:
         """Launch the remaining buckets, wait for all; ``.grad`` holds the mean (see the module docstring)."""
-        used = torch.tensor([self._counts[k] > 0 for k in range(len(self.params))], dtype=torch.int32)
+        t0 = time.perf_counter()
+        posted_in_backward = self._next
+        tests = self.live["tests"]  # before finish
+        used = torch.tensor(self._used, dtype=torch.int32)
+        self.armed = False
         while self._next < len(self.buckets):
             self._launch(self._next)
             self._next += 1
-        self.armed = False
-        t0 = time.perf_counter()
         if self.comm.size > 1:
-            used = self.comm.allreduce(used)
-        for res in self._results:
-            if isinstance(res, Request):
+            if self._worker is not None:  # after the buckets on the same thread: one collective order
+                used = self._worker.submit(lambda: self.comm.allreduce(used)).wait()
+            else:
+                used = self.comm.allreduce(used)
+        for j, res in enumerate(self._results):
+            if isinstance(res, Ticket):
                 res.wait()
-        _stats.add("time", "dp", exposed_comm_s=time.perf_counter() - t0)
+                if res.done_at is not None and res.posted_at is not None:
+                    self._posted[j] = res.posted_at
+                    self._seen_done[j] = res.done_at
+            elif isinstance(res, Request):
+                res.wait()
+        t1 = time.perf_counter()
+        overlapped = _union([(self._posted[j], min(self._seen_done[j] or t0, t0)) for j in range(posted_in_backward)
+                             if not (self.progress == "hooks" and self.hook is not None)])
+        exposed = t1 - t0 + self._blocked
+        self.last = {"exposed_s": exposed, "overlapped_s": overlapped, "buckets": len(self.buckets),
+                     "posted_in_backward": posted_in_backward, "tests_in_backward": tests,
+                     "first_posted_at": self._first_posted_at, "hooks": self._hooks}
+        _stats.add("time", "dp", exposed_comm_s=exposed, overlapped_comm_s=overlapped, buckets=len(self.buckets),
+                   posted_in_backward=posted_in_backward, tests_in_backward=tests)
         k = 0
         for b, vs in zip(self.buckets, self._views):
             for p, v in zip(b, vs):
@@ -184,5 +353,10 @@ class GradReducer:
         self._results = [None] * len(self.buckets)
 
     def remove(self) -> None:
+        """Take the hooks off the tensors and stop the progress thread."""
         for h in self._handles:
             h.remove()
+        self._handles = []
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None

@@ -14,9 +14,12 @@ Three tables, one run:
   here runs ``foreach=False`` (its temporaries are one tensor's, not the whole model's), the same for all. The tracker
   also counts storages that ``UntypedStorage.resize_`` grows, since FSDP2 allocates its unsharded
   parameters that way.
-* **Plain data parallel vs DDP** (2 ranks): loom stage 0 (:class:`loom.parallel.data.GradReducer`) and
-  torch ``DistributedDataParallel`` (gloo) on the model of ``loom bench hybrid`` (width 1024, depth 16,
-  global batch 16, SGD, one micro-batch).
+* **Plain data parallel vs DDP** (2 ranks): loom plain data parallel (:class:`loom.parallel.data.GradReducer`,
+  25 MiB buckets reduced during backward, once per progress mode: ``hooks`` and ``thread``, the row of the mode
+  ``auto`` picks on this machine marked) and torch ``DistributedDataParallel`` (gloo, its defaults: 25 MiB
+  buckets, ``gradient_as_bucket_view``) on the model of ``loom bench hybrid`` (width 1024, depth 16, global
+  batch 16, SGD, one micro-batch). The JSON keeps each loom mode's exposed and overlapped seconds of its last
+  step.
 
 Timing: :func:`loom.bench.omb.time_op` per mode, modes interleaved over ``--rounds`` rounds, the best round's
 mean kept, the slowest rank's time reported. Ranks beyond the first two wait for the timed part in a
@@ -35,6 +38,7 @@ from torch import nn
 
 from .. import cli_args
 from ..comm import Communicator, world
+from ..parallel.data import GradReducer, default_progress
 from ..parallel.offload import MemoryTracker
 from ..parallel.zero import ShardedDataParallel, reset_zero_stats, zero_stats
 from . import omb
@@ -162,6 +166,25 @@ def _capacity(comm, args) -> dict[str, Any]:
     return {"table": table.rows, "meta": table.meta, "results": out}
 
 
+def _loom_dp(comm, width: int, depth: int, batch: int, progress: str):
+    """A loom plain data-parallel SGD step (the DDP peer's loop): ``(step, reducer)``."""
+    torch.manual_seed(0)
+    model = WideResMLP(width, depth)
+    params = list(model.parameters())
+    red = GradReducer(params, comm, bucket_mb=25.0, progress=progress)
+    opt = torch.optim.SGD(params, lr=1e-4)
+    x, y = _rows(comm, batch)
+
+    def step():
+        opt.zero_grad(set_to_none=False)  # zeroes the bucket views in place, as DDP's loop below
+        red.start(1)
+        nn.functional.mse_loss(model(x), y).backward()
+        red.finish()
+        opt.step()
+
+    return step, red
+
+
 def _fsdp2(group, mesh, width: int, depth: int, batch: int, comm):
     from torch.distributed.fsdp import fully_shard
 
@@ -227,16 +250,24 @@ def _peers(sub: Communicator, group, mesh, args) -> dict[str, Any]:
     t1.header()
     for name, peak, _, t in runs:
         t1.add(name, t * 1e3, peak / 2**20, runs[1][3] / t)
-    ddp_runs = [["loom dp (stage 0)", 0, _loom(sub, 0, w, d, 16, 25.0, "sgd")[0], float("inf")],
-                ["torch DDP", 0, _ddp(group, w, d, 16, sub)[0], float("inf")]]
+    auto = sub.bcast_object(default_progress(), 0)  # every rank names the same row
+    reducers, ddp_runs = {}, []
+    for mode in ("hooks", "thread"):
+        step, reducers[mode] = _loom_dp(sub, w, d, 16, mode)
+        ddp_runs.append([f"loom dp ({mode}{', auto' if mode == auto else ''})", 0, step, float("inf")])
+    ddp_runs.append(["torch DDP", 0, _ddp(group, w, d, 16, sub)[0], float("inf")])
     _timed(sub, ddp_runs, args)
+    for red in reducers.values():
+        red.remove()
     t2 = omb.Table("Plain data parallel vs torch DDP (gloo)", ["Mode", "Step(ms)", "x-DDP-time"], rank=sub.rank)
     t2.meta = {"model": f"residual MLP width {w} depth {d} ({params / 1e6:.1f} M params, fp32, SGD)",
-               "batch": "global 16, one micro-batch", "ranks": f"{sub.size}, 1 thread each, 25 MiB buckets"}
+               "batch": "global 16, one micro-batch", "ranks": f"{sub.size}, 1 thread each, 25 MiB buckets",
+               "progress": f"loom reductions progress from the hooks or a progress thread; auto picks {auto} here"}
     t2.header()
     for name, _, _, t in ddp_runs:
-        t2.add(name, t * 1e3, ddp_runs[1][3] / t)
-    return {"fsdp2": t1.rows, "ddp": t2.rows, "exposed_comm_s": exposed}
+        t2.add(name, t * 1e3, ddp_runs[-1][3] / t)
+    return {"fsdp2": t1.rows, "ddp": t2.rows, "exposed_comm_s": exposed,
+            "dp_last_step": {mode: red.last for mode, red in reducers.items()}}
 
 
 def _torch_group(comm: Communicator, n: int):

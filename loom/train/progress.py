@@ -95,8 +95,11 @@ class Display:
             self._progress.refresh()  # redraw per step only: every redraw travels through mpiexec's pipes
         elif self.mode == "lines":
             ev = f"  eval {rec['eval_loss']:.4f}" if rec.get("eval_loss") is not None else ""
+            t = rec.get("time", {})
+            hidden = f", {t['overlapped'] * 1e3:.0f} overlapped" if t.get("overlapped") else ""
+            comm = f", comm {t['comm'] * 1e3:.0f} exposed{hidden}" if "comm" in t else ""
             print(f"step {rec['step']:>5}/{self.total}  loss {loss}{ev}  {tps} tok/s  peak {mem}/rank  "
-                  f"compress {ratio}  ({rec['step_time'] * 1e3:.0f} ms/step)", flush=True)
+                  f"compress {ratio}  ({rec['step_time'] * 1e3:.0f} ms/step{comm})", flush=True)
 
     def message(self, text: str) -> None:
         if self.mode == "bar":
@@ -207,7 +210,10 @@ def write_plots(records: Iterable[dict[str, Any]], out_dir: Path) -> list[Path]:
     comp = [r["time"]["compute"] * 1e3 for r in recs]
     comm = [r["time"]["comm"] * 1e3 for r in recs]
     off = [r["time"]["offload"] * 1e3 for r in recs]
-    ax.stackplot(steps, comp, comm, off, labels=["compute", "communication", "offload"], alpha=0.85)
+    ax.stackplot(steps, comp, comm, off, labels=["compute", "communication (exposed)", "offload"], alpha=0.85)
+    hidden = [r["time"].get("overlapped", 0.0) * 1e3 for r in recs]
+    if any(hidden):  # in flight while backward computed: inside the compute band, not added on top
+        ax.plot(steps, hidden, "k--", lw=1, label="communication overlapped with backward")
     ax.set_xlabel("step")
     ax.set_ylabel("ms per step (rank 0)")
     ax.set_title("step-time breakdown")

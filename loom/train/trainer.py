@@ -12,8 +12,11 @@ Step plan (every rank, mesh ``dp x pp x ep x sp``, ``sp`` fastest):
    ``loom.parallel.HybridParallel`` cuts an ``nn.Sequential`` view of the model into stages and runs the
    1F1B/GPipe schedule over ``data.micro_batches`` micro-batches; its reducer averages stage gradients over
    ``dp`` through the same dp hook.
-3. **Gradient sync** (see :meth:`Trainer.sync_grads`): gradients are flattened into buckets of
-   ``compress.bucket_mb``; each bucket is reduced over ``sp`` with a plain allreduce (the fast intra-node
+3. **Gradient sync** (see :meth:`Trainer.sync_grads`). Plain data parallel (``pp = ep = 1``, ZeRO stage 0;
+   with ``sp`` only uncompressed): a ``loom.parallel.data.GradReducer`` averages the gradients over ``dp`` in
+   buckets of ``compress.bucket_mb`` during backward (through the dp hook when compressing), and ``sp`` is
+   summed or averaged afterwards. Otherwise gradients are flattened into buckets of
+   ``compress.bucket_mb`` after backward; each bucket is reduced over ``sp`` with a plain allreduce (the fast intra-node
    axis), then replicated buckets are averaged over ``dp x ep`` and expert buckets over ``dp`` (divided by
    ``ep``) through the compression policy's dp hook (``hook(bucket, comm, index) -> mean``), or
    ``allreduce(op="avg")`` without one. Equal shard sizes make the mean of local means the global mean, so
@@ -56,6 +59,7 @@ from .. import stats as _stats
 from ..stats import Axis, flat_axis
 from ..compress import stats as compress_stats
 from ..parallel import HybridParallel
+from ..parallel.data import GradReducer, dp_stats
 from ..parallel.offload import transfer_stats
 from ..parallel.zero import zero_stats
 from . import checkpoint as ckpt
@@ -254,6 +258,7 @@ class Trainer:
             self._resume()
             self.resumed_from_nothing = self.start_step == 0
         self._buckets = self._make_buckets()
+        self.reducer = self._make_reducer()
 
     def _lay_mesh(self) -> None:
         """The mesh over ``self.comm``, this rank's coordinates, and a communicator per axis longer than 1."""
@@ -309,6 +314,18 @@ class Trainer:
         if self.hybrid is not None:
             self.hybrid.forward_context = sdp.forward_context
         return sdp
+
+    def _make_reducer(self) -> GradReducer | None:
+        """Plain data parallel: the dp average runs during backward (bucketed, overlapped; see
+        :mod:`loom.parallel.data`). Not under a pipeline (HybridParallel has its own), ZeRO, or ep (two groups of
+        buckets over two communicators), nor with sp when compressing (the dp codec would then see each sp
+        rank's partial gradient instead of the sp sum the after-backward path compresses)."""
+        cfg = self.cfg
+        if (self.dp is None or self.hybrid is not None or self.sdp is not None or cfg.zero.stage != 0
+                or self.ep is not None or (self.sp is not None and self.hook is not None)):
+            return None
+        return GradReducer([p for p in self.params if p.requires_grad], self.dp, grad_hook=self.hook,
+                           bucket_mb=cfg.compress.bucket_mb)
 
     def _decay_masks(self) -> list[torch.Tensor]:
         """Per flat shard: which of its elements belong to matrices (they take weight decay)."""
@@ -577,6 +594,15 @@ class Trainer:
         """
         if self.sdp is not None:
             return self._sharded_sync()
+        if self.reducer is not None:
+            self.reducer.finish()  # its blocked time is counted in dp_stats()
+            t0 = time.perf_counter()
+            if self.sp is not None:
+                self._flat_sync(self.sp, use_hook=False, op="sum" if self._sp_share else "avg")
+            for p in self.params:  # none on any replica: zeros, as on the after-backward path and on one rank
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            return time.perf_counter() - t0
         t0 = time.perf_counter()
         if self.sp is not None:
             self._flat_sync(self.sp, use_hook=False, op="sum" if self._sp_share else "avg")
@@ -662,7 +688,11 @@ class Trainer:
         """Loss (mean over this rank's tokens, or over dp x pp under a pipeline) after filling ``.grad``."""
         if self.hybrid is not None:
             return self.hybrid.train_step(x, y, self.tm.loss_fn)
+        if self.reducer is not None:
+            self.reducer.start(1)
         loss = self.sdp.call(self.tm.loss, x, y) if self.sdp is not None else self.tm.loss(x, y)
+        if self.reducer is not None:
+            self.reducer.prepare(loss)  # a tensor this loss cannot reach does not hold back its bucket
         loss.backward()
         return self._as_mean(float(loss.detach()))
 
@@ -716,7 +746,7 @@ class Trainer:
         for step in range(self.start_step, stop):
             t0 = time.perf_counter()
             before, saved0, off0 = _wire_bytes(), _saved_bytes(), _offload_bytes()
-            sp0, zero0 = COMM_TIME.get("sp", 0.0), zero_stats()["exposed_comm_s"]
+            sp0, zero0, dp0 = COMM_TIME.get("sp", 0.0), zero_stats()["exposed_comm_s"], dp_stats()
             lr = lr_at(step, cfg)
             for g in self.opt.param_groups:
                 g["lr"] = lr
@@ -731,7 +761,10 @@ class Trainer:
             step_s = time.perf_counter() - t0
             after, saved1, off1 = _wire_bytes(), _saved_bytes(), _offload_bytes()
             zero_s = zero_stats()["exposed_comm_s"] - zero0  # ZeRO: time blocked on gathers and reduce-scatters
-            comm_s = sync_s + zero_s + (COMM_TIME.get("sp", 0.0) - sp0)  # before eval (not the step's traffic)
+            dp1 = dp_stats()  # data parallel reducers (this one's, HybridParallel's): held up / hidden by backward
+            dp_s = dp1["exposed_comm_s"] - dp0["exposed_comm_s"]
+            overlapped_s = dp1["overlapped_comm_s"] - dp0["overlapped_comm_s"]
+            comm_s = sync_s + zero_s + dp_s + (COMM_TIME.get("sp", 0.0) - sp0)  # before eval (not the step's traffic)
             done = step + 1
             # pp ranks of a replica already agree on the loss; averaging over everyone is still the global mean.
             loss_avg = comm.allreduce_object(loss) / comm.size
@@ -750,7 +783,10 @@ class Trainer:
             rec = {
                 "kind": "step", "step": done, "loss": loss_avg, "eval_loss": eval_loss, "lr": lr, "grad_norm": gnorm,
                 "tokens": done * tokens, "tokens_per_s": tokens / step_s, "step_time": step_s,
-                "time": {"compute": max(0.0, step_s - comm_s), "comm": comm_s, "offload": 0.0, "zero": zero_s},
+                # comm: exposed (the step waited for it); overlapped: dp reductions in flight while backward ran,
+                # hidden inside compute and not part of the sum
+                "time": {"compute": max(0.0, step_s - comm_s), "comm": comm_s, "offload": 0.0, "zero": zero_s,
+                         "dp": dp_s, "overlapped": overlapped_s},
                 "bytes": by_axis, "offload_bytes": off1 - off0,
                 "compress_ratio": (raw_all / wire_all) if wire_all else 1.0, "peak_mem": peak,
             }

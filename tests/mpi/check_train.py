@@ -113,6 +113,20 @@ def check_meshes_match_one_rank(comm):
                 assert recs[-1]["bytes"].get(axis, {}).get("wire", 0) > 0, (extra, axis, recs[-1]["bytes"])
 
 
+def check_dp_reduces_during_backward(comm):
+    """Plain dp in ``loom train`` reduces in buckets during backward (the mechanism, not a timing), and the
+    step record splits communication into exposed (part of the step's sum) and overlapped with backward."""
+    extra = {"mesh": {"dp": comm.size}, "compress": {"bucket_mb": 0.01}}
+    tr = Trainer(_cfg(BASE, extra), comm, out=_tmp(comm, "dp-overlap"), quiet=True)
+    recs = tr.run()
+    assert tr.reducer is not None and len(tr.reducer.buckets) > 2
+    last = tr.reducer.last
+    assert 1 <= last["posted_in_backward"] <= last["buckets"] and 0 <= last["first_posted_at"] < last["hooks"], last
+    t = recs[-1]["time"]
+    assert t["dp"] >= 0 and t["overlapped"] >= 0 and t["comm"] >= t["dp"], t
+    assert abs(t["compute"] + t["comm"] - recs[-1]["step_time"]) < 1e-9 * max(1.0, recs[-1]["step_time"]) + 1e-12
+
+
 def check_compressed_dp_trains(comm):
     extra = {"mesh": {"dp": comm.size}, "compress": {"policy": "hybrid", "bucket_mb": 0.05, "min_kb": 0}}
     ref_recs, _ = _reference(comm, {})

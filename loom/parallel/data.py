@@ -29,6 +29,8 @@ Plan (:class:`GradReducer`), per training step on the ``dp`` communicator:
     thread would take its core from a peer's backward. MPICH's own asynchronous progress
     (``MPICH_ASYNC_PROGRESS=1``) is not used: its thread spins for the whole job, not only while a
     reduction is in flight, and must be chosen before MPI starts;
+* isolation: the reducer communicates on its own duplicate of ``comm`` (same ranks, same name for the byte
+  counters), so the caller's collectives on ``comm`` never interleave with the buckets';
 * finish (:meth:`GradReducer.finish`): launch what has not been launched (a bucket whose tensor got no
   gradient on this replica: no hang, it is reduced with zeros at the end, as DDP's
   ``find_unused_parameters=True`` but always on), reduce a map of which tensors got a gradient on each
@@ -107,7 +109,7 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by the intervals."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(intervals):
-        if b <= end:
+        if b <= max(a, end):  # empty (a bucket the thread posted only after finish began), or covered
             continue
         total += b - max(a, end)
         end = b
@@ -119,7 +121,7 @@ class GradReducer:
 
     Args:
         params: this rank's trainable tensors (the same list, in the same order, on every replica).
-        comm: the data-parallel communicator.
+        comm: the data-parallel communicator (the reducer duplicates it: collective, every replica constructs).
         grad_hook: ``hook(flat, comm, bucket_index) -> mean over comm`` (blocking); ``None`` uses a
             non-blocking in-place ``iallreduce(op="avg")``.
         bucket_mb: bucket size cap in MiB.
@@ -141,7 +143,9 @@ class GradReducer:
         if progress == "thread" and not ProgressThread.available():
             raise ValueError("progress='thread' needs MPI at MPI_THREAD_MULTIPLE (mpi4py's default level; was "
                              "mpi4py.rc.thread_level changed?); use progress='hooks'")
-        self.comm = comm
+        # The reductions run on a private duplicate: a progress thread posts them at moments of its own, which
+        # must not interleave with the caller's collectives on ``comm`` in a different order on each rank.
+        self.comm = comm.dup() if comm.size > 1 else comm
         self.hook = grad_hook
         self.progress = default_progress() if progress == "auto" else progress
         if comm.size == 1 and progress == "auto":
@@ -360,3 +364,5 @@ class GradReducer:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+        if self.comm.size > 1:
+            self.comm.free()

@@ -232,9 +232,9 @@ def check_reduction_overlaps_backward(comm):
         red.finish()
         last, s1 = red.last, dp_stats()
         assert last["posted_in_backward"] >= 1 and last["tests_in_backward"] >= 1, (mode, last)
-        assert s1["posted_in_backward"] - s0["posted_in_backward"] == last["posted_in_backward"]
-        assert s1["buckets"] - s0["buckets"] == len(red.buckets)
-        assert last["exposed_s"] >= 0 and last["overlapped_s"] >= 0
+        assert s1["posted_in_backward"] - s0["posted_in_backward"] == last["posted_in_backward"], (s0, s1, last)
+        assert s1["buckets"] - s0["buckets"] == len(red.buckets), (s0, s1, last)
+        assert last["exposed_s"] >= 0 and last["overlapped_s"] >= 0, last
         red.remove()
 
 

@@ -22,7 +22,8 @@ def test_bench_zero(tmp_path):
     assert all(r["peak"] <= 2 * 2**20 for r in cap.values())
     assert [r["Mode"] for r in doc["fsdp2"]] == ["loom stage 3", "torch FSDP2"]
     modes = [r["Mode"] for r in doc["ddp"]]  # loom dp in both progress modes (the one auto picks marked), DDP
-    assert modes[2] == "torch DDP" and [m.split(",")[0] for m in modes[:2]] == ["loom dp (hooks", "loom dp (thread"]
+    assert modes[2] == "torch DDP" and [m.split(",")[0].rstrip(")") for m in modes[:2]] == ["loom dp (hooks",
+                                                                                           "loom dp (thread"]
     assert sum(", auto)" in m for m in modes) == 1
     for mode in ("hooks", "thread"):  # reductions launched during backward, not after it
         assert doc["dp_last_step"][mode]["posted_in_backward"] >= 1, doc["dp_last_step"]

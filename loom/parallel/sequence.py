@@ -34,9 +34,10 @@ GQA/MQA: ``kv_heads`` must divide ``heads``; when ``kv_heads`` is not a multiple
 divide ``P``) each kv head is replicated ``P / kv_heads`` times before the all-to-all, and autograd sums the
 replicas' gradients.
 
-Kernel: on CPU the SDPA flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and its
-backward, which return and consume the log-sum-exp); elsewhere, or with ``LOOM_ATTN_KERNEL=torch``, a
-pure-torch block kernel in the accumulation dtype. No flash-attn dependency.
+Kernel (:mod:`loom.parallel.blocks`): an SDPA kernel that returns the log-sum-exp (on CPU the flash kernel;
+on CUDA FlashAttention-2 for fp16/bf16, memory-efficient attention for fp32 and packed-document masks), or
+with ``LOOM_ATTN_KERNEL=torch`` and wherever none applies, a tiled pure-torch kernel whose working set is a
+few ``TILE x TILE`` score tiles, not ``(P c)^2``. No flash-attn dependency.
 """
 
 from __future__ import annotations
@@ -47,8 +48,12 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .. import settings
 from .. import stats as _stats
+from .blocks import acc_dtype as _acc_dtype
+from .blocks import attention_kernel
+from .blocks import block_backward as _block_backward
+from .blocks import block_forward as _block_forward
+from .blocks import merge as _merge
 from .offload import chunk_store
 
 __all__ = [
@@ -76,19 +81,6 @@ def alltoall_stats() -> dict[str, int]:
 
 def reset_alltoall_stats() -> None:
     _stats.reset("sequence")
-
-
-def attention_kernel(device: torch.device) -> str:
-    """``"flash"`` (the CPU SDPA flash kernel with log-sum-exp) or ``"torch"`` (pure-torch blocks)."""
-    choice = settings.get("attn_kernel")
-    if choice == "torch":
-        return "torch"
-    ok = device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-    return "flash" if ok else "torch"
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -290,96 +282,6 @@ def ulysses_attention(
     return heads_to_seq(o, comm=comm)[0]
 
 
-# ---------------------------------------------------------------------------------------------- block kernels
-def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
-    """``[B, Lq, Lk]`` bool -> ``[B, 1, Lq, Lk]`` additive mask (0 / -inf) for the SDPA kernels."""
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))[:, None]
-
-
-def _block_forward(q, k, v, causal: bool, scale: float, kernel: str, allowed: torch.Tensor | None = None):
-    """Attention of one q block against one kv block: ``(out [B,h,Lq,D], lse [B,h,Lq])`` (SDPA layout).
-
-    ``allowed`` (``[B, Lq, Lk]`` bool, causality folded in) restricts attention to packed documents; rows with
-    no allowed key get ``out = 0`` and ``lse = -inf`` so that the merge ignores them.
-    """
-    if allowed is not None:
-        rows = allowed.any(-1)[:, None, :]  # [B, 1, Lq]
-        if kernel == "flash":
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, False, attn_mask=_additive(allowed, q.dtype), scale=scale)
-        else:
-            out, lse = _block_forward_torch(q, k, v, False, scale, allowed)
-        lse = lse.masked_fill(~rows, float("-inf"))
-        return out.masked_fill(~rows[..., None], 0.0), lse
-    if kernel == "flash":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse
-    return _block_forward_torch(q, k, v, causal, scale, None)
-
-
-def _block_forward_torch(q, k, v, causal: bool, scale: float, allowed):
-    acc = _acc_dtype(q.dtype)
-    b, h, lq, d = q.shape
-    hk = k.shape[1]
-    g = h // hk
-    qa = q.to(acc).reshape(b, hk, g, lq, d)
-    ka = k.to(acc)[:, :, None]
-    va = v.to(acc)[:, :, None]
-    sc = torch.matmul(qa, ka.transpose(-1, -2)) * scale
-    if causal:
-        lk = k.shape[2]
-        sc = sc.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    if allowed is not None:
-        sc = sc.masked_fill(~allowed[:, None, None], float("-inf"))
-    lse = torch.logsumexp(sc, dim=-1)
-    safe = lse.masked_fill(torch.isinf(lse), 0.0)
-    out = torch.matmul(torch.exp(sc - safe[..., None]), va)
-    return out.reshape(b, h, lq, d), lse.reshape(b, h, lq)
-
-
-def _block_backward(do, q, k, v, out, lse, causal: bool, scale: float, kernel: str,
-                    allowed: torch.Tensor | None = None):
-    """Exact gradient contributions of one (q block, kv block) pair given the *merged* out and lse."""
-    if kernel == "flash":
-        if allowed is not None:
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                do, q, k, v, out, lse, 0.0, False, attn_mask=_additive(allowed, q.dtype), scale=scale)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse, 0.0, causal, scale=scale)
-    acc = _acc_dtype(q.dtype)
-    b, h, lq, d = q.shape
-    hk, lk = k.shape[1], k.shape[2]
-    g = h // hk
-    qa = q.to(acc).reshape(b, hk, g, lq, d)
-    ka = k.to(acc)[:, :, None]
-    va = v.to(acc)[:, :, None]
-    doa = do.to(acc).reshape(b, hk, g, lq, d)
-    delta = (doa * out.to(acc).reshape(b, hk, g, lq, d)).sum(-1, keepdim=True)
-    sc = torch.matmul(qa, ka.transpose(-1, -2)) * scale
-    if causal:
-        sc = sc.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    if allowed is not None:
-        sc = sc.masked_fill(~allowed[:, None, None], float("-inf"))
-    pr = torch.exp(sc - lse.to(acc).reshape(b, hk, g, lq, 1))
-    dv = torch.matmul(pr.transpose(-1, -2), doa).sum(2)
-    dp = torch.matmul(doa, va.transpose(-1, -2))
-    ds = pr * (dp - delta)
-    dq = torch.matmul(ds, ka).reshape(b, h, lq, d) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), qa).sum(2) * scale
-    return dq, dk, dv
-
-
-def _merge(o_acc, l_acc, o, l):
-    """Online-softmax merge of two partial results through their log-sum-exp (in the accumulation dtype)."""
-    o = o.to(o_acc.dtype if o_acc is not None else _acc_dtype(o.dtype))
-    l = l.to(o.dtype)
-    if o_acc is None:
-        return o, l
-    l_new = torch.logaddexp(l_acc, l)
-    safe = l_new.masked_fill(torch.isinf(l_new), 0.0)  # rows no key reached yet (packed documents) stay 0
-    return o_acc * torch.exp(l_acc - safe)[..., None] + o * torch.exp(l - safe)[..., None], l_new
-
-
 # ---------------------------------------------------------------------------------------------- FPDT
 class FPDTPipeline:
     """The FPDT chunk pipeline over local chunks, driven by callbacks (see the module docstring for the plan).
@@ -402,21 +304,34 @@ class FPDTPipeline:
         self.comm, self.u, self.causal, self.scale, self.store = comm, chunks, causal, scale, store
         self.kernel = attention_kernel(device)
         self.doc = doc  # global document ids [B, n] (packed sequences) or None
+        self._seen: list[list[bool]] | None = None
         self.hq: list[int] = []
         self.hk: list[int] = []
         self.hv: list[int] = []
         self.ho: list[int] = []
         self.hl: list[int] = []
 
-    def allowed(self, i: int, j: int) -> torch.Tensor | None:
-        """``[B, Lq, Lk]`` bool: which keys of global chunk ``j`` the queries of chunk ``i`` may attend to."""
+    def docs(self, i: int, j: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(doc_q, doc_k)``: the document ids of global chunks ``i`` (queries) and ``j`` (keys), or None."""
         if self.doc is None:
             return None
         n = self.doc.shape[1] // self.u
-        a = self.doc[:, i * n:(i + 1) * n, None] == self.doc[:, None, j * n:(j + 1) * n]
-        if self.causal and i == j:
-            a = a & torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
-        return a
+        return self.doc[:, i * n:(i + 1) * n], self.doc[:, j * n:(j + 1) * n]
+
+    def sees(self, i: int, j: int) -> bool:
+        """Whether any query of chunk ``i`` may attend to a key of chunk ``j`` (packed documents; always True
+        without). The table is made once per pipeline: one host sync, not one per block."""
+        if self.doc is None:
+            return True
+        if self._seen is None:
+            b, u = self.doc.shape[0], self.u
+            # ids made unique per batch row, so one isin per pair of chunks tests every row at once
+            d = (self.doc - self.doc.amin()) + torch.arange(b, device=self.doc.device)[:, None] * (
+                self.doc.amax() - self.doc.amin() + 1)
+            d = d.reshape(b, u, -1).transpose(0, 1).reshape(u, -1)
+            seen = torch.stack([torch.stack([torch.isin(d[i], d[j]).any() for j in range(u)]) for i in range(u)])
+            self._seen = seen.tolist()
+        return self._seen[i][j]
 
     def forward(self, get_qkv, emit_out) -> None:
         """``get_qkv(i)`` -> local chunk ``(q_i, k_i, v_i)`` ``[B, c, heads|kv_heads, D]`` (kv already split-able
@@ -444,10 +359,9 @@ class FPDTPipeline:
                 if n + 1 < len(js) and not (own_kv is not None and js[n + 1] == i):
                     store.prefetch(hk[js[n + 1]])  # double buffering: the next kv chunk is on its way
                     store.prefetch(hv[js[n + 1]])
-                mask = self.allowed(i, j)
-                if mask is not None and not bool(mask.any()):
+                if not self.sees(i, j):
                     continue  # no query of chunk i sees a key of chunk j (other documents)
-                o, l = _block_forward(qi, kj, vj, causal and j == i, self.scale, self.kernel, mask)
+                o, l = _block_forward(qi, kj, vj, causal and j == i, self.scale, self.kernel, self.docs(i, j))
                 o_acc, l_acc = _merge(o_acc, l_acc, o, l)
                 del kj, vj, o, l
             oi = o_acc.to(qi.dtype)
@@ -496,13 +410,12 @@ class FPDTPipeline:
                     if hdq[nxt] is not None:
                         store.prefetch(hdq[nxt])
                 qi, oi, li, doi = store.get(hq[i]), store.get(ho[i]), store.get(hl[i]), store.get(hdo[i])
-                mask = self.allowed(i, j)
-                if mask is not None and not bool(mask.any()):
+                if not self.sees(i, j):
                     g_q = torch.zeros_like(qi, dtype=acc)
                     g_k = g_v = torch.zeros_like(kj, dtype=acc)
                 else:
                     g_q, g_k, g_v = _block_backward(doi, qi, kj, vj, oi, li, causal and i == j, self.scale,
-                                                    self.kernel, mask)
+                                                    self.kernel, self.docs(i, j))
                 del qi, oi, li, doi
                 dk_j = g_k.to(acc) if dk_j is None else dk_j + g_k
                 dv_j = g_v.to(acc) if dv_j is None else dv_j + g_v

@@ -9,8 +9,11 @@ whose per-rank peak memory (max over ranks) stays within ``--budget``. Memory is
 Search plan per configuration: two cheap probes at small lengths give the slope of peak memory in the
 sequence length; the secant through the two longest fitting lengths predicts the crossing with the budget
 (at most 4x further) until a length does not fit, then linear interpolation inside the bracket until it is
-within ``max(step, 1/32)`` of the length. Every reported length was actually run and fit; the next step up was run
-and did not (or hit ``--max-seq``).
+within ``max(step, 1/32)`` of the length. The peak grows with the length only at a fixed number of attention
+chunks (each holds at most ``--attn-chunk`` tokens per rank, so one more chunk shrinks every block): before
+the attention-pipeline rows stop, the first lengths of the next two chunk counts are run too, and the search
+goes on above any that fits. Every reported length was actually run and fit; the next step up was run and
+did not (or hit ``--max-seq``).
 
 Configurations, cumulative (each row adds one FPDT ingredient to the previous one): ``ulysses`` (with
 per-block activation checkpointing, the usual long-context setting); ``+ loss chunking`` (LM head +
@@ -29,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .. import cli_args
+from .. import cli_args, settings
 from ..comm import world
 from ..models.llama import Llama, LlamaConfig
 from ..parallel.offload import MemoryTracker, reset_transfer_stats, transfer_stats
@@ -66,12 +69,22 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def chunk_counts(s_local: int, args) -> tuple[int, int]:
+    """``(u_small, u_attn)``: FFN/loss chunks and attention chunks for ``s_local`` tokens per rank.
+
+    ``u_small`` cuts the local length into ``--chunk``-token chunks (a length is a multiple of the search
+    granule, so they are whole); ``u_attn`` is the fewest of them, a divisor of ``u_small`` so that attention
+    chunks are whole FFN chunks, whose chunks hold at most ``--attn-chunk`` tokens (ceiling, not floor: a
+    floor let a block reach twice ``--attn-chunk``); when no divisor does, every FFN chunk is one.
+    """
+    u_small = max(1, s_local // args.chunk)
+    want = max(1, -(-s_local // args.attn_chunk))
+    u_attn = min((d for d in range(want, u_small + 1) if u_small % d == 0), default=u_small)
+    return u_small, u_attn
+
+
 def _config(step: str, args, seq: int, p: int) -> LlamaConfig:
-    s_local = seq // p
-    u_small = max(1, s_local // args.chunk)  # seq is a multiple of P x chunk (the search granule)
-    want = max(1, s_local // args.attn_chunk)
-    # the fewest chunks of at most attn_chunk tokens that divide the local length
-    u_attn = min(d for d in range(want, u_small + 1) if u_small % d == 0) if want <= u_small else u_small
+    u_small, u_attn = chunk_counts(seq // p, args)
     base: dict[str, Any] = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                                 vocab=args.vocab, ffn=args.ffn, checkpoint=True)
     i = STEPS.index(step)
@@ -98,11 +111,23 @@ def equal_length(seq: int, args, p: int, steps: list[str]) -> int:
     return max(unit, seq // unit * unit)
 
 
+def _device() -> torch.device:
+    """This rank's device: ``cuda:local_rank`` (round-robin over the visible GPUs, made current so that
+    kernels, streams and the allocator's counters are this rank's) or the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    info = settings.launch_info()
+    local = 0 if info is None else (info.local_rank if info.local_rank is not None else info.rank)
+    dev = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
 class _Runner:
     def __init__(self, args, comm):
         self.args, self.comm = args, comm
         self.dtype = getattr(torch, args.dtype)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = _device()
 
     def step(self, step: str, seq: int, *, measure: bool = True) -> dict[str, float]:
         """One forward + backward at global length ``seq``; peak bytes (max over ranks), seconds, counters."""
@@ -168,6 +193,21 @@ class _Runner:
         def rnd(x: float) -> int:
             return int(x) // gran * gran
 
+        def beyond(seq: int) -> list[int]:
+            """Lengths above a failing ``seq`` that may still fit: the first of each of the next two attention
+            chunk counts (more, smaller blocks). At a fixed chunk count the peak grows with the length, but
+            one more chunk shrinks every block, so the attention-pipeline rows' peak is a sawtooth."""
+            if STEPS.index(step) < 3:
+                return []
+            out, n = [], seq
+            u = chunk_counts(seq // p, args)[1]
+            while len(out) < 2 and n + gran <= args.max_seq:
+                n += gran
+                if chunk_counts(n // p, args)[1] > u:
+                    out.append(n)
+                    u = chunk_counts(n // p, args)[1]
+            return out
+
         while True:
             ok = sorted(k for k, m in seen.items() if m["peak"] <= budget)
             bad = sorted(k for k, m in seen.items() if m["peak"] > budget)
@@ -175,7 +215,12 @@ class _Runner:
             hi = next((k for k in bad if k > lo), None)
             tol = max(gran, rnd(lo / 32))
             if hi is not None and hi - lo <= tol:
-                break
+                more = [n for n in beyond(hi) if n not in seen]
+                if not more:
+                    break
+                for n in more:  # verified: if one fits, the search goes on above it
+                    fits(n)
+                continue
             if hi is None:  # extrapolate (secant through the two longest fitting lengths), at most 4x further
                 a_, b_ = (ok[-2], lo) if len(ok) > 1 else (lo, lo)
                 slope = (seen[b_]["peak"] - seen[a_]["peak"]) / max(b_ - a_, 1)
@@ -215,11 +260,7 @@ class _HFRunner(_Runner):
 
         from ..integrations.transformers import SequenceParallel
 
-        p = self.comm.size
-        s_local = seq // p
-        u_small = max(1, s_local // self.args.chunk)
-        want = max(1, s_local // self.args.attn_chunk)
-        u_attn = min(d for d in range(want, u_small + 1) if u_small % d == 0) if want <= u_small else u_small
+        u_small, u_attn = chunk_counts(seq // self.comm.size, self.args)
         key = (step, u_attn, u_small)
         if key not in self.models:
             self.models.clear()  # one model alive at a time: the budget counts its parameters

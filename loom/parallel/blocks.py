@@ -347,18 +347,16 @@ def block_backward(do, q, k, v, out, lse, causal: bool, scale: float, kernel: st
 
 def workspace(kind: str, batch: int, heads: int, kv_heads: int, lq: int, lk: int, head_dim: int,
               elem: int) -> int:
-    """Transient bytes of one block's backward (the larger direction) beyond its inputs and outputs.
+    """Bytes one block's backward (the larger direction) holds inside the kernel, beyond the q/k/v/out/lse
+    blocks it reads and the gradients it returns (the pipeline's chunk tensors, counted by its caller).
 
-    ``torch``: the gradient accumulators (dq, dk, dv in the accumulation dtype) and about four
-    ``[B, h, t, t]`` score tiles (``t = min(TILE, L)``: scores, probabilities, their gradient, a product).
-    SDPA kernels: no score matrix; the gradients they return plus, for ``cuda-efficient`` under GQA, the K/V
-    repeated for a causal or masked block and its gradients.
+    ``torch``: four ``[B, h, t, t]`` tiles in the accumulation dtype (scores, probabilities, their gradient,
+    one product; ``t = min(TILE, L)``). ``cuda-efficient`` under GQA: K/V repeated to every query head for a
+    causal or masked block, and their gradients. The other SDPA kernels keep no score matrix: 0.
     """
     acc = 8 if elem == 8 else 4
     if kind == "torch":
-        tq, tk = min(TILE, lq), min(TILE, lk)
-        return batch * (acc * (heads * lq + 2 * kv_heads * lk) * head_dim + 4 * acc * heads * tq * tk)
-    grads = batch * elem * (heads * lq + 2 * kv_heads * lk) * head_dim
+        return 4 * acc * batch * heads * min(TILE, lq) * min(TILE, lk)
     if kind == "cuda-efficient" and heads != kv_heads:
-        grads += batch * elem * 4 * heads * lk * head_dim
-    return grads + batch * acc * heads * lq  # the padded log-sum-exp the kernel reads
+        return 4 * elem * batch * heads * lk * head_dim
+    return 0

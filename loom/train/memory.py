@@ -24,7 +24,9 @@ The prediction follows what the code keeps alive, term by term, for the most loa
   - FPDT: each block is one chunk pipeline that keeps its input and output chunks and the head-layout
     q/k/v/out chunks, ``e t (4 h + 2 kv)``, in the chunk store: on the device, or in host memory with
     ``sequence.offload`` (then nothing sequence-sized stays on the device between forward and backward);
-    its backward holds the incoming gradient and ``dx`` (``2 e t h``) plus one chunk's working set.
+    its backward holds the incoming gradient and ``dx`` (``2 e t h``) plus one chunk's working set, in which
+    the block kernel's own (:func:`loom.parallel.blocks.workspace`: four ``TILE x TILE`` score tiles per
+    head for the pure-torch kernel, nothing sequence-squared for the flash kernels).
   - the loss: ``loss_chunks`` slices (FPDT: ``chunks``) of the LM head and cross-entropy, so
     ``3 t V / chunks`` fp32 logits, log-probabilities and their gradient at the worst moment. Under a
     pipeline the last stage computes full logits.
@@ -46,7 +48,8 @@ from typing import Any
 from .config import Config
 from .progress import fmt_bytes as _fmt
 
-__all__ = ["Estimate", "estimate", "peak", "plan", "stage_split", "unit_params", "zero_settings", "longest_sequence"]
+__all__ = ["Estimate", "estimate", "peak", "plan", "stage_split", "unit_params", "zero_settings", "longest_sequence",
+           "attention_kernel"]
 
 _ELEM = {"float32": 4, "float64": 8, "bfloat16": 2}
 
@@ -121,6 +124,30 @@ def _ffn_saved(cfg: Config, d: dict[str, int]) -> int:
     return (4 if cfg.model.ffn == "swiglu" else 2) * d["F"]
 
 
+def attention_kernel(cfg: Config) -> str:
+    """The block kernel FPDT's attention would run for ``cfg`` (:func:`loom.parallel.blocks.block_kernel`:
+    ``cpu-flash``, ``cuda-flash``, ``cuda-efficient`` or ``torch``), ``LOOM_ATTN_KERNEL`` included."""
+    import torch
+
+    from ..parallel.blocks import attention_kernel as device_kernel
+    from ..parallel.blocks import block_kernel
+
+    dev = torch.device(cfg.train.device)
+    return block_kernel(device_kernel(dev), dev, getattr(torch, cfg.train.dtype), cfg.model.head_dim, False)
+
+
+def _kernel_work(cfg: Config, d: dict[str, int]) -> int:
+    """The block kernel's own working set in one FPDT block's backward (q block ``[rows, heads/sp, seq/u, D]``
+    against one kv block): a few score tiles for the tiled torch kernel, none for flash kernels."""
+    from ..parallel.blocks import workspace
+
+    m, p = cfg.model, cfg.mesh.sp
+    rows = d["t"] // (cfg.data.seq_len // p)
+    block = cfg.data.seq_len // cfg.sequence.chunks
+    return workspace(attention_kernel(cfg), rows, m.heads // p, max(1, d["kv"] // m.head_dim // p), block, block,
+                     m.head_dim, d["e"])
+
+
 def _block(cfg: Config, d: dict[str, int]) -> tuple[int, int, int]:
     """``(saved on device, saved on host, backward working set)`` bytes of one block for one micro-batch."""
     e, t, h, kv = d["e"], d["t"], d["h"], d["kv"]
@@ -130,7 +157,7 @@ def _block(cfg: Config, d: dict[str, int]) -> tuple[int, int, int]:
     fpdt = s.algorithm == "fpdt" and cfg.mesh.sp > 1
     if fpdt:
         u = s.chunks
-        chunk = e * (t // u) * (12 * h + 4 * kv + 4 * d["F"] // max(1, u))
+        chunk = e * (t // u) * (12 * h + 4 * kv + 4 * d["F"] // max(1, u)) + _kernel_work(cfg, d)
         kept = e * t * (4 * h + 2 * kv)
         plain, work = (0 if s.offload else kept), 2 * e * t * h + chunk
         host = kept if s.offload else 0
@@ -340,7 +367,8 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
         f"  mesh       dp={mesh.dp} pp={mesh.pp} sp={mesh.sp} ep={mesh.ep} = {mesh.size} ranks",
         f"  stages     {stages}" + (" (HybridParallel's split: min-max parameters)" if mesh.pp > 1 else ""),
         f"  sequence   {seq.algorithm}, seq_len {d.seq_len:,} -> {d.seq_len // mesh.sp:,} tokens per sp rank, "
-        f"chunks {seq.chunks}, offload {seq.offload}, recompute {seq.recompute}",
+        f"chunks {seq.chunks}, offload {seq.offload}, recompute {seq.recompute}"
+        + (f", attention kernel {attention_kernel(cfg)}" if seq.algorithm == "fpdt" and mesh.sp > 1 else ""),
         f"  batch      {d.batch} sequences/step global, {d.batch // (mesh.dp * mesh.ep)} per dp replica, "
         f"{d.batch * d.seq_len:,} tokens/step",
         *memory_lines(cfg),

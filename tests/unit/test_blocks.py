@@ -190,6 +190,9 @@ def test_torch_kernel_working_set_is_a_tile(monkeypatch):
             blocks.block_backward(q, q, k, v, o, lse, True, 0.25, "torch")
         peaks.append(mem.peak)
     assert abs((peaks[2] - peaks[1]) - 2 * (peaks[1] - peaks[0])) <= 0.1 * 2 * (peaks[1] - peaks[0]), peaks
-    # and the kernel's workspace term bounds it
-    ws = blocks.workspace("torch", 1, 4, 2, 512, 512, 16, 4)
-    assert peaks[2] <= ws + 4 * (1 * 4 * 512 * 16 * 4), (peaks[2], ws)
+    # the dry-run's workspace term plus the blocks read and returned (q, k, v, out, lse, dq, dk, dv, twice
+    # for the accumulation-dtype copies) bounds it
+    n = 512
+    io = 4 * (4 * n * 16 + 2 * 2 * n * 16 + 4 * n * 16 + 4 * n)
+    ws = blocks.workspace("torch", 1, 4, 2, n, n, 16, 4)
+    assert peaks[2] <= ws + 2 * io, (peaks[2], ws, io)

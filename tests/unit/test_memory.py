@@ -96,3 +96,24 @@ def test_prediction_matches_measured_peak(name):
     got = measure(cfg, world(), 2)
     want = peak(cfg).total
     assert abs(want - got) <= 0.2 * got, (name, want, got)
+
+
+def test_fpdt_kernel_term(monkeypatch):
+    """FPDT's block kernel is in the dry-run: the tiled torch kernel adds its score tiles (bounded by a tile,
+    so the activations stay linear in the sequence), the flash kernels nothing sequence-squared."""
+    from loom.parallel import blocks
+    from loom.train.memory import attention_kernel
+
+    fp = {"algorithm": "fpdt", "chunks": 2, "offload": True}
+    cfg = _cfg(mesh={"sp": 2}, sequence=fp, data={"seq_len": 4096, "batch": 1})
+    gpu = _cfg(mesh={"sp": 2}, sequence=fp, data={"seq_len": 4096, "batch": 1},
+               train={"device": "cuda", "dtype": "bfloat16"})
+    assert attention_kernel(cfg) == "cpu-flash" and attention_kernel(gpu) == "cuda-flash"
+    flash = peak(cfg).activations
+    monkeypatch.setenv("LOOM_ATTN_KERNEL", "torch")
+    assert attention_kernel(cfg) == "torch" and attention_kernel(gpu) == "torch"
+    tiles = 4 * 4 * 1 * (4 // 2) * blocks.TILE ** 2  # fp32 tiles x heads per rank
+    assert peak(cfg).activations - flash == tiles
+    acts = [peak(_cfg(mesh={"sp": 2}, sequence=fp, data={"seq_len": n, "batch": 1})).activations
+            for n in (2**14, 2**15)]
+    assert acts[1] <= 2.05 * acts[0], acts

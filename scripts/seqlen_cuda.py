@@ -1,9 +1,10 @@
 """Single-GPU FPDT benchmark (P = 1): longest sequence, MFU and offload/compute overlap on one CUDA device.
 
-Untested here (written on a machine without a GPU); run it where one is available::
+Run it where a GPU is available; a Llama-shaped model of about 1.2B parameters (20 layers, hidden 2048,
+16 heads of 128, 4 kv heads, vocab 64000) on an H200::
 
-    python scripts/seqlen_cuda.py --layers 4 --hidden 2048 --heads 16 --kv-heads 4 --vocab 64000 \\
-        --budget 40G --chunk 8192 --attn-chunk 32768 --peak-tflops 989
+    python scripts/seqlen_cuda.py --layers 20 --hidden 2048 --heads 16 --kv-heads 4 --vocab 64000 \\
+        --budget 100G --chunk 8192 --attn-chunk 32768 --no-breakdown --repeats 1 --peak-tflops 989
 
 It reuses ``loom bench seqlen`` (same model, same search, memory from ``torch.cuda.max_memory_allocated``)
 for the Ulysses-vs-FPDT table at ``P = 1`` (Ulysses at ``P = 1`` is plain SDPA with block checkpointing),
@@ -18,7 +19,10 @@ then, at the FPDT limit, times one step with and without offload using CUDA even
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -34,8 +38,8 @@ def _step_time(run, cfg_overrides: dict, seq: int, repeats: int = 3) -> float:
         cfg = _config("+ offload (FPDT)", run.args, seq, 1)
         for k, v in cfg_overrides.items():
             setattr(cfg, k, v)
-        model = Llama(cfg, run.comm).to(device="cuda", dtype=run.dtype)
-        tok = torch.randint(0, run.args.vocab, (run.args.batch, seq), device="cuda")
+        model = Llama(cfg, run.comm).to(device=run.device, dtype=run.dtype)
+        tok = torch.randint(0, run.args.vocab, (run.args.batch, seq), device=run.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record()
@@ -47,9 +51,9 @@ def _step_time(run, cfg_overrides: dict, seq: int, repeats: int = 3) -> float:
     return best
 
 
-def _copy_time(nbytes: int) -> float:
+def _copy_time(nbytes: int, device: torch.device) -> float:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
@@ -74,15 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     if "--dtype" not in rest:
         rest += ["--dtype", "bfloat16"]
     args = seqlen.parser().parse_args(rest)
-    rc = seqlen.main(rest)  # the table, with CUDA allocator peaks
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.json or os.path.join(tmp, "seqlen.json")
+        rc = seqlen.main(rest if args.json else [*rest, "--json", path])  # the table, with CUDA allocator peaks
+        with open(path) as f:
+            seq = json.load(f)["meta"]["results"]["+ offload (FPDT)"]["max_seq"]  # the search is not run twice
     run = seqlen._Runner(args, world())
-    seq, _, _ = run.longest("+ offload (FPDT)")
     t_off = _step_time(run, {}, seq)
     reset_transfer_stats()
     _step_time(run, {}, seq, repeats=1)
     moved = transfer_stats()
     t_dev = _step_time(run, {"offload": False}, seq)
-    t_copy = _copy_time(max(1, moved["to_host"])) + _copy_time(max(1, moved["to_device"]))
+    t_copy = _copy_time(max(1, moved["to_host"]), run.device) + _copy_time(max(1, moved["to_device"]), run.device)
     cfg = seqlen._config("+ offload (FPDT)", args, seq, 1)
     h, f, layers = cfg.hidden, cfg.ffn_hidden, cfg.layers
     kvd = cfg.kv_heads * cfg.head_dim

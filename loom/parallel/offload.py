@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from .. import stats as _stats
 
-__all__ = ["DeviceStore", "HostPool", "MemoryTracker", "untracked", "chunk_store", "transfer_stats",
+__all__ = ["DeviceStore", "HostPool", "PinnedCache", "MemoryTracker", "untracked", "chunk_store", "transfer_stats",
            "reset_transfer_stats"]
 
 _ACTIVE: list["MemoryTracker"] = []
@@ -204,6 +204,71 @@ class DeviceStore:
         self._items[h] = t
 
 
+class PinnedCache:
+    """Pinned host buffers reused across chunk stores, layers and steps (one per CUDA device).
+
+    Every FPDT block makes a new :class:`HostPool` each step, and a step asks for the same chunk sizes as the
+    last, so the buffers are kept here between steps, keyed by size, each with the CUDA event of the last copy
+    that used it: reusing one makes the copy stream wait for that event (a device-side wait; the host never
+    blocks). The cache holds at most the high-water mark of buffers in use minus those in use now; a miss
+    drops cached buffers of other sizes first (after a change of sequence length), so it never grows past
+    one step's offloaded bytes. A dropped buffer goes back to torch's pinned allocator, which orders its
+    reuse by its own events.
+
+    Args:
+        alloc: ``nbytes -> uint8 tensor`` (default: ``torch.empty(..., pin_memory=True)``).
+    """
+
+    def __init__(self, alloc: Callable[[int], torch.Tensor] | None = None):
+        self._alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        self._free: dict[int, list[tuple[torch.Tensor, object]]] = {}
+        self.cached = 0
+        self.in_use = 0
+        self.high = 0
+        self.allocated = 0  # buffers made (a steady state makes none)
+
+    def take(self, nbytes: int, wait: Callable[[object], None]) -> torch.Tensor:
+        """A buffer of ``nbytes``; ``wait(event)`` orders its reuse after the last copy that used it."""
+        lst = self._free.get(nbytes)
+        if lst:
+            buf, ev = lst.pop()
+            self.cached -= nbytes
+            if ev is not None:
+                wait(ev)
+        else:
+            for n in sorted(self._free, reverse=True):  # make room: the largest other sizes go first
+                while self._free[n] and self.cached + self.in_use + nbytes > self.high:
+                    self._free[n].pop()
+                    self.cached -= n
+            buf = self._alloc(nbytes)
+            self.allocated += 1
+        self.in_use += nbytes
+        self.high = max(self.high, self.in_use)
+        return buf
+
+    def give(self, buf: torch.Tensor, event: object) -> None:
+        """Return a buffer with the event of the last copy that used it."""
+        n = buf.numel()
+        self.in_use -= n
+        if self.cached + self.in_use + n <= self.high:
+            self._free.setdefault(n, []).append((buf, event))
+            self.cached += n
+
+
+_PINNED: dict[torch.device, PinnedCache] = {}
+_STREAMS: dict[torch.device, object] = {}
+
+
+def _cuda_side(device: torch.device) -> tuple[PinnedCache, object]:
+    """The pinned cache and the copy stream of a CUDA device (one each per process, so that pools share them)."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+        _PINNED[device] = PinnedCache()
+    return _PINNED[device], _STREAMS[device]
+
+
 class HostPool(DeviceStore):
     """Chunks live in host memory between uses; ``prefetch`` starts the copy back, ``get`` waits for it.
 
@@ -212,9 +277,9 @@ class HostPool(DeviceStore):
     wait for "stored", allocates the device buffer and copies back, recording a "ready" event; ``get`` makes the
     compute stream wait for "ready" (a device-side wait, the host never blocks). At most the chunks that were
     prefetched and not yet popped are resident: the FPDT loops prefetch one chunk ahead (double buffering).
-    Pinned buffers return to a per-size free list when their chunk is freed, with the event of the last copy
-    that used them; reusing one makes the side stream wait for that event (a device-side wait: the host never
-    blocks on a chunk's copy).
+    Pinned buffers return to the device's :class:`PinnedCache` when their chunk is freed, with the event of the
+    last copy that used them, and serve the next step's chunks; the copy stream is the device's one side
+    stream. No call synchronises the host.
 
     On CPU, ``put`` clones the chunk outside the tracker's view (the "host") and ``get`` clones it back
     inside it (the "device"), so the tracker sees exactly what a device would hold.
@@ -226,18 +291,12 @@ class HostPool(DeviceStore):
         self._cuda = self.device.type == "cuda"
         self._ready: dict[int, torch.Tensor] = {}
         self._events: dict[int, object] = {}
-        self._free_pinned: dict[int, list[tuple[torch.Tensor, object]]] = {}
         if self._cuda:
-            self._stream = torch.cuda.Stream(self.device)
+            self._cache, self._stream = _cuda_side(self.device)
 
     def _pinned(self, nbytes: int) -> torch.Tensor:
-        lst = self._free_pinned.get(nbytes)
-        if lst:
-            buf, ev = lst.pop()
-            if ev is not None:  # the last copy out of (or into) this buffer completes before the next one
-                self._stream.wait_event(ev)
-            return buf
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # the last copy out of (or into) a reused buffer completes before the next one starts
+        return self._cache.take(nbytes, self._stream.wait_event)
 
     def put(self, t: torch.Tensor) -> int:
         h = self._next
@@ -300,8 +359,7 @@ class HostPool(DeviceStore):
         self._ready.pop(h, None)
         ev = self._events.pop(h, None)
         if host is not None and self._cuda:
-            buf = host.view(-1).view(torch.uint8)
-            self._free_pinned.setdefault(buf.numel(), []).append((buf, ev))
+            self._cache.give(host.view(-1).view(torch.uint8), ev)
 
     def replace(self, h: int, t: torch.Tensor) -> None:
         self.free(h)

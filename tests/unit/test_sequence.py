@@ -133,3 +133,27 @@ def test_bench_seqlen_equal_length_fits_every_layout():
             cfg = _config(step, args, eq, p)
             s_local = eq // p
             assert s_local % cfg.chunks == 0 and s_local % cfg.ffn_chunks == 0 and s_local % cfg.loss_chunks == 0
+
+
+def test_pinned_cache_reuses_buffers_across_steps():
+    """The CUDA host pool's pinned buffers (here plain host tensors): a second step of the same chunk sizes
+    allocates nothing and waits on the event of each buffer's last copy; a new sequence length evicts the old
+    sizes, so the cache never holds more than one step's bytes."""
+    from loom.parallel.offload import PinnedCache
+
+    cache = PinnedCache(alloc=lambda n: torch.empty(n, dtype=torch.uint8))
+    waited = []
+
+    def step(sizes, tag):
+        bufs = [cache.take(n, waited.append) for n in sizes]
+        for i, b in enumerate(bufs):
+            cache.give(b, f"{tag}{i}")
+
+    step([100, 100, 40], "a")
+    assert cache.allocated == 3 and cache.cached == 240 and cache.in_use == 0
+    step([100, 100, 40], "b")
+    assert cache.allocated == 3 and sorted(waited) == ["a0", "a1", "a2"]
+    step([300, 60], "c")  # a new length: the old sizes make room
+    assert cache.allocated == 5 and cache.cached <= cache.high == 360
+    step([300, 60], "d")
+    assert cache.allocated == 5 and cache.cached + cache.in_use <= cache.high

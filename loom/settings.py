@@ -129,8 +129,9 @@ _DECLARED = (
     Setting("launched", "bool", False, "this process is a rank that loom's launcher started: `--ranks N` "
             "does not launch again", internal=True),
     # loom.parallel, loom.train
-    Setting("attn_kernel", "str", "auto", "attention block kernel for Ulysses/FPDT: flash (CPU SDPA with "
-            "log-sum-exp), torch (pure-torch blocks), auto (flash where available)",
+    Setting("attn_kernel", "str", "auto", "FPDT's attention block kernel: flash (SDPA kernels with log-sum-exp: "
+            "CPU flash; CUDA flash or memory-efficient), torch (tiled pure-torch blocks), auto (flash where "
+            "available)",
             choices=("auto", "flash", "torch")),
     Setting("threads", "int", 1, "torch intra-op threads per rank in `loom train` (ranks already share the "
             "cores)", minimum=1),

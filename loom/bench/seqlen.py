@@ -124,6 +124,8 @@ def _device() -> torch.device:
 
 
 class _Runner:
+    PIPELINED = STEPS[3:]  # the rows whose attention runs as FPDT chunks (a sawtooth peak)
+
     def __init__(self, args, comm):
         self.args, self.comm = args, comm
         self.dtype = getattr(torch, args.dtype)
@@ -197,7 +199,7 @@ class _Runner:
             """Lengths above a failing ``seq`` that may still fit: the first of each of the next two attention
             chunk counts (more, smaller blocks). At a fixed chunk count the peak grows with the length, but
             one more chunk shrinks every block, so the attention-pipeline rows' peak is a sawtooth."""
-            if STEPS.index(step) < 3:
+            if step not in self.PIPELINED:
                 return []
             out, n = [], seq
             u = chunk_counts(seq // p, args)[1]
@@ -247,6 +249,8 @@ class _HFRunner(_Runner):
     parallelism: every rank holds it), then loom's Ulysses, then FPDT (attention chunks with offload, chunked
     MLP and LM head + loss) through :class:`loom.integrations.transformers.SequenceParallel`. No activation
     checkpointing in any row."""
+
+    PIPELINED = HF_STEPS[2:]
 
     def __init__(self, args, comm):
         super().__init__(args, comm)

@@ -73,12 +73,22 @@ def block_kernel(kernel: str, device: torch.device, dtype: torch.dtype, head_dim
     if device.type == "cpu":
         return "cpu-flash"
     if device.type in ("cuda", "meta"):  # meta: the CUDA kernels' shape functions (tests without a GPU)
-        if dtype in (torch.float16, torch.bfloat16) and not masked and head_dim % 8 == 0 and head_dim <= 256:
+        if (dtype in (torch.float16, torch.bfloat16) and not masked and head_dim % 8 == 0 and head_dim <= 256
+                and _sm80(device)):
             return "cuda-flash"
         align = 4 if dtype == torch.float32 else 8
-        if dtype in (torch.float16, torch.bfloat16, torch.float32) and head_dim % align == 0:
+        ok = dtype in (torch.float16, torch.float32) or (dtype == torch.bfloat16 and _sm80(device))
+        if ok and head_dim % align == 0:
             return "cuda-efficient"
     return "torch"
+
+
+@functools.lru_cache(maxsize=16)
+def _sm80(device: torch.device) -> bool:
+    """FlashAttention-2 needs compute capability 8.0 (Ampere) or newer."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 # ---------------------------------------------------------------------------------------------- merge

@@ -85,8 +85,9 @@ def block_kernel(kernel: str, device: torch.device, dtype: torch.dtype, head_dim
 
 @functools.lru_cache(maxsize=16)
 def _sm80(device: torch.device) -> bool:
-    """FlashAttention-2 needs compute capability 8.0 (Ampere) or newer."""
-    if device.type != "cuda":
+    """FlashAttention-2 needs compute capability 8.0 (Ampere) or newer (assumed where no device can be asked:
+    the dry-run's plan for a CUDA run made on a machine without one)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return True
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
@@ -360,13 +361,14 @@ def workspace(kind: str, batch: int, heads: int, kv_heads: int, lq: int, lk: int
     """Bytes one block's backward (the larger direction) holds inside the kernel, beyond the q/k/v/out/lse
     blocks it reads and the gradients it returns (the pipeline's chunk tensors, counted by its caller).
 
-    ``torch``: four ``[B, h, t, t]`` tiles in the accumulation dtype (scores, probabilities, their gradient,
-    one product; ``t = min(TILE, L)``). ``cuda-efficient`` under GQA: K/V repeated to every query head for a
-    causal or masked block, and their gradients. The other SDPA kernels keep no score matrix: 0.
+    ``torch``: two ``[B, h, t, t]`` tiles in the accumulation dtype (the scores, turned into probabilities in
+    place, and their gradient; ``t = min(TILE, L)``). ``cuda-efficient`` under GQA: K/V repeated to every
+    query head for a causal or masked block, and their gradients. The other SDPA kernels keep no score
+    matrix: 0.
     """
     acc = 8 if elem == 8 else 4
     if kind == "torch":
-        return 4 * acc * batch * heads * min(TILE, lq) * min(TILE, lk)
+        return 2 * acc * batch * heads * min(TILE, lq) * min(TILE, lk)
     if kind == "cuda-efficient" and heads != kv_heads:
         return 4 * elem * batch * heads * lk * head_dim
     return 0

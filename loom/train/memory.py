@@ -25,7 +25,7 @@ The prediction follows what the code keeps alive, term by term, for the most loa
     q/k/v/out chunks, ``e t (4 h + 2 kv)``, in the chunk store: on the device, or in host memory with
     ``sequence.offload`` (then nothing sequence-sized stays on the device between forward and backward);
     its backward holds the incoming gradient and ``dx`` (``2 e t h``) plus one chunk's working set, in which
-    the block kernel's own (:func:`loom.parallel.blocks.workspace`: four ``TILE x TILE`` score tiles per
+    the block kernel's own (:func:`loom.parallel.blocks.workspace`: two ``TILE x TILE`` score tiles per
     head for the pure-torch kernel, nothing sequence-squared for the flash kernels).
   - the loss: ``loss_chunks`` slices (FPDT: ``chunks``) of the LM head and cross-entropy, so
     ``3 t V / chunks`` fp32 logits, log-probabilities and their gradient at the worst moment. Under a

@@ -20,6 +20,7 @@ from loom.parallel.sequence import (
     ulysses_attention,
 )
 from loom.models.llama import Llama, LlamaConfig
+from loom.parallel import blocks
 from loom.testing import mpi_checks, seeded
 
 TOL = 1e-10
@@ -113,12 +114,14 @@ def check_fpdt_torch_kernel(comm):
     p = comm.size
     h = 12 if p == 3 else 8
     os.environ["LOOM_ATTN_KERNEL"] = "torch"
+    tile, blocks.TILE = blocks.TILE, 3  # blocks of P x 2 tokens: several tiles, uneven ones at P = 2 and 4
     try:
         for causal, hk, chunks in itertools.product((True, False), _kv_options(p, h)[:2], (1, 3)):
             _compare(comm, lambda q, k, v: fpdt_attention(q, k, v, comm, chunks=chunks, causal=causal),
                      2, p * chunks * 2, h, hk, 4, chunks, causal, g)
     finally:
         del os.environ["LOOM_ATTN_KERNEL"]
+        blocks.TILE = tile
 
 
 def check_bf16_against_fp32(comm):
@@ -140,6 +143,7 @@ def check_packed_documents_exact(comm):
     h = 12 if p == 3 else 8
     for kernel in ("flash", "torch"):
         os.environ["LOOM_ATTN_KERNEL"] = kernel
+        tile, blocks.TILE = blocks.TILE, 3
         try:
             for idx, (causal, hk, chunks) in enumerate(itertools.product((True, False), _kv_options(p, h)[:2],
                                                                          (1, 2, 3))):
@@ -148,6 +152,7 @@ def check_packed_documents_exact(comm):
                          1 + idx % 2, p * chunks * 4, h, hk, 4, chunks, causal, g, packed=True)
         finally:
             del os.environ["LOOM_ATTN_KERNEL"]
+            blocks.TILE = tile
     for causal in (True, False):
         _compare(comm, lambda q, k, v, doc_ids: ulysses_attention(q, k, v, comm, causal=causal, doc_ids=doc_ids),
                  2, p * 6, h, 1, 4, 1, causal, g, packed=True)

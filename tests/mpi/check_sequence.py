@@ -245,5 +245,28 @@ def check_model_exact(comm):
             assert err <= TOL, f"grad {name} error {err:.3g} with {kw} on {p} ranks"
 
 
+def check_fpdt_memory_linear(comm):
+    """The CPU check of tests/unit/test_fpdt_memory.py on two ranks (`loom bench seqlen`'s runner, the torch
+    kernel, one attention chunk per rank): peak per rank (max over ranks) grows by the same amount per token
+    from S to 2S and 2S to 4S (within 10 %) and stays below Ulysses' at 4S. Two ranks only (4 heads)."""
+    if comm.size != 2:
+        return
+    from loom.bench import seqlen
+
+    args = seqlen.parser().parse_args(["--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2",
+                                       "--vocab", "256", "--chunk", "64", "--attn-chunk", "4096"])
+    os.environ["LOOM_ATTN_KERNEL"] = "torch"
+    tile, blocks.TILE = blocks.TILE, 64
+    try:
+        run = seqlen._Runner(args, comm)
+        peaks = [run.step(seqlen.STEPS[-1], n)["peak"] for n in (512, 1024, 2048)]
+        d1, d2 = peaks[1] - peaks[0], peaks[2] - peaks[1]
+        assert abs(d2 / 2 - d1) <= 0.1 * d1, peaks
+        assert peaks[2] < run.step(seqlen.STEPS[0], 2048)["peak"], peaks
+    finally:
+        del os.environ["LOOM_ATTN_KERNEL"]
+        blocks.TILE = tile
+
+
 if __name__ == "__main__":
     mpi_checks(globals())

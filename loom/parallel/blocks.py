@@ -127,9 +127,12 @@ def _cpu_bwd(do, q, k, v, out, lse, causal, bias, scale):
 
 
 @functools.lru_cache(maxsize=8)
-def _philox(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Placeholders for the dropout RNG state the CUDA backward kernels take (never read: dropout is 0)."""
-    return (torch.zeros(2, dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64, device=device))
+def _philox(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Placeholders for the dropout RNG state the CUDA backward kernels take (never read: dropout is 0), in the
+    forms their forwards return: flash's ``rng_state`` (uint64 [2]) and ``unused`` (uint64 []), the
+    memory-efficient kernel's seed and offset (int64 [])."""
+    return (torch.zeros(2, dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64, device=device),
+            torch.zeros((), dtype=torch.int64, device=device))
 
 
 def _flash_fwd(q, k, v, causal, bias, scale):
@@ -138,7 +141,7 @@ def _flash_fwd(q, k, v, causal, bias, scale):
 
 
 def _flash_bwd(do, q, k, v, out, lse, causal, bias, scale):
-    seed, offset = _philox(q.device)
+    seed, offset, _ = _philox(q.device)
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
         do, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
     return dq, dk, dv
@@ -150,7 +153,7 @@ def _eff_fwd(q, k, v, causal, bias, scale):
 
 
 def _eff_bwd(do, q, k, v, out, lse, causal, bias, scale):
-    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    seed = _philox(q.device)[2]
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
         do, q, k, v, bias, out, lse, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, dk, dv

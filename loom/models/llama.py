@@ -225,6 +225,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, sp_comm=None):
         super().__init__()
         self.cfg, self.sp = cfg, sp_comm
+        self.heads, self.kv_heads = cfg.heads, cfg.kv_heads  # on this rank: tensor parallelism splits them
         hd = cfg.head_dim
         self.wq = nn.Linear(cfg.hidden, cfg.heads * hd, bias=False)
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * hd, bias=False)
@@ -235,18 +236,18 @@ class Attention(nn.Module):
         """Token-wise projections with RoPE at ``pos``, packed as ``[B, s, (heads + 2 kv_heads) head_dim]``."""
         c = self.cfg
         b, s, _ = y.shape
-        q = rope(self.wq(y).view(b, s, c.heads, c.head_dim), pos, c.rope_theta)
-        k = rope(self.wk(y).view(b, s, c.kv_heads, c.head_dim), pos, c.rope_theta)
+        q = rope(self.wq(y).view(b, s, self.heads, c.head_dim), pos, c.rope_theta)
+        k = rope(self.wk(y).view(b, s, self.kv_heads, c.head_dim), pos, c.rope_theta)
         return torch.cat([q.flatten(2), k.flatten(2), self.wv(y)], dim=-1)
 
     def core(self, packed: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of packed q/k/v ``[B, s, ...]`` -> ``[B, s, heads * head_dim]`` (before ``wo``)."""
         c = self.cfg
         b, s, _ = packed.shape
-        nq, nk = c.heads * c.head_dim, c.kv_heads * c.head_dim
-        q = packed[..., :nq].unflatten(-1, (c.heads, c.head_dim))
-        k = packed[..., nq:nq + nk].unflatten(-1, (c.kv_heads, c.head_dim))
-        v = packed[..., nq + nk:].unflatten(-1, (c.kv_heads, c.head_dim))
+        nq, nk = self.heads * c.head_dim, self.kv_heads * c.head_dim
+        q = packed[..., :nq].unflatten(-1, (self.heads, c.head_dim))
+        k = packed[..., nq:nq + nk].unflatten(-1, (self.kv_heads, c.head_dim))
+        v = packed[..., nq + nk:].unflatten(-1, (self.kv_heads, c.head_dim))
         if c.sequence_parallel == "ulysses":
             o = ulysses_attention(q, k, v, self.sp, causal=c.causal, doc_ids=doc)
         else:  # "none" ("fpdt" blocks run _FPDTBlock instead)
@@ -257,7 +258,7 @@ class Attention(nn.Module):
                     mask = mask & torch.ones(s, s, dtype=torch.bool, device=doc.device).tril()
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                attn_mask=mask, is_causal=c.causal and mask is None,
-                                               enable_gqa=c.kv_heads != c.heads).transpose(1, 2)
+                                               enable_gqa=self.kv_heads != self.heads).transpose(1, 2)
         return o.reshape(b, s, nq)
 
 

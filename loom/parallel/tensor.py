@@ -1,0 +1,452 @@
+"""Tensor parallelism (Megatron-LM): layers whose weights are split over the ``tp`` axis, and the differentiable
+collectives that join them.
+
+Vocabulary: the *tp group* is ``mesh["tp"]``; a tensor is *replicated* when every tp rank holds the same value
+and *split* when each holds a slice of its last dim. Megatron's pairing (Shoeybi et al. 2019, Sec. 3) keeps the
+residual stream replicated and needs one allreduce per sublayer in forward and one in backward:
+
+* :class:`ColumnParallelLinear` (weight split along its *output* dim) takes a replicated input and gives a
+  split output; its input passes :func:`copy_to_tp_region` (identity forward, allreduce of the gradient in
+  backward, since every rank's slice of the output depends on the whole input).
+* :class:`RowParallelLinear` (weight split along its *input* dim) takes a split input and gives a replicated
+  output through :func:`reduce_from_tp_region` (allreduce forward, identity backward).
+* Attention: q/k/v are column-parallel with whole heads per rank (GQA: query and key/value heads both split,
+  :func:`split_heads`), the output projection row-parallel; the FFN (:class:`ParallelFeedForward`, SwiGLU or
+  GELU): gate/up column-parallel, down row-parallel.
+* :class:`VocabParallelEmbedding`: rows of the table split by vocabulary range; ids outside the range look
+  up zeros, and an allreduce sums the one non-zero row per token.
+* :func:`vocab_parallel_cross_entropy`: the loss of column-parallel (vocabulary-split) logits without ever
+  gathering them: a max allreduce, then one allreduce of (sum of exponentials, target logit) per token;
+  backward is local (``softmax - onehot`` on the rank's slice).
+
+Sizes that do not divide by the tp size are split unevenly (the first ``n % tp`` ranks take one more row,
+:func:`shard_range`) wherever no head structure is involved: FFN width and vocabulary. Heads must divide.
+
+Compression: the activation allreduces (:func:`copy_to_tp_region` backward, :func:`reduce_from_tp_region`
+forward) and gathers go through :func:`loom.compress.allreduce` / :func:`loom.compress.allgather` when the layer
+is given a codec (``CompressionPolicy.codec_for("tp")``); the per-token reductions of the cross-entropy stay
+exact (a max does not survive a lossy sum, and they are ``O(tokens)`` bytes). Byte counters land under the
+communicator's name (``"tp"`` for ``mesh["tp"]``) in :mod:`loom.stats`.
+
+These collectives are *not* the ``loom.comm`` ones: those are not autograd-aware; the ones here are
+``torch.autograd.Function`` s whose backward issues the matching collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm import Communicator
+from ..compress.codecs import Codec
+from ..compress.collectives import DEFAULT_MIN_BYTES
+from ..compress.collectives import allgather as _c_allgather
+from ..compress.collectives import allreduce as _c_allreduce
+
+__all__ = [
+    "shard_range", "split_heads", "copy_to_tp_region", "reduce_from_tp_region", "gather_from_tp_region",
+    "scatter_to_tp_region", "ColumnParallelLinear", "RowParallelLinear", "ParallelFeedForward",
+    "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "TPLink",
+]
+
+
+def shard_range(n: int, size: int, rank: int) -> tuple[int, int]:
+    """``[start, end)`` of rank ``rank``'s contiguous slice of ``n`` rows over ``size`` ranks; the first
+    ``n % size`` ranks take one row more."""
+    base, extra = divmod(n, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def split_heads(heads: int, kv_heads: int, tp: int) -> tuple[int, int]:
+    """Query and key/value heads per tp rank for grouped-query attention.
+
+    Raises:
+        ValueError: ``heads`` or ``kv_heads`` does not divide by ``tp`` (each rank must hold whole heads, and
+            every query head's key/value head on the same rank).
+    """
+    for what, n in (("heads", heads), ("kv_heads", kv_heads)):
+        if n % tp:
+            ok = [t for t in range(1, n + 1) if heads % t == 0 and kv_heads % t == 0]
+            raise ValueError(f"{what} = {n} is not divisible by the tp size {tp}: each tp rank holds whole query "
+                             f"and key/value heads; choose tp from {ok} or a model whose heads and kv_heads "
+                             f"divide by {tp}")
+    return heads // tp, kv_heads // tp
+
+
+class TPLink:
+    """How a layer talks over its tp group: the communicator and the codec of its activation collectives.
+
+    Args:
+        comm: the tp group (``mesh["tp"]``).
+        codec: codec for activation allreduces/allgathers (name or instance; ``None``: uncompressed).
+        min_bytes: messages below this travel uncompressed (see :mod:`loom.compress.collectives`).
+    """
+
+    __slots__ = ("comm", "codec", "min_bytes")
+
+    def __init__(self, comm: Communicator, codec: "str | Codec | None" = None, min_bytes: int = DEFAULT_MIN_BYTES):
+        if not isinstance(comm, Communicator):
+            raise TypeError(f"tp comm must be a loom.comm.Communicator, got {type(comm).__name__}; "
+                            f"pass mesh['tp']")
+        self.comm, self.codec, self.min_bytes = comm, codec, min_bytes
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def allreduce(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        if self.comm.size == 1:
+            return x
+        if self.codec is None:
+            return self.comm.allreduce(x)
+        return _c_allreduce(x, self.comm, self.codec, min_bytes=self.min_bytes)
+
+    def widths(self, full: int) -> list[int]:
+        """Every rank's slice width of a dim of size ``full`` split by :func:`shard_range`."""
+        return [hi - lo for lo, hi in (shard_range(full, self.size, r) for r in range(self.size))]
+
+    def gather_last(self, x: torch.Tensor, full: int) -> torch.Tensor:
+        """Concatenate every rank's :func:`shard_range` slice ``x`` of a last dim of size ``full``."""
+        if self.comm.size == 1:
+            return x
+        t = x.movedim(-1, 0).contiguous()
+        if len(set(self.widths(full))) == 1:
+            out = self.comm.allgather(t) if self.codec is None else _c_allgather(t, self.comm, self.codec,
+                                                                                 min_bytes=self.min_bytes)
+        else:
+            out, _ = self.comm.allgatherv(t)
+        return out.movedim(0, -1)
+
+    def __repr__(self) -> str:
+        return f"TPLink({self.comm.name!r}, size={self.comm.size}, codec={self.codec!r})"
+
+
+def _link(tp: "TPLink | Communicator") -> TPLink:
+    return tp if isinstance(tp, TPLink) else TPLink(tp)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, link):
+        ctx.link = link
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.link.allreduce(g), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, link):
+        return link.allreduce(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, link, full):
+        ctx.link, ctx.full = link, full
+        return link.gather_last(x, full)
+
+    @staticmethod
+    def backward(ctx, g):
+        lo, hi = shard_range(ctx.full, ctx.link.size, ctx.link.rank)
+        return g[..., lo:hi].contiguous(), None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, link):
+        ctx.link, ctx.full = link, x.shape[-1]
+        lo, hi = shard_range(x.shape[-1], link.size, link.rank)
+        return x[..., lo:hi].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.link.gather_last(g, ctx.full), None
+
+
+def copy_to_tp_region(x: torch.Tensor, tp: "TPLink | Communicator") -> torch.Tensor:
+    """Identity forward; allreduce of the gradient over tp in backward (the input of column-parallel layers)."""
+    return _CopyToTP.apply(x, _link(tp))
+
+
+def reduce_from_tp_region(x: torch.Tensor, tp: "TPLink | Communicator") -> torch.Tensor:
+    """Allreduce (sum) over tp forward; identity backward (the output of row-parallel layers)."""
+    return _ReduceFromTP.apply(x, _link(tp))
+
+
+def gather_from_tp_region(x: torch.Tensor, tp: "TPLink | Communicator", full: int | None = None) -> torch.Tensor:
+    """Concatenate the ranks' slices along the last dim forward; keep this rank's slice of the gradient.
+
+    ``full``: the gathered size, when the slices are the uneven ones of :func:`shard_range` (default: every
+    rank's slice is as wide as this one's)."""
+    link = _link(tp)
+    return _GatherFromTP.apply(x, link, x.shape[-1] * link.size if full is None else int(full))
+
+
+def scatter_to_tp_region(x: torch.Tensor, tp: "TPLink | Communicator") -> torch.Tensor:
+    """Keep this rank's slice (:func:`shard_range`) of the last dim forward; gather the gradient backward."""
+    return _ScatterToTP.apply(x, _link(tp))
+
+
+# ------------------------------------------------------------------------------------------------ layers
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T (+ b)`` with ``W`` split along its output dim: this rank holds rows
+    ``[out_start, out_end)`` (:func:`shard_range`) and computes that slice of ``y``.
+
+    Args:
+        in_features, out_features: the full layer's sizes.
+        tp: the tp group (a :class:`TPLink` or communicator).
+        bias: add a bias (split like the output).
+        copy_input: pass the input through :func:`copy_to_tp_region` (off when several column-parallel layers
+            read one input that was copied once, e.g. q/k/v or gate/up, so backward allreduces once).
+        gather_output: gather the split output to every rank (for a replicated result).
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: "TPLink | Communicator", *, bias: bool = False,
+                 copy_input: bool = True, gather_output: bool = False, dtype: torch.dtype | None = None,
+                 device: Any = None):
+        super().__init__()
+        self.tp = _link(tp)
+        self.in_features, self.out_features = in_features, out_features
+        self.out_start, self.out_end = shard_range(out_features, self.tp.size, self.tp.rank)
+        self.copy_input, self.gather_output = copy_input, gather_output
+        n = self.out_end - self.out_start
+        self.weight = nn.Parameter(torch.empty(n, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(n, dtype=dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, tp: "TPLink | Communicator", **kw: Any) -> "ColumnParallelLinear":
+        """This rank's slice of a whole ``nn.Linear`` (so a tp run starts from the one-rank weights)."""
+        m = cls(lin.in_features, lin.out_features, tp, bias=lin.bias is not None, dtype=lin.weight.dtype,
+                device=lin.weight.device, **kw)
+        with torch.no_grad():
+            m.weight.copy_(lin.weight[m.out_start:m.out_end])
+            if m.bias is not None:
+                m.bias.copy_(lin.bias[m.out_start:m.out_end])
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.copy_input:
+            x = copy_to_tp_region(x, self.tp)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp_region(y, self.tp, self.out_features) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} [{self.out_start}:{self.out_end}] of tp "
+                f"{self.tp.size}")
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T (+ b)`` with ``W`` split along its input dim: this rank holds columns
+    ``[in_start, in_end)``, multiplies its slice of ``x`` and the partial products are summed over tp
+    (:func:`reduce_from_tp_region`); the bias is added once, after the sum.
+
+    Args:
+        input_is_parallel: ``x`` is already this rank's slice (the output of a column-parallel layer);
+            otherwise it is replicated and scattered first.
+        reduce_output: sum the partial outputs (off only for a caller that reduces itself).
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: "TPLink | Communicator", *, bias: bool = False,
+                 input_is_parallel: bool = True, reduce_output: bool = True, dtype: torch.dtype | None = None,
+                 device: Any = None):
+        super().__init__()
+        self.tp = _link(tp)
+        self.in_features, self.out_features = in_features, out_features
+        self.in_start, self.in_end = shard_range(in_features, self.tp.size, self.tp.rank)
+        self.input_is_parallel, self.reduce_output = input_is_parallel, reduce_output
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_end - self.in_start, dtype=dtype,
+                                               device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, tp: "TPLink | Communicator", **kw: Any) -> "RowParallelLinear":
+        m = cls(lin.in_features, lin.out_features, tp, bias=lin.bias is not None, dtype=lin.weight.dtype,
+                device=lin.weight.device, **kw)
+        with torch.no_grad():
+            m.weight.copy_(lin.weight[:, m.in_start:m.in_end])
+            if m.bias is not None:
+                m.bias.copy_(lin.bias)
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.tp)
+        y = F.linear(x, self.weight)
+        if self.reduce_output:
+            y = reduce_from_tp_region(y, self.tp)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} [{self.in_start}:{self.in_end}], out={self.out_features} of tp "
+                f"{self.tp.size}")
+
+
+class ParallelFeedForward(nn.Module):
+    """The FFN with its inner width split over tp: ``w2(silu(w1 x) * w3 x)`` (SwiGLU) or ``w2(gelu(w1 x))``.
+
+    ``w1`` (gate) and ``w3`` (up) are column-parallel, ``w2`` (down) row-parallel; the input is copied to the
+    tp region once, so forward and backward each cost one allreduce of ``[tokens, hidden]``. The inner
+    width may be uneven over tp (the elementwise product pairs the same rows of ``w1`` and ``w3``).
+    Parameter names (``w1``, ``w2``, ``w3``) are those of the dense FFN it replaces.
+    """
+
+    def __init__(self, hidden: int, inner: int, tp: "TPLink | Communicator", *, kind: str = "swiglu",
+                 dtype: torch.dtype | None = None, device: Any = None):
+        super().__init__()
+        if kind not in ("swiglu", "gelu"):
+            raise ValueError(f"ParallelFeedForward kind = {kind!r}; valid: swiglu, gelu")
+        self.tp, self.kind = _link(tp), kind
+        kw = dict(dtype=dtype, device=device)
+        self.w1 = ColumnParallelLinear(hidden, inner, self.tp, copy_input=False, **kw)
+        self.w2 = RowParallelLinear(inner, hidden, self.tp, **kw)
+        self.w3 = ColumnParallelLinear(hidden, inner, self.tp, copy_input=False, **kw) if kind == "swiglu" else None
+
+    @classmethod
+    def from_dense(cls, w1: nn.Linear, w2: nn.Linear, w3: nn.Linear | None, tp: "TPLink | Communicator"
+                   ) -> "ParallelFeedForward":
+        """This rank's slices of a dense FFN's ``w1`` (gate), ``w2`` (down) and ``w3`` (up, ``None``: GELU)."""
+        for lin in (w1, w2, w3):
+            if lin is not None and lin.bias is not None:
+                raise ValueError("ParallelFeedForward.from_dense takes bias-free linears (Llama's FFN); "
+                                 "build ColumnParallelLinear/RowParallelLinear directly for biased ones")
+        m = cls(w1.in_features, w1.out_features, tp, kind="swiglu" if w3 is not None else "gelu",
+                dtype=w1.weight.dtype, device=w1.weight.device)
+        m.w1 = ColumnParallelLinear.from_linear(w1, m.tp, copy_input=False)
+        m.w2 = RowParallelLinear.from_linear(w2, m.tp)
+        if w3 is not None:
+            m.w3 = ColumnParallelLinear.from_linear(w3, m.tp, copy_input=False)
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp_region(x, self.tp)
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table split by vocabulary range over tp: rank ``r`` holds rows
+    ``[vocab_start, vocab_end)`` (:func:`shard_range`, uneven allowed).
+
+    Forward: ids outside this rank's range look up row 0 and are zeroed (a masked lookup), then one allreduce
+    over tp sums the single non-zero contribution per token; backward of the allreduce is the identity and
+    the lookup's gradient lands only on this rank's rows.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: "TPLink | Communicator", *,
+                 dtype: torch.dtype | None = None, device: Any = None):
+        super().__init__()
+        self.tp = _link(tp)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.vocab_start, self.vocab_end = shard_range(num_embeddings, self.tp.size, self.tp.rank)
+        if self.vocab_end == self.vocab_start:
+            raise ValueError(f"vocabulary of {num_embeddings} is smaller than the tp size {self.tp.size}; "
+                             f"use tp <= {num_embeddings}")
+        self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, embedding_dim, dtype=dtype,
+                                               device=device))
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, tp: "TPLink | Communicator") -> "VocabParallelEmbedding":
+        m = cls(emb.num_embeddings, emb.embedding_dim, tp, dtype=emb.weight.dtype, device=emb.weight.device)
+        with torch.no_grad():
+            m.weight.copy_(emb.weight[m.vocab_start:m.vocab_end])
+        return m
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out, self.tp)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim} [{self.vocab_start}:{self.vocab_end}] of tp "
+                f"{self.tp.size}")
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token cross-entropy of vocabulary-split logits ``[N, V_local]`` (Megatron's
+    ``_VocabParallelCrossEntropy``).
+
+    Plan: (1) ``m = allreduce_max(max_j logits)``; (2) ``z = logits - m``; one allreduce (sum) of the pair
+    ``(sum_j exp z_j, z_target if the target is in this rank's range else 0)``; (3) ``loss = log S - z_t``.
+    Backward, per rank and without communication: ``(softmax - onehot_local) * g`` on the local slice.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, comm, vocab_start, ignore_index):
+        n, v = logits.shape
+        m = logits.max(dim=-1).values
+        if comm.size > 1:
+            m = comm.allreduce(m.contiguous(), op="max")
+        z = logits - m.unsqueeze(-1)
+        ignored = targets == ignore_index
+        inside = (targets >= vocab_start) & (targets < vocab_start + v) & ~ignored
+        local_t = (targets - vocab_start).masked_fill(~inside, 0)
+        rows = torch.arange(n, device=logits.device)
+        zt = z[rows, local_t].masked_fill(~inside, 0.0)
+        e = z.exp()
+        pair = torch.stack([e.sum(dim=-1), zt])
+        if comm.size > 1:
+            pair = comm.allreduce(pair)
+        s, zt = pair[0], pair[1]
+        loss = (s.log() - zt).masked_fill(ignored, 0.0)
+        e.div_(s.unsqueeze(-1))  # softmax, kept for backward
+        ctx.save_for_backward(e, local_t, inside, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        p, local_t, inside, ignored = ctx.saved_tensors
+        grad = p.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_t] -= inside.to(grad.dtype)
+        grad.mul_(g.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: "TPLink | Communicator",
+                                 vocab_start: int, *, ignore_index: int = -100,
+                                 reduction: str = "sum") -> torch.Tensor:
+    """Cross-entropy of logits split by vocabulary over tp, without gathering them.
+
+    Args:
+        logits: ``[..., V_local]``, this rank's vocabulary slice ``[vocab_start, vocab_start + V_local)``
+            (a column-parallel LM head's output; reduced in fp32, fp64 stays fp64).
+        targets: ``[...]`` global token ids, the same on every tp rank; ``ignore_index`` entries give 0.
+        tp: the tp group.
+        vocab_start: the first vocabulary id of this rank's slice.
+        reduction: ``"sum"``, ``"mean"`` (over non-ignored targets) or ``"none"`` (per token).
+
+    Returns:
+        The loss, the same on every tp rank; its gradient flows to this rank's logits only.
+    """
+    if reduction not in ("sum", "mean", "none"):
+        raise ValueError(f"reduction = {reduction!r}; valid: sum, mean, none")
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree: targets "
+                         f"must be logits' shape without the last (vocabulary) dim")
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    flat = logits.reshape(-1, logits.shape[-1]).to(acc)
+    per = _VocabParallelCE.apply(flat, targets.reshape(-1), _link(tp).comm, int(vocab_start), ignore_index)
+    if reduction == "none":
+        return per.view(targets.shape)
+    total = per.sum()
+    if reduction == "mean":
+        return total / (targets != ignore_index).sum().clamp(min=1)
+    return total

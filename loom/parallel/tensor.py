@@ -34,12 +34,14 @@ These collectives are *not* the ``loom.comm`` ones: those are not autograd-aware
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import stats as _stats
 from ..comm import Communicator
 from ..compress.codecs import Codec
 from ..compress.collectives import DEFAULT_MIN_BYTES
@@ -49,7 +51,7 @@ from ..compress.collectives import allreduce as _c_allreduce
 __all__ = [
     "shard_range", "split_heads", "copy_to_tp_region", "reduce_from_tp_region", "gather_from_tp_region",
     "scatter_to_tp_region", "ColumnParallelLinear", "RowParallelLinear", "ParallelFeedForward",
-    "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "TPLink",
+    "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "TPLink", "split_dims",
 ]
 
 
@@ -102,13 +104,22 @@ class TPLink:
     def rank(self) -> int:
         return self.comm.rank
 
+    def _timed(self, t0: float) -> None:
+        # seconds per axis for the step-time breakdown (loom.stats kind "time", scope = the comm's name)
+        d = _stats.counters("time", self.comm.name)
+        d["comm"] = d.get("comm", 0.0) + time.perf_counter() - t0
+
     def allreduce(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         if self.comm.size == 1:
             return x
+        t0 = time.perf_counter()
         if self.codec is None:
-            return self.comm.allreduce(x)
-        return _c_allreduce(x, self.comm, self.codec, min_bytes=self.min_bytes)
+            out = self.comm.allreduce(x)
+        else:
+            out = _c_allreduce(x, self.comm, self.codec, min_bytes=self.min_bytes)
+        self._timed(t0)
+        return out
 
     def widths(self, full: int) -> list[int]:
         """Every rank's slice width of a dim of size ``full`` split by :func:`shard_range`."""
@@ -118,12 +129,14 @@ class TPLink:
         """Concatenate every rank's :func:`shard_range` slice ``x`` of a last dim of size ``full``."""
         if self.comm.size == 1:
             return x
+        t0 = time.perf_counter()
         t = x.movedim(-1, 0).contiguous()
         if len(set(self.widths(full))) == 1:
             out = self.comm.allgather(t) if self.codec is None else _c_allgather(t, self.comm, self.codec,
                                                                                  min_bytes=self.min_bytes)
         else:
             out, _ = self.comm.allgatherv(t)
+        self._timed(t0)
         return out.movedim(0, -1)
 
     def __repr__(self) -> str:
@@ -450,3 +463,19 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
     if reduction == "mean":
         return total / (targets != ignore_index).sum().clamp(min=1)
     return total
+
+
+def split_dims(module: nn.Module) -> dict[str, int]:
+    """``{parameter name: dim}`` of every parameter of ``module`` split over tp, and along which dim (0: rows
+    of column-parallel weights and biases and of the embedding; 1: columns of row-parallel weights).
+    Parameters not listed are replicated over tp. A tied parameter is listed once, under its first name (as
+    ``named_parameters()`` lists it)."""
+    dims: dict[int, int] = {}
+    for mod in module.modules():
+        if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dims[id(mod.weight)] = 0
+            if getattr(mod, "bias", None) is not None:
+                dims[id(mod.bias)] = 0
+        elif isinstance(mod, RowParallelLinear):
+            dims[id(mod.weight)] = 1
+    return {n: dims[id(p)] for n, p in module.named_parameters() if id(p) in dims}

@@ -101,11 +101,14 @@ class MeshConfig:
     """Sequence parallel (Ulysses / FPDT): ranks that each hold a slice of every sequence."""
     ep: int = 1
     """Expert parallel (MoE only)."""
+    tp: int = 1
+    """Tensor parallel (Megatron): ranks that each hold a slice of every layer (heads, FFN width, vocabulary);
+    the innermost axis, so a tp group is adjacent ranks (its allreduces run every layer)."""
     schedule: str = "1f1b"
     """Pipeline schedule when pp > 1: ``1f1b`` or ``gpipe``."""
 
     def __post_init__(self) -> None:
-        for k in ("dp", "pp", "sp", "ep"):
+        for k in ("dp", "pp", "sp", "ep", "tp"):
             v = getattr(self, k)
             _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                   f"mesh.{k} = {v!r} must be an integer >= 1")
@@ -113,14 +116,17 @@ class MeshConfig:
 
     @property
     def size(self) -> int:
-        return self.dp * self.pp * self.sp * self.ep
+        return self.dp * self.pp * self.sp * self.ep * self.tp
 
     def axes(self) -> dict[str, int]:
-        """Mesh axes in order (``dp`` outermost, ``sp`` fastest: Ulysses traffic stays between neighbours)."""
+        """Mesh axes in order (``dp`` outermost, then ``sp``, ``tp`` fastest: Megatron's order, the most frequent
+        traffic between neighbours)."""
         out = {"dp": self.dp, "pp": self.pp}
         if self.ep > 1:
             out["ep"] = self.ep
         out["sp"] = self.sp
+        if self.tp > 1:
+            out["tp"] = self.tp
         return out
 
 
@@ -384,17 +390,37 @@ class Config:
         _need(self.zero.stage < 2 or self.train.device == "cpu",
               f"zero.stage = {self.zero.stage} with train.device = {self.train.device!r}: ShardedDataParallel keeps "
               f"its buckets in host memory; use train.device = 'cpu', or zero.stage = 1 on CUDA")
+        if mesh.tp > 1:
+            self._check_tp()
         if mesh.ep > 1:
             _need(m.ffn == "moe", f"mesh.ep = {mesh.ep} needs model.ffn = 'moe' (got {m.ffn!r})")
             _need(m.experts % mesh.ep == 0,
                   f"model.experts = {m.experts} is not divisible by mesh.ep = {mesh.ep}")
+
+    def _check_tp(self) -> None:
+        """Tensor parallelism composes with dp (ZeRO stage 0-1 over dp) today; other axes are refused."""
+        m, mesh, tp = self.model, self.mesh, self.mesh.tp
+        for axis in ("pp", "sp", "ep"):
+            n = getattr(mesh, axis)
+            _need(n == 1, f"mesh.tp = {tp} with mesh.{axis} = {n}: tensor parallelism composes with mesh.dp only "
+                          f"so far; use mesh.{axis} = 1 (or mesh.tp = 1)")
+        _need(self.zero.stage <= 1, f"mesh.tp = {tp} with zero.stage = {self.zero.stage}: ZeRO stages 2-3 do not "
+                                    f"handle tp-split parameters yet; use zero.stage = 0 or 1 (or mesh.tp = 1)")
+        _need(not (m.hf or m.hf_config), f"mesh.tp = {tp} with a transformers model (model.hf): tensor "
+                                         f"parallelism splits loom's Llama only; use mesh.tp = 1")
+        kv = m.kv_heads or m.heads
+        for what, n in (("model.heads", m.heads), ("model.kv_heads", kv)):
+            _need(n % tp == 0, f"{what} = {n} is not divisible by mesh.tp = {tp}: each tp rank holds whole query "
+                               f"and key/value heads; choose mesh.tp dividing both {m.heads} and {kv}")
+        _need(m.ffn != "moe", f"mesh.tp = {tp} with model.ffn = 'moe' is not implemented; use 'swiglu' or 'gelu'")
 
     def validate_world(self, world_size: int) -> None:
         """Raise :class:`ConfigError` unless the mesh covers exactly ``world_size`` ranks."""
         mesh = self.mesh
         if mesh.size != world_size:
             raise ConfigError(
-                f"mesh dp={mesh.dp} x pp={mesh.pp} x sp={mesh.sp} x ep={mesh.ep} = {mesh.size} ranks but the job "
+                f"mesh dp={mesh.dp} x pp={mesh.pp} x sp={mesh.sp} x ep={mesh.ep} x tp={mesh.tp} = {mesh.size} ranks "
+                f"but the job "
                 f"has {world_size}; launch with --ranks {mesh.size} (mpiexec -n {mesh.size}) or set "
                 f"--mesh.dp/--mesh.pp/--mesh.sp so their product is {world_size}")
 

@@ -137,14 +137,17 @@ def llama_config(cfg: Config, sp: int = 1) -> LlamaConfig:
 
 
 def build_model(cfg: Config, *, sp_comm=None, ep_comm=None, dtype: torch.dtype = torch.float32,
-                device: Any = "cpu", meta: bool = False) -> TrainModel:
+                device: Any = "cpu", meta: bool = False, tp=None) -> TrainModel:
     """The model of this rank. ``sp_comm=None`` (or of size 1) builds the unsharded model (one rank,
     generation); ``ep_comm`` holds the experts of an MoE model (``None``: the world, for one process).
 
     ``meta=True`` builds it on the meta device, in the construction dtype, with no storage: the pipeline
     (``HybridParallel(..., device=, dtype=)``) then materialises only this rank's stage through
     :class:`StageView`. ``dtype`` and ``device`` apply to a real build only. ``model.hf`` /
-    ``model.hf_config``: a transformers model (:mod:`loom.integrations.transformers`).
+    ``model.hf_config``: a transformers model (:mod:`loom.integrations.transformers`). ``tp``: the tp
+    group (a :class:`loom.parallel.tensor.TPLink` carrying the policy's tp codec): the whole model is built,
+    then split in place by :func:`loom.models.parallelize.parallelize_llama`, so it starts from the
+    one-rank weights.
     """
     if cfg.model.hf or cfg.model.hf_config:
         from ..integrations.transformers import build_train_model
@@ -161,5 +164,15 @@ def build_model(cfg: Config, *, sp_comm=None, ep_comm=None, dtype: torch.dtype =
         raise ConfigError(f"model: {exc}") from None
     if not meta:
         module = module.to(device=device, dtype=dtype)
+    if tp is not None and tp.size > 1:
+        if meta:
+            raise ConfigError("mesh.tp > 1 needs a real model build (tp splits the built weights); the meta "
+                              "build comes with mesh.pp > 1 or zero.stage = 3, which tp does not compose with yet")
+        from ..models.parallelize import parallelize_llama
+
+        try:
+            module = parallelize_llama(module, tp)
+        except ValueError as exc:
+            raise ConfigError(f"mesh.tp = {tp.size}: {exc}") from None
     pos = Positions()
     return TrainModel(module, StageView(module, pos), pos, sp_sum=sp > 1)

@@ -1,6 +1,6 @@
 """The training loop: mesh, model, data slices, gradient synchronization, metrics, checkpoints, resume.
 
-Step plan (every rank, mesh ``dp x pp x ep x sp``, ``sp`` fastest):
+Step plan (every rank, mesh ``dp x pp x ep x sp x tp``, ``tp`` fastest):
 
 1. **Data.** Every rank draws the same global batch for this step (``batch_windows(seed, step)``) and keeps
    its rows (``dp`` and ``ep`` ranks take different rows: ``B / (dp ep)`` each) and its ``sp`` columns in the
@@ -21,8 +21,13 @@ Step plan (every rank, mesh ``dp x pp x ep x sp``, ``sp`` fastest):
    ``ep``) through the compression policy's dp hook (``hook(bucket, comm, index) -> mean``), or
    ``allreduce(op="avg")`` without one. Equal shard sizes make the mean of local means the global mean, so
    any mesh matches one rank up to summation order (and codec error).
-4. **Update.** Global-norm clipping (norm summed over pipeline stages and expert shards), AdamW with the
-   warm-up + cosine learning rate of this step.
+   Tensor parallelism (``mesh.tp``, with dp only): the model is built whole and split in place
+   (:func:`loom.models.parallelize.parallelize_llama`); the ``tp`` ranks of a replica take the same rows,
+   their activation allreduces run inside autograd (the policy's ``tp`` codec), and no gradient is reduced
+   over tp (split parameters hold their slice's gradient, replicated ones the same on every tp rank).
+   Checkpoints hold whole tensors (slices gathered over tp) and ``--resume`` slices them again.
+4. **Update.** Global-norm clipping (norm summed over pipeline stages, expert shards and tp slices), AdamW
+   with the warm-up + cosine learning rate of this step.
 
 ZeRO (``[zero]``): stage 1 wraps the optimizer in ``loom.parallel.ShardedOptimizer`` over the ``zero.axes``
 ranks and leaves steps 2-3 as they are. Stages 2-3 wrap the model (under a pipeline: this rank's stage, with
@@ -223,8 +228,15 @@ class Trainer:
         # rank's stage (the same weights as a whole build: each tensor's init depends only on its name); at
         # ZeRO stage 3 without one, ShardedDataParallel materialises it bucket by bucket, keeping this rank's shard
         # (not yet with [multipath], whose MoE wiring has not been checked on a meta model).
+        tp_link = None
+        if self.tp is not None:
+            from ..parallel.tensor import TPLink
+
+            tp_link = TPLink(self.tp, self.policy.codec_for("tp") if self.policy is not None else None,
+                             **({"min_bytes": self.policy.min_bytes} if self.policy is not None else {}))
         self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.master_dtype, device=self.device,
-                              meta=self.pp is not None or cfg.zero.stage == 3 and not cfg.multipath.enabled)
+                              meta=self.pp is not None or cfg.zero.stage == 3 and not cfg.multipath.enabled,
+                              tp=tp_link)
         if cfg.multipath.enabled and ep_comm is not None:  # [multipath]: expert all-to-allv over planned paths
             from ..parallel.moe import use_multipath
 
@@ -245,6 +257,11 @@ class Trainer:
             self.stage, self.stages = 0, 1
         ids = {id(p) for p in self.params}
         self.param_names = [n for n, p in self.model.named_parameters() if id(p) in ids]
+        self._tp_dims: dict[str, int] = {}  # tp-split parameters: name -> the dim they are split along
+        if self.tp is not None:
+            from ..parallel.tensor import split_dims
+
+            self._tp_dims = split_dims(self.model)
         named = dict(self.model.named_parameters())
         self.params = [named[n] for n in self.param_names]
         self.sdp = self._make_sharded() if cfg.zero.stage >= 2 else None
@@ -271,6 +288,8 @@ class Trainer:
         self.sp = self.mesh["sp"] if cfg.mesh.sp > 1 else None
         self.pp = self.mesh["pp"] if cfg.mesh.pp > 1 else None
         self.ep = self.mesh["ep"] if cfg.mesh.ep > 1 else None
+        self.tp = self.mesh["tp"] if cfg.mesh.tp > 1 else None
+        self.tp_rank = c.get("tp", 0)
         # Replicated parameters are averaged over every rank that sees other data: dp and ep together.
         self.rep = self.mesh[("dp", "ep")] if cfg.mesh.ep > 1 else self.dp
 
@@ -434,8 +453,8 @@ class Trainer:
         with torch.no_grad():
             for n in self.param_names:
                 named[n].copy_(self._my_shard(n, state["model"][n]))
-        if self.ep is not None:  # checkpoints hold every expert: keep this ep rank's slice of the Adam moments
-            order = [p for g in self.opt.param_groups for p in g["params"]]
+        if self.ep is not None or self._tp_dims:  # checkpoints hold whole tensors: keep this rank's Adam moments
+            order = self._opt_order()
             name_of = {id(p): n for n, p in zip(self.param_names, self.params)}
             for idx, st in optim["state"].items():
                 n = name_of[id(order[int(idx)])]
@@ -444,12 +463,18 @@ class Trainer:
                         st[k] = self._my_shard(n, st[k])
         self.opt.load_state_dict(optim)
 
+    def _opt_order(self) -> list[torch.nn.Parameter]:
+        """The parameters in the order of the optimizer's (unsharded) state-dict indices."""
+        if hasattr(self.opt, "inner"):  # ZeRO-1: ShardedOptimizer's groups hold flat masters
+            return [p for ps in self.opt.params for p in ps]
+        return [p for g in self.opt.param_groups for p in g["params"]]
+
     def _compression_states(self) -> dict[int, Any] | None:
         """Every rank's compression state by world rank, gathered to its stage's checkpoint writer (``None`` on
         the other ranks and without compression). Error-feedback residuals differ from rank to rank."""
         if self.policy is None:
             return None
-        writer = self.dp_rank == 0 and self.sp_rank == 0 and self.ep_rank == 0
+        writer = self.dp_rank == 0 and self.sp_rank == 0 and self.ep_rank == 0 and self.tp_rank == 0
         if self._stage_comm is None:
             self._stage_comm = self.comm.split(self.stage, 0 if writer else self.comm.rank + 1, name="stage")
         mine = {"policy": self.policy.state_dict(), "hook": self.hook.state_dict() if self.hook else {}}
@@ -469,7 +494,14 @@ class Trainer:
             self.hook.load_state_dict(mine["hook"])
 
     def _my_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This ep rank's experts of a full expert tensor (dim 0); other tensors unchanged."""
+        """This ep rank's experts of a full expert tensor (dim 0), this tp rank's slice of a tp-split one;
+        other tensors unchanged."""
+        if name in self._tp_dims:
+            from ..parallel.tensor import shard_range
+
+            d = self._tp_dims[name]
+            lo, hi = shard_range(full.shape[d], self.tp.size, self.tp_rank)
+            return full.narrow(d, lo, hi - lo).clone()
         if not self._is_expert(name):
             return full
         n = full.shape[0] // self.ep.size
@@ -478,6 +510,10 @@ class Trainer:
     def _gather(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """All experts of an expert-sharded tensor (one allgather over ``ep``); others unchanged."""
         t = t.detach().cpu()
+        if name in self._tp_dims:  # tp slices (uneven sizes allowed) along their split dim
+            d = self._tp_dims[name]
+            full, _ = self.tp.allgatherv(t.movedim(d, 0).contiguous())
+            return full.movedim(0, d).contiguous()
         return self.ep.allgather(t.contiguous()) if self._is_expert(name) else t.clone()
 
     def save(self, step: int) -> Path | None:
@@ -497,15 +533,15 @@ class Trainer:
             named = dict(self.model.named_parameters())
             model = {n: self._gather(n, named[n]) for n in self.param_names}
             optim = sharded if sharded is not None else self.opt.state_dict()
-            if self.ep is not None:
-                order = [p for g in self.opt.param_groups for p in g["params"]]
+            if self.ep is not None or self._tp_dims:
+                order = self._opt_order()
                 name_of = {id(p): n for n, p in zip(self.param_names, self.params)}
                 for idx, st in list(optim["state"].items()):
                     n = name_of[id(order[int(idx)])]
                     # state_dict() shares the live state dicts: build new ones instead of editing them
                     optim["state"][idx] = {k: (self._gather(n, v) if k in ("exp_avg", "exp_avg_sq") else v)
                                            for k, v in st.items()}
-        if self.dp_rank == 0 and self.sp_rank == 0 and self.ep_rank == 0:
+        if self.dp_rank == 0 and self.sp_rank == 0 and self.ep_rank == 0 and self.tp_rank == 0:
             payload = {
                 "format": ckpt.FORMAT, "step": step, "config": config_to_dict(self.cfg),
                 "stage": self.stage, "stages": self.stages, "params": list(self.param_names),
@@ -665,14 +701,19 @@ class Trainer:
             return self._sharded_clip()
         sq = torch.zeros((), dtype=torch.float64)
         sq_ex = torch.zeros((), dtype=torch.float64)
+        sq_tp = torch.zeros((), dtype=torch.float64)
         for n, p in zip(self.param_names, self.params):
             if p.grad is not None:
                 if self._is_expert(n):
                     sq_ex += p.grad.detach().double().pow(2).sum()
+                elif n in self._tp_dims:
+                    sq_tp += p.grad.detach().double().pow(2).sum()
                 else:
                     sq += p.grad.detach().double().pow(2).sum()
         if self.ep is not None:  # each ep rank holds different experts: their squares add up
             sq = sq + self.ep.allreduce(sq_ex.reshape(1), op="sum")[0]
+        if self.tp is not None:  # tp slices add up; replicated parameters count once
+            sq = sq + self.tp.allreduce(sq_tp.reshape(1), op="sum")[0]
         if self.pp is not None:
             sq = self.pp.allreduce(sq.reshape(1), op="sum")[0]
         norm = float(sq.sqrt())
@@ -746,7 +787,8 @@ class Trainer:
         for step in range(self.start_step, stop):
             t0 = time.perf_counter()
             before, saved0, off0 = _wire_bytes(), _saved_bytes(), _offload_bytes()
-            sp0, zero0, dp0 = COMM_TIME.get("sp", 0.0), zero_stats()["exposed_comm_s"], dp_stats()
+            sp0 = COMM_TIME.get("sp", 0.0) + COMM_TIME.get("tp", 0.0)
+            zero0, dp0 = zero_stats()["exposed_comm_s"], dp_stats()
             lr = lr_at(step, cfg)
             for g in self.opt.param_groups:
                 g["lr"] = lr
@@ -764,7 +806,8 @@ class Trainer:
             dp1 = dp_stats()  # data parallel reducers (this one's, HybridParallel's): held up / hidden by backward
             dp_s = dp1["exposed_comm_s"] - dp0["exposed_comm_s"]
             overlapped_s = dp1["overlapped_comm_s"] - dp0["overlapped_comm_s"]
-            comm_s = sync_s + zero_s + dp_s + (COMM_TIME.get("sp", 0.0) - sp0)  # before eval (not the step's traffic)
+            tpsp_s = COMM_TIME.get("sp", 0.0) + COMM_TIME.get("tp", 0.0) - sp0
+            comm_s = sync_s + zero_s + dp_s + tpsp_s  # before eval (not the step's traffic)
             done = step + 1
             # pp ranks of a replica already agree on the loss; averaging over everyone is still the global mean.
             loss_avg = comm.allreduce_object(loss) / comm.size
@@ -773,7 +816,8 @@ class Trainer:
             if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
                 eval_loss = self.evaluate()
             by_axis: dict[str, dict[str, int]] = {}
-            for axis in (Axis.DP, flat_axis(Axis.DP, Axis.EP), flat_axis(Axis.DP, Axis.SP), Axis.EP, Axis.PP, Axis.SP):
+            for axis in (Axis.DP, flat_axis(Axis.DP, Axis.EP), flat_axis(Axis.DP, Axis.SP), Axis.EP, Axis.PP, Axis.SP,
+                         Axis.TP):
                 wire = after.get(axis, 0) - before.get(axis, 0)
                 if wire:
                     raw = wire + saved1.get(axis, 0) - saved0.get(axis, 0)

@@ -4,6 +4,11 @@ Ranks are laid out row-major over the axes in the order given, the last axis fas
 ``torch.arange(world).reshape(shape)``): in ``Mesh(dp=2, sp=2)`` ranks 0 and 1 share a ``dp`` coordinate and
 form one ``sp`` group. ``mesh["sp"]`` is this rank's sub-communicator along ``sp`` (named ``"sp"`` for byte
 accounting); ``mesh[("dp", "sp")]`` flattens several axes into one group.
+
+Order the axes from the least to the most talkative, as Megatron-LM does: ``Mesh(dp=2, pp=2, tp=2)`` puts
+``tp`` last, so a tp group is adjacent ranks (one node, one NUMA domain with a contiguous rank mapping) and
+its allreduces, one per layer in forward and backward, never cross the slow link that dp's one gradient
+allreduce per step can afford. ``loom train`` lays ``dp, pp, ep, sp, tp`` in that order.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ from typing import Any
 
 # Lazy: loom.models.config (what loom train's [model] section is built from) must load without torch.
 _EXPORTS = {"Llama": "llama", "LlamaConfig": "config", "LlamaShape": "config", "build_llama": "llama",
-            "chunked_lm_loss": "llama"}
+            "chunked_lm_loss": "llama", "TensorParallelLlama": "parallelize", "parallelize_llama": "parallelize"}
 
-__all__ = ["Llama", "LlamaConfig", "LlamaShape", "build_llama", "chunked_lm_loss"]
+__all__ = ["Llama", "LlamaConfig", "LlamaShape", "build_llama", "chunked_lm_loss", "TensorParallelLlama",
+           "parallelize_llama"]
 
 
 def __getattr__(name: str) -> Any:

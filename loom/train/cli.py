@@ -67,11 +67,11 @@ def _dp_given(config: str | None, overrides: list[str]) -> bool:
 def fill_dp(cfg: Config, size: int) -> int:
     """``mesh.dp`` that makes the mesh cover ``size`` ranks (as torchtitan's ``dp_shard = -1``); the other axes
     must divide ``size``, else :class:`ConfigError` names them."""
-    other = cfg.mesh.pp * cfg.mesh.sp * cfg.mesh.ep
+    other = cfg.mesh.pp * cfg.mesh.sp * cfg.mesh.ep * cfg.mesh.tp
     if size % other:
         raise ConfigError(f"the job has {size} ranks, which mesh.pp={cfg.mesh.pp} x mesh.sp={cfg.mesh.sp} x "
-                          f"mesh.ep={cfg.mesh.ep} = {other} does not divide; launch a multiple of {other} ranks "
-                          f"or set --mesh.dp/--mesh.pp/--mesh.sp explicitly")
+                          f"mesh.ep={cfg.mesh.ep} x mesh.tp={cfg.mesh.tp} = {other} does not divide; launch a "
+                          f"multiple of {other} ranks or set --mesh.dp/--mesh.pp/--mesh.sp/--mesh.tp explicitly")
     return size // other
 
 

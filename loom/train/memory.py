@@ -62,17 +62,23 @@ def zero_settings(cfg: Config) -> tuple[int, tuple[str, ...]]:
     return stage, axes
 
 
-def unit_params(cfg: Config) -> list[int]:
-    """Parameters this rank holds per pipeline unit: embedding, each block, final norm + head."""
+def unit_params(cfg: Config, tp: int | None = None) -> list[int]:
+    """Parameters this rank holds per pipeline unit: embedding, each block, final norm + head.
+
+    ``tp`` (default ``mesh.tp``): attention heads, FFN width and vocabulary rows are split over it (the
+    largest slice, as ``loom.parallel.tensor.shard_range`` gives the first ranks one row more); norms are
+    replicated."""
     m, ep = cfg.model, cfg.mesh.ep
+    tp = getattr(cfg.mesh, "tp", 1) if tp is None else tp
     hd = m.head_dim
-    attn = m.hidden * m.heads * hd * 2 + m.hidden * m.kv_heads * hd * 2
+    attn = (m.hidden * m.heads * hd * 2 + m.hidden * m.kv_heads * hd * 2) // tp
     if m.ffn == "moe":  # replicated gate, this ep rank's experts (gelu MLPs of two matrices)
         ffn = m.experts * m.hidden + (m.experts // ep) * 2 * m.hidden * m.ffn_hidden
     else:
-        ffn = m.hidden * m.ffn_hidden * (3 if m.ffn == "swiglu" else 2)
+        ffn = m.hidden * -(-m.ffn_hidden // tp) * (3 if m.ffn == "swiglu" else 2)
+    vocab = -(-m.vocab // tp)
     block = attn + ffn + 2 * m.hidden
-    return [m.vocab * m.hidden] + [block] * m.layers + [m.hidden + m.vocab * m.hidden]
+    return [vocab * m.hidden] + [block] * m.layers + [m.hidden + vocab * m.hidden]
 
 
 def stage_split(cfg: Config) -> list[tuple[int, int]]:
@@ -343,6 +349,11 @@ def _traffic_lines(cfg: Config, stage_params: int) -> list[str]:
                      f"(uniform routing)")
     if mesh.pp > 1:
         lines.append(f"    pp  activations + their grads between stages: {_fmt(2 * b_loc * s_loc * m.hidden * elem)}")
+    if mesh.tp > 1:  # per block 2 allreduces forward (attention, FFN) and 2 backward; embedding fwd, head bwd
+        n = b_loc * s_loc * m.hidden * elem
+        lines.append(f"    tp  activation allreduces ({4 * m.layers + 2} of [tokens, hidden]) 2n(P-1)/P: "
+                     f"{_fmt((4 * m.layers + 2) * 2 * n * (mesh.tp - 1) / mesh.tp)}"
+                     + ("" if cfg.compress.policy == "none" else f" before compression ({cfg.compress.policy})"))
     if mesh.size == 1:
         lines.append("    (one rank: no communication)")
     return lines
@@ -352,7 +363,8 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
     """Human-readable plan of a run: model, mesh, the real stage split, memory per rank, bytes per step."""
     m, mesh, d = cfg.model, cfg.mesh, cfg.data
     units = unit_params(cfg)
-    total = units[0] + units[-1] + (units[1] if m.layers else 0) * m.layers
+    whole = unit_params(cfg, tp=1)
+    total = whole[0] + whole[-1] + (whole[1] if m.layers else 0) * m.layers
     if m.ffn == "moe":  # count every expert once, not this ep rank's share
         total += m.layers * (m.experts - m.experts // mesh.ep) * 2 * m.hidden * m.ffn_hidden
     split = stage_split(cfg)
@@ -364,7 +376,7 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
         f"  model      {m.layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads} kv, ffn {m.ffn} "
         f"{m.ffn_hidden}, vocab {m.vocab}: {total:,} parameters ({_fmt(total * _ELEM[cfg.train.dtype])} in "
         f"{cfg.train.dtype})",
-        f"  mesh       dp={mesh.dp} pp={mesh.pp} sp={mesh.sp} ep={mesh.ep} = {mesh.size} ranks",
+        f"  mesh       dp={mesh.dp} pp={mesh.pp} sp={mesh.sp} ep={mesh.ep} tp={mesh.tp} = {mesh.size} ranks",
         f"  stages     {stages}" + (" (HybridParallel's split: min-max parameters)" if mesh.pp > 1 else ""),
         f"  sequence   {seq.algorithm}, seq_len {d.seq_len:,} -> {d.seq_len // mesh.sp:,} tokens per sp rank, "
         f"chunks {seq.chunks}, offload {seq.offload}, recompute {seq.recompute}"

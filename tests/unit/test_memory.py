@@ -117,3 +117,29 @@ def test_fpdt_kernel_term(monkeypatch):
     acts = [peak(_cfg(mesh={"sp": 2}, sequence=fp, data={"seq_len": n, "batch": 1})).activations
             for n in (2**14, 2**15)]
     assert acts[1] <= 2.05 * acts[0], acts
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_tp_units_are_the_split_models_parameters(tp):
+    """unit_params at tp equals what parallelize_llama leaves on the largest rank (rank 0: shard_range gives
+    the first ranks one row more); the plan counts the whole model and shows the tp traffic."""
+    from loom.models.llama import Llama
+    from loom.parallel.tensor import shard_range
+    from loom.train.memory import plan, unit_params
+    from loom.train.model import llama_config
+
+    cfg = _cfg(model={"heads": 6, "kv_heads": tp, "hidden": 48, "vocab": 301}, mesh={"tp": tp})
+    whole = Llama(llama_config(cfg))
+    rows = ("embed.weight", "head.weight", "wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight")
+    mine = 0
+    for n, p in whole.named_parameters():
+        dim = 0 if n.endswith(rows) else 1 if n.endswith(("wo.weight", "w2.weight")) else None
+        if dim is None:
+            mine += p.numel()
+        else:
+            lo, hi = shard_range(p.shape[dim], tp, 0)
+            mine += p.numel() // p.shape[dim] * (hi - lo)
+    assert sum(unit_params(cfg)) == mine
+    text = plan(cfg)
+    assert f"{sum(p.numel() for p in whole.parameters()):,} parameters" in text
+    assert f"tp={tp}" in text and "    tp  activation allreduces" in text

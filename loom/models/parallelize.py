@@ -16,6 +16,13 @@ module                 becomes
 norms                  replicated (their inputs and gradients are the same on every tp rank)
 =====================  ============================================================================
 
+``sequence_parallel=True`` (Megatron-SP): between the tp regions the residual stream is split along the
+sequence over tp, so the norms and residual adds hold ``1/tp`` of the tokens; the regions' allreduces become
+an all-gather of tokens at each region's entry and a reduce-scatter at its exit
+(:mod:`loom.parallel.tensor`), and the norm weights' gradients, now partial, are summed over tp by passing
+the weights through :func:`~loom.parallel.tensor.copy_to_tp_region`. Tokens are given whole on every tp
+rank, as without it (the embedding's reduce-scatter splits them); the sequence length must divide by tp.
+
 The slices are cut from the model's own weights, so a tp run starts from exactly the one-rank model's
 weights (``Llama`` initialises every parameter from its name). Parameter names do not change; a split
 parameter holds this rank's rows (column-parallel, embedding) or columns (row-parallel). Gradients of split
@@ -41,11 +48,12 @@ from ..parallel.tensor import (
     TPLink,
     VocabParallelEmbedding,
     copy_to_tp_region,
+    enter_tp_region,
     gather_from_tp_region,
     split_heads,
     vocab_parallel_cross_entropy,
 )
-from .llama import Attention, FeedForward, Llama, chunked_map
+from .llama import Attention, FeedForward, Llama, RMSNorm, chunked_map
 
 __all__ = ["parallelize_llama", "TensorParallelLlama", "validate_tensor_parallel"]
 
@@ -72,7 +80,18 @@ class _TPAttention(Attention):
     tp: TPLink
 
     def qkv(self, y: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return super().qkv(copy_to_tp_region(y, self.tp), pos)
+        return super().qkv(enter_tp_region(y, self.tp), pos)
+
+
+class _SequenceParallelNorm(RMSNorm):
+    """RMSNorm on a token slice: its weight's gradient is partial, summed over tp in backward."""
+
+    tp: TPLink
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y.to(x.dtype) * copy_to_tp_region(self.weight, self.tp)
 
 
 class TensorParallelLlama(Llama):
@@ -80,6 +99,15 @@ class TensorParallelLlama(Llama):
     full logits, gathered over tp; ``loss`` never gathers them)."""
 
     tp: TPLink
+
+    def hidden_states(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``Llama.hidden_states``; with sequence parallelism this rank's contiguous token slice of them."""
+        p = self.tp.size
+        if self.tp.sequence_parallel and tokens.shape[1] % p:
+            raise ValueError(f"sequence length {tokens.shape[1]} is not divisible by the tp size {p}: sequence "
+                             f"parallelism splits every sequence evenly over tp; pad it to "
+                             f"{-(-tokens.shape[1] // p) * p} tokens or parallelize without sequence_parallel")
+        return super().hidden_states(tokens, doc_ids)
 
     def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.norm(self.hidden_states(tokens, doc_ids))
@@ -89,10 +117,15 @@ class TensorParallelLlama(Llama):
              doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The mean next-token cross-entropy, the same value on every tp rank (see ``Llama.loss``)."""
         h = self.hidden_states(tokens, doc_ids)
-        c = h.shape[1] // self.cfg.loss_chunks if h.shape[1] % self.cfg.loss_chunks == 0 else 0
+        s = h.shape[1]  # local tokens (all of them without sequence parallelism)
+        c = s // self.cfg.loss_chunks if s % self.cfg.loss_chunks == 0 else 0
+        ranks = self.tp.size if self.tp.sequence_parallel else 1
 
         def fn(i, hc):
-            return vocab_parallel_cross_entropy(self.head(self.norm(hc)), targets[:, i * c:(i + 1) * c], self.tp,
+            # the head gathers chunk i of every rank's slice (sequence parallel): their targets, in rank order
+            cols = torch.cat([torch.arange(r * s + i * c, r * s + (i + 1) * c, device=targets.device)
+                              for r in range(ranks)])
+            return vocab_parallel_cross_entropy(self.head(self.norm(hc)), targets[:, cols], self.tp,
                                                 self.head.out_start, ignore_index=ignore_index)
 
         total = chunked_map(fn, h, self.cfg.loss_chunks, [self.head.weight, self.norm.weight], reduce="sum",
@@ -106,7 +139,7 @@ class TensorParallelLlama(Llama):
 
 
 def parallelize_llama(model: Llama, tp: Any, *, codec: "str | Codec | None" = None,
-                      min_bytes: int = DEFAULT_MIN_BYTES) -> TensorParallelLlama:
+                      min_bytes: int = DEFAULT_MIN_BYTES, sequence_parallel: bool = False) -> TensorParallelLlama:
     """Split ``model`` over the tp group ``tp`` in place and return it (now a :class:`TensorParallelLlama`).
 
     Args:
@@ -114,6 +147,8 @@ def parallelize_llama(model: Llama, tp: Any, *, codec: "str | Codec | None" = No
         tp: the tp group (``mesh["tp"]``) or a :class:`~loom.parallel.tensor.TPLink`.
         codec: codec of the activation allreduces/allgathers (``CompressionPolicy.codec_for("tp")``).
         min_bytes: activations below this travel uncompressed.
+        sequence_parallel: split the residual stream's tokens over tp between the regions (Megatron-SP; see
+            the module docstring). Ignored when ``tp`` is a ``TPLink`` (its own flag counts).
 
     Raises:
         ValueError: heads or kv_heads do not divide by the tp size, or the config uses sequence parallelism
@@ -126,7 +161,7 @@ def parallelize_llama(model: Llama, tp: Any, *, codec: "str | Codec | None" = No
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("parallelize_llama needs real weights (it slices them); call "
                          "loom.parallel.materialize(model) first")
-    link = tp if isinstance(tp, TPLink) else TPLink(tp, codec, min_bytes)
+    link = tp if isinstance(tp, TPLink) else TPLink(tp, codec, min_bytes, sequence_parallel=sequence_parallel)
     cfg = model.cfg
     validate_tensor_parallel(cfg, link.size)
     heads, kv_heads = split_heads(cfg.heads, cfg.kv_heads, link.size)
@@ -149,6 +184,10 @@ def parallelize_llama(model: Llama, tp: Any, *, codec: "str | Codec | None" = No
     model.head = head
     if tied:
         head.weight = model.embed.weight  # same vocabulary rows (shard_range of the same sizes)
+    if link.sequence_parallel:
+        for norm in [m for m in model.modules() if type(m) is RMSNorm]:
+            norm.__class__ = _SequenceParallelNorm
+            norm.tp = link
     model.__class__ = TensorParallelLlama
     model.tp = link
     return model

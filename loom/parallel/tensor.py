@@ -22,6 +22,15 @@ residual stream replicated and needs one allreduce per sublayer in forward and o
 Sizes that do not divide by the tp size are split unevenly (the first ``n % tp`` ranks take one more row,
 :func:`shard_range`) wherever no head structure is involved: FFN width and vocabulary. Heads must divide.
 
+Sequence parallelism (Megatron-SP, Korthikanti et al. 2022, Sec. 4.2.2; ``TPLink(...,
+sequence_parallel=True)``): between the tp regions the activations are split along the token dim (dim -2)
+instead of replicated, so norms, residuals and dropout hold ``1/tp`` of them. The region's entry becomes an
+all-gather of tokens (:func:`gather_from_sequence_region`; its backward a reduce-scatter) and its exit a
+reduce-scatter (:func:`reduce_scatter_to_sequence_region`; backward an all-gather): the same bytes as the
+two allreduces, which are a reduce-scatter and an all-gather each. Parameters used on a token slice (the
+norms) then get partial gradients, summed over tp by the caller (``loom.models.parallelize`` passes their
+weights through :func:`copy_to_tp_region`). Token counts must divide by tp.
+
 Compression: the activation allreduces (:func:`copy_to_tp_region` backward, :func:`reduce_from_tp_region`
 forward) and gathers go through :func:`loom.compress.allreduce` / :func:`loom.compress.allgather` when the layer
 is given a codec (``CompressionPolicy.codec_for("tp")``); the per-token reductions of the cross-entropy stay
@@ -51,7 +60,8 @@ from ..compress.collectives import allreduce as _c_allreduce
 __all__ = [
     "shard_range", "split_heads", "copy_to_tp_region", "reduce_from_tp_region", "gather_from_tp_region",
     "scatter_to_tp_region", "ColumnParallelLinear", "RowParallelLinear", "ParallelFeedForward",
-    "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "TPLink", "split_dims",
+    "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "TPLink", "split_dims", "enter_tp_region",
+    "exit_tp_region", "gather_from_sequence_region", "reduce_scatter_to_sequence_region",
 ]
 
 
@@ -88,13 +98,15 @@ class TPLink:
         min_bytes: messages below this travel uncompressed (see :mod:`loom.compress.collectives`).
     """
 
-    __slots__ = ("comm", "codec", "min_bytes")
+    __slots__ = ("comm", "codec", "min_bytes", "sequence_parallel")
 
-    def __init__(self, comm: Communicator, codec: "str | Codec | None" = None, min_bytes: int = DEFAULT_MIN_BYTES):
+    def __init__(self, comm: Communicator, codec: "str | Codec | None" = None, min_bytes: int = DEFAULT_MIN_BYTES,
+                 *, sequence_parallel: bool = False):
         if not isinstance(comm, Communicator):
             raise TypeError(f"tp comm must be a loom.comm.Communicator, got {type(comm).__name__}; "
                             f"pass mesh['tp']")
         self.comm, self.codec, self.min_bytes = comm, codec, min_bytes
+        self.sequence_parallel = bool(sequence_parallel)
 
     @property
     def size(self) -> int:
@@ -138,6 +150,31 @@ class TPLink:
             out, _ = self.comm.allgatherv(t)
         self._timed(t0)
         return out.movedim(0, -1)
+
+    def gather_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's token slice (dim -2, equal sizes)."""
+        if self.comm.size == 1:
+            return x
+        t0 = time.perf_counter()
+        t = x.movedim(-2, 0).contiguous()
+        out = self.comm.allgather(t) if self.codec is None else _c_allgather(t, self.comm, self.codec,
+                                                                             min_bytes=self.min_bytes)
+        self._timed(t0)
+        return out.movedim(0, -2)
+
+    def reduce_scatter_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over tp, this rank keeping its token slice (dim -2 must divide by tp). Uncompressed: loom.compress
+        has no reduce-scatter."""
+        if self.comm.size == 1:
+            return x
+        n = x.shape[-2]
+        if n % self.comm.size:
+            raise ValueError(f"{n} tokens do not divide by the tp size {self.comm.size}: sequence parallelism "
+                             f"splits tokens evenly; use a sequence length (x batch) divisible by {self.comm.size}")
+        t0 = time.perf_counter()
+        out = self.comm.reduce_scatter(x.movedim(-2, 0).contiguous())
+        self._timed(t0)
+        return out.movedim(0, -2)
 
     def __repr__(self) -> str:
         return f"TPLink({self.comm.name!r}, size={self.comm.size}, codec={self.codec!r})"
@@ -192,6 +229,52 @@ class _ScatterToTP(torch.autograd.Function):
         return ctx.link.gather_last(g, ctx.full), None
 
 
+class _GatherTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, link):
+        ctx.link = link
+        return link.gather_tokens(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.link.reduce_scatter_tokens(g), None
+
+
+class _ReduceScatterTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, link):
+        ctx.link = link
+        return link.reduce_scatter_tokens(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.link.gather_tokens(g), None
+
+
+def gather_from_sequence_region(x: torch.Tensor, tp: "TPLink | Communicator") -> torch.Tensor:
+    """All-gather of the token slices (dim -2) forward; reduce-scatter of the gradient backward."""
+    return _GatherTokens.apply(x, _link(tp))
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, tp: "TPLink | Communicator") -> torch.Tensor:
+    """Reduce-scatter over tokens (dim -2) forward; all-gather of the gradient backward."""
+    return _ReduceScatterTokens.apply(x, _link(tp))
+
+
+def enter_tp_region(x: torch.Tensor, tp: "TPLink | Communicator") -> torch.Tensor:
+    """The input of a tensor-parallel region: :func:`copy_to_tp_region`, or with sequence parallelism
+    :func:`gather_from_sequence_region`."""
+    link = _link(tp)
+    return gather_from_sequence_region(x, link) if link.sequence_parallel else copy_to_tp_region(x, link)
+
+
+def exit_tp_region(x: torch.Tensor, tp: "TPLink | Communicator") -> torch.Tensor:
+    """The output of a tensor-parallel region: :func:`reduce_from_tp_region`, or with sequence parallelism
+    :func:`reduce_scatter_to_sequence_region`."""
+    link = _link(tp)
+    return reduce_scatter_to_sequence_region(x, link) if link.sequence_parallel else reduce_from_tp_region(x, link)
+
+
 def copy_to_tp_region(x: torch.Tensor, tp: "TPLink | Communicator") -> torch.Tensor:
     """Identity forward; allreduce of the gradient over tp in backward (the input of column-parallel layers)."""
     return _CopyToTP.apply(x, _link(tp))
@@ -225,7 +308,7 @@ class ColumnParallelLinear(nn.Module):
         in_features, out_features: the full layer's sizes.
         tp: the tp group (a :class:`TPLink` or communicator).
         bias: add a bias (split like the output).
-        copy_input: pass the input through :func:`copy_to_tp_region` (off when several column-parallel layers
+        copy_input: pass the input through :func:`enter_tp_region` (off when several column-parallel layers
             read one input that was copied once, e.g. q/k/v or gate/up, so backward allreduces once).
         gather_output: gather the split output to every rank (for a replicated result).
     """
@@ -255,7 +338,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copy_input:
-            x = copy_to_tp_region(x, self.tp)
+            x = enter_tp_region(x, self.tp)
         y = F.linear(x, self.weight, self.bias)
         return gather_from_tp_region(y, self.tp, self.out_features) if self.gather_output else y
 
@@ -272,7 +355,8 @@ class RowParallelLinear(nn.Module):
     Args:
         input_is_parallel: ``x`` is already this rank's slice (the output of a column-parallel layer);
             otherwise it is replicated and scattered first.
-        reduce_output: sum the partial outputs (off only for a caller that reduces itself).
+        reduce_output: sum the partial outputs (:func:`exit_tp_region`; off only for a caller that reduces
+            itself).
     """
 
     def __init__(self, in_features: int, out_features: int, tp: "TPLink | Communicator", *, bias: bool = False,
@@ -302,7 +386,7 @@ class RowParallelLinear(nn.Module):
             x = scatter_to_tp_region(x, self.tp)
         y = F.linear(x, self.weight)
         if self.reduce_output:
-            y = reduce_from_tp_region(y, self.tp)
+            y = exit_tp_region(y, self.tp)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -347,7 +431,7 @@ class ParallelFeedForward(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp_region(x, self.tp)
+        x = enter_tp_region(x, self.tp)
         if self.w3 is not None:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.w2(F.gelu(self.w1(x)))
@@ -358,8 +442,8 @@ class VocabParallelEmbedding(nn.Module):
     ``[vocab_start, vocab_end)`` (:func:`shard_range`, uneven allowed).
 
     Forward: ids outside this rank's range look up row 0 and are zeroed (a masked lookup), then one allreduce
-    over tp sums the single non-zero contribution per token; backward of the allreduce is the identity and
-    the lookup's gradient lands only on this rank's rows.
+    over tp (a reduce-scatter of tokens with sequence parallelism) sums the single non-zero contribution per
+    token; the lookup's gradient lands only on this rank's rows.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: "TPLink | Communicator", *,
@@ -385,7 +469,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp_region(out, self.tp)
+        return exit_tp_region(out, self.tp)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim} [{self.vocab_start}:{self.vocab_end}] of tp "

@@ -26,8 +26,10 @@ from loom.parallel.tensor import (
     RowParallelLinear,
     TPLink,
     VocabParallelEmbedding,
+    gather_from_sequence_region,
     gather_from_tp_region,
     reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
     scatter_to_tp_region,
     shard_range,
     split_heads,
@@ -36,7 +38,7 @@ from loom.parallel.tensor import (
 from loom.testing import mpi_checks, seeded
 
 TOL = 1e-9
-B, S = 2, 8
+B, S = 2, 12  # S divides by tp = 1-4 (sequence parallelism splits it)
 
 
 def _close(a, b, what, tol=TOL):
@@ -116,6 +118,17 @@ def check_region_functions(comm):
     y, gx = _grad_of(lambda x: reduce_from_tp_region(x, comm), parts[r], go[:, :4])
     _close(y, sum(parts), "reduce forward")
     _close(gx, go[:, :4], "reduce backward (identity)")
+    # Megatron-SP: tokens (dim -2) gathered / reduce-scattered
+    toks = torch.randn(B, 3 * p, 5, generator=g, dtype=torch.float64)
+    gt = torch.randn(B, 3 * p, 5, generator=g, dtype=torch.float64)
+    mine = slice(3 * r, 3 * r + 3)
+    y, gx = _grad_of(lambda x: gather_from_sequence_region(x, comm), toks[:, mine], gt)
+    _close(y, toks, "token gather forward")
+    _close(gx, p * gt[:, mine], "token gather backward (reduce-scatter of the same gradient on every rank)")
+    parts = [torch.randn(B, 3 * p, 5, generator=g, dtype=torch.float64) for _ in range(p)]
+    y, gx = _grad_of(lambda x: reduce_scatter_to_sequence_region(x, comm), parts[r], gt[:, mine])
+    _close(y, sum(parts)[:, mine], "token reduce-scatter forward")
+    _close(gx, gt, "token reduce-scatter backward (all-gather)")
 
 
 def check_feedforward_and_embedding(comm):
@@ -195,19 +208,22 @@ def _slice_ref(model, name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _llama_pair(comm, **kw):
+def _llama_pair(comm, sequence_parallel=False, **kw):
     if comm.size > 3:
         return None
     cfg = _cfg(comm.size, **kw)
     ref = Llama(cfg).to(torch.float64)
-    tp = parallelize_llama(copy.deepcopy(ref), comm)
+    tp = parallelize_llama(copy.deepcopy(ref), comm, sequence_parallel=sequence_parallel)
     return cfg, ref, tp
 
 
 def check_llama_forward_backward_and_adamw(comm):
     """Whole model: logits, loss, every gradient and every parameter after 4 AdamW steps equal one rank's
-    (untied and tied embeddings; loss in 2 chunks; packed documents in one step)."""
-    for kw in (dict(), dict(tie_embeddings=True, loss_chunks=2, ffn="gelu")):
+    (untied and tied embeddings; loss and FFN in 2 chunks; packed documents in one step; with and without
+    sequence parallelism)."""
+    for kw in (dict(), dict(tie_embeddings=True, loss_chunks=2, ffn="gelu"),
+               dict(sequence_parallel=True, loss_chunks=2, ffn_chunks=2),
+               dict(sequence_parallel=True, tie_embeddings=True, checkpoint=True)):
         pair = _llama_pair(comm, **kw)
         if pair is None:
             return
@@ -300,6 +316,14 @@ def check_refuses_bad_sizes(comm):
             assert "kv_heads" in str(exc), exc
         else:
             raise AssertionError(f"kv_heads {bad.kv_heads} accepted at tp {comm.size}")
+        _, _, sp = _llama_pair(comm, sequence_parallel=True)
+        try:
+            sp.loss(torch.zeros(1, 3 * comm.size + 1, dtype=torch.long), torch.zeros(1, 3 * comm.size + 1,
+                                                                                     dtype=torch.long))
+        except ValueError as exc:
+            assert f"sequence length {3 * comm.size + 1}" in str(exc) and "pad it to" in str(exc), exc
+        else:
+            raise AssertionError("a sequence that does not divide by tp was accepted under sequence parallelism")
 
 
 # ------------------------------------------------------------------------------------------- loom train

@@ -104,6 +104,9 @@ class MeshConfig:
     tp: int = 1
     """Tensor parallel (Megatron): ranks that each hold a slice of every layer (heads, FFN width, vocabulary);
     the innermost axis, so a tp group is adjacent ranks (its allreduces run every layer)."""
+    tp_sequence_parallel: bool = False
+    """With tp > 1: split the tokens of the residual stream over tp between the tensor-parallel regions
+    (Megatron-SP): norms and residuals hold 1/tp of the activations; data.seq_len must divide by tp."""
     schedule: str = "1f1b"
     """Pipeline schedule when pp > 1: ``1f1b`` or ``gpipe``."""
 
@@ -408,6 +411,10 @@ class Config:
                                     f"handle tp-split parameters yet; use zero.stage = 0 or 1 (or mesh.tp = 1)")
         _need(not (m.hf or m.hf_config), f"mesh.tp = {tp} with a transformers model (model.hf): tensor "
                                          f"parallelism splits loom's Llama only; use mesh.tp = 1")
+        _need(not mesh.tp_sequence_parallel or self.data.seq_len % tp == 0,
+              f"data.seq_len = {self.data.seq_len} is not divisible by mesh.tp = {tp} with "
+              f"mesh.tp_sequence_parallel: the tokens are split evenly over tp; use data.seq_len = "
+              f"{-(-self.data.seq_len // tp) * tp}")
         kv = m.kv_heads or m.heads
         for what, n in (("model.heads", m.heads), ("model.kv_heads", kv)):
             _need(n % tp == 0, f"{what} = {n} is not divisible by mesh.tp = {tp}: each tp rank holds whole query "

@@ -233,7 +233,8 @@ class Trainer:
             from ..parallel.tensor import TPLink
 
             tp_link = TPLink(self.tp, self.policy.codec_for("tp") if self.policy is not None else None,
-                             **({"min_bytes": self.policy.min_bytes} if self.policy is not None else {}))
+                             **({"min_bytes": self.policy.min_bytes} if self.policy is not None else {}),
+                             sequence_parallel=cfg.mesh.tp_sequence_parallel)
         self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.master_dtype, device=self.device,
                               meta=self.pp is not None or cfg.zero.stage == 3 and not cfg.multipath.enabled,
                               tp=tp_link)

@@ -361,7 +361,8 @@ def _train_meshes(p: int) -> list[dict]:
     kv = {"model": {"kv_heads": 2}} if p == 2 else {}
     if p in (2, 3):
         return [{**kv, "mesh": {"tp": p}}, {"mesh": {"tp": p}, "model": {**kv.get("model", {}), "ffn": "gelu",
-                                                                          "vocab": 257}}]
+                                                                          "vocab": 257}},
+                {**kv, "mesh": {"tp": p, "tp_sequence_parallel": True}, "data": {"seq_len": 18 if p == 3 else 16}}]
     if p == 4:
         kv = {"model": {"kv_heads": 2}}
         return [{**kv, "mesh": {"dp": 2, "tp": 2}}, {**kv, "mesh": {"dp": 2, "tp": 2}, "zero": {"stage": 1}}]
@@ -369,8 +370,9 @@ def _train_meshes(p: int) -> list[dict]:
 
 
 def check_train_tp_matches_one_rank(comm):
-    """loom train at tp (and dp x tp, ZeRO-1 over dp): losses, eval losses, clipped gradient norms and every
-    parameter equal the one-rank run (fp64, 1e-9); a clipped step is among them (grad_clip 0.5)."""
+    """loom train at tp (with Megatron-SP, and dp x tp, ZeRO-1 over dp): losses, eval losses, clipped gradient
+    norms and every parameter equal the one-rank run (fp64, 1e-9); a clipped step is among them (grad_clip
+    0.5)."""
     import math
 
     from loom.train.trainer import Trainer
@@ -381,6 +383,7 @@ def check_train_tp_matches_one_rank(comm):
         ref = Trainer(_train_cfg(TRAIN, keep), solo, out=_tmp(comm, f"ref{comm.rank}"), quiet=True)
         ref_recs = ref.run()
         tr = Trainer(_train_cfg(TRAIN, extra), comm, out=_tmp(comm, "tp"), quiet=True)
+        assert tr.model.tp.sequence_parallel == extra["mesh"].get("tp_sequence_parallel", False)
         recs = tr.run()
         assert any(q["grad_norm"] > 0.5 for q in ref_recs), "no step clipped: the tp norm is not tested"
         for r, q in zip(recs, ref_recs, strict=True):

@@ -29,8 +29,10 @@ parameter holds this rank's rows (column-parallel, embedding) or columns (row-pa
 parameters are this rank's slice of the one-rank gradient, and those of replicated parameters equal it, so
 nothing is reduced over tp after backward: a trainer reduces over ``dp`` only.
 
-Composes with: data parallelism over the other ranks (``Mesh(dp=..., tp=...)``). Refused: sequence
-parallelism (``ulysses``/``fpdt``) and MoE FFNs (not implemented for tp), models on the meta device.
+Composes with: data parallelism over the other ranks (``Mesh(dp=..., tp=...)``) and Ulysses sequence
+parallelism over ``sp`` (``Mesh(sp=..., tp=...)``: each tp rank's heads are split again over sp, so
+``heads / tp`` must divide by sp). Refused: FPDT, Ulysses together with Megatron-SP, MoE FFNs (not
+implemented for tp), models on the meta device.
 """
 
 from __future__ import annotations
@@ -62,9 +64,9 @@ def validate_tensor_parallel(cfg: Any, tp: int) -> None:
     """Raise ``ValueError`` (value, rule, fix) when a Llama config cannot be split over ``tp`` ranks."""
     if tp == 1:
         return
-    if getattr(cfg, "sequence_parallel", "none") != "none":
-        raise ValueError(f"tensor parallelism (tp = {tp}) with sequence_parallel = {cfg.sequence_parallel!r} is "
-                         f"not implemented; use sequence_parallel = 'none' or tp = 1")
+    if getattr(cfg, "sequence_parallel", "none") == "fpdt":
+        raise ValueError(f"tensor parallelism (tp = {tp}) with sequence_parallel = 'fpdt' is not implemented; use "
+                         f"sequence_parallel = 'none' or 'ulysses', or tp = 1")
     if getattr(cfg, "ffn", "swiglu") == "moe":
         raise ValueError(f"tensor parallelism (tp = {tp}) with ffn = 'moe' is not implemented; use ffn = "
                          f"'swiglu' or 'gelu', or tp = 1 (experts shard over ep)")
@@ -130,8 +132,10 @@ class TensorParallelLlama(Llama):
 
         total = chunked_map(fn, h, self.cfg.loss_chunks, [self.head.weight, self.norm.weight], reduce="sum",
                             what="loss_chunks")
-        count = float((targets != ignore_index).sum())
-        return total / max(count, 1.0)
+        count = torch.tensor([float((targets != ignore_index).sum())], dtype=torch.float64)
+        if self.sp is not None and self.sp.size > 1:  # Ulysses: a share of the whole sequence's mean
+            count = self.sp.allreduce(count)
+        return total / max(float(count[0]), 1.0)
 
     def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
         raise RuntimeError("a tensor-parallel Llama cannot re-initialise a parameter slice by name; build and "
@@ -165,6 +169,14 @@ def parallelize_llama(model: Llama, tp: Any, *, codec: "str | Codec | None" = No
     cfg = model.cfg
     validate_tensor_parallel(cfg, link.size)
     heads, kv_heads = split_heads(cfg.heads, cfg.kv_heads, link.size)
+    if model.sp is not None:
+        if link.sequence_parallel:
+            raise ValueError("sequence_parallel=True (Megatron-SP) with Ulysses sequence parallelism is not "
+                             "implemented; use one of them")
+        if heads % model.sp.size:
+            raise ValueError(f"heads / tp = {cfg.heads} / {link.size} = {heads} is not divisible by the sp size "
+                             f"{model.sp.size}: Ulysses splits each tp rank's heads over sp; choose tp x sp "
+                             f"dividing heads = {cfg.heads}")
     tied = model.head.weight is model.embed.weight
     model.embed = VocabParallelEmbedding.from_embedding(model.embed, link)
     for blk in model.blocks:

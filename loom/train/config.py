@@ -401,25 +401,35 @@ class Config:
                   f"model.experts = {m.experts} is not divisible by mesh.ep = {mesh.ep}")
 
     def _check_tp(self) -> None:
-        """Tensor parallelism composes with dp (ZeRO stage 0-1 over dp) today; other axes are refused."""
+        """Tensor parallelism composes with dp (ZeRO stage 0-1 over dp) and Ulysses sp today; other axes are
+        refused."""
         m, mesh, tp = self.model, self.mesh, self.mesh.tp
-        for axis in ("pp", "sp", "ep"):
+        for axis in ("pp", "ep"):
             n = getattr(mesh, axis)
-            _need(n == 1, f"mesh.tp = {tp} with mesh.{axis} = {n}: tensor parallelism composes with mesh.dp only "
-                          f"so far; use mesh.{axis} = 1 (or mesh.tp = 1)")
-        _need(self.zero.stage <= 1, f"mesh.tp = {tp} with zero.stage = {self.zero.stage}: ZeRO stages 2-3 do not "
-                                    f"handle tp-split parameters yet; use zero.stage = 0 or 1 (or mesh.tp = 1)")
+            _need(n == 1, f"mesh.tp = {tp} with mesh.{axis} = {n}: tensor parallelism composes with mesh.dp and "
+                          f"mesh.sp (Ulysses) only so far; use mesh.{axis} = 1 (or mesh.tp = 1)")
+        _need(self.zero.stage == 0 or self.zero.stage == 1 and self.zero.axes == ["dp"],
+              f"mesh.tp = {tp} with zero.stage = {self.zero.stage} over {self.zero.axes}: ZeRO stages 2-3 (and "
+              f"stage 1 over sp) do not handle tp-split parameters yet; use zero.stage = 0, or 1 with zero.axes = "
+              f"[\"dp\"] (or mesh.tp = 1)")
         _need(not (m.hf or m.hf_config), f"mesh.tp = {tp} with a transformers model (model.hf): tensor "
                                          f"parallelism splits loom's Llama only; use mesh.tp = 1")
-        _need(not mesh.tp_sequence_parallel or self.data.seq_len % tp == 0,
-              f"data.seq_len = {self.data.seq_len} is not divisible by mesh.tp = {tp} with "
-              f"mesh.tp_sequence_parallel: the tokens are split evenly over tp; use data.seq_len = "
-              f"{-(-self.data.seq_len // tp) * tp}")
+        _need(m.ffn != "moe", f"mesh.tp = {tp} with model.ffn = 'moe' is not implemented; use 'swiglu' or 'gelu'")
         kv = m.kv_heads or m.heads
         for what, n in (("model.heads", m.heads), ("model.kv_heads", kv)):
             _need(n % tp == 0, f"{what} = {n} is not divisible by mesh.tp = {tp}: each tp rank holds whole query "
                                f"and key/value heads; choose mesh.tp dividing both {m.heads} and {kv}")
-        _need(m.ffn != "moe", f"mesh.tp = {tp} with model.ffn = 'moe' is not implemented; use 'swiglu' or 'gelu'")
+        _need(not mesh.tp_sequence_parallel or self.data.seq_len % tp == 0,
+              f"data.seq_len = {self.data.seq_len} is not divisible by mesh.tp = {tp} with "
+              f"mesh.tp_sequence_parallel: the tokens are split evenly over tp; use data.seq_len = "
+              f"{-(-self.data.seq_len // tp) * tp}")
+        if mesh.sp > 1:
+            _need(self.sequence.algorithm == "ulysses" and not mesh.tp_sequence_parallel,
+                  f"mesh.tp = {tp} with mesh.sp = {mesh.sp} works with sequence.algorithm = 'ulysses' and without "
+                  f"mesh.tp_sequence_parallel; set those (FPDT and Megatron-SP under Ulysses are not implemented)")
+            _need((m.heads // tp) % mesh.sp == 0,
+                  f"model.heads / mesh.tp = {m.heads} / {tp} is not divisible by mesh.sp = {mesh.sp}: Ulysses splits "
+                  f"each tp rank's heads over sp; choose mesh.tp x mesh.sp dividing {m.heads}")
 
     def validate_world(self, world_size: int) -> None:
         """Raise :class:`ConfigError` unless the mesh covers exactly ``world_size`` ranks."""

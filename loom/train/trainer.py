@@ -21,7 +21,7 @@ Step plan (every rank, mesh ``dp x pp x ep x sp x tp``, ``tp`` fastest):
    ``ep``) through the compression policy's dp hook (``hook(bucket, comm, index) -> mean``), or
    ``allreduce(op="avg")`` without one. Equal shard sizes make the mean of local means the global mean, so
    any mesh matches one rank up to summation order (and codec error).
-   Tensor parallelism (``mesh.tp``, with dp only): the model is built whole and split in place
+   Tensor parallelism (``mesh.tp``, with dp and Ulysses sp): the model is built whole and split in place
    (:func:`loom.models.parallelize.parallelize_llama`); the ``tp`` ranks of a replica take the same rows,
    their activation allreduces run inside autograd (the policy's ``tp`` codec), and no gradient is reduced
    over tp (split parameters hold their slice's gradient, replicated ones the same on every tp rank).

@@ -299,7 +299,7 @@ def check_refuses_bad_sizes(comm):
             assert word in str(exc) and f"tp size {tp}" in str(exc) and "choose tp from" in str(exc), exc
         else:
             raise AssertionError(f"heads {heads}, kv {kv} at tp {tp} accepted")
-    for cfg, word in ((LlamaConfig(heads=4, sequence_parallel="ulysses"), "sequence_parallel"),
+    for cfg, word in ((LlamaConfig(heads=4, sequence_parallel="fpdt"), "fpdt"),
                       (LlamaConfig(heads=4, ffn="moe"), "moe"), (LlamaConfig(heads=4, vocab=1), "vocab = 1")):
         try:
             validate_tensor_parallel(cfg, 2)
@@ -365,14 +365,15 @@ def _train_meshes(p: int) -> list[dict]:
                 {**kv, "mesh": {"tp": p, "tp_sequence_parallel": True}, "data": {"seq_len": 18 if p == 3 else 16}}]
     if p == 4:
         kv = {"model": {"kv_heads": 2}}
-        return [{**kv, "mesh": {"dp": 2, "tp": 2}}, {**kv, "mesh": {"dp": 2, "tp": 2}, "zero": {"stage": 1}}]
+        return [{**kv, "mesh": {"dp": 2, "tp": 2}}, {**kv, "mesh": {"dp": 2, "tp": 2}, "zero": {"stage": 1}},
+                {"mesh": {"sp": 2, "tp": 2}, "model": {"heads": 4, "kv_heads": 2}}]  # Ulysses: 1 kv head, 2 sp
     return []
 
 
 def check_train_tp_matches_one_rank(comm):
-    """loom train at tp (with Megatron-SP, and dp x tp, ZeRO-1 over dp): losses, eval losses, clipped gradient
-    norms and every parameter equal the one-rank run (fp64, 1e-9); a clipped step is among them (grad_clip
-    0.5)."""
+    """loom train at tp (with Megatron-SP; dp x tp, ZeRO-1 over dp; Ulysses sp x tp): losses, eval losses,
+    clipped gradient norms and every parameter equal the one-rank run (fp64, 1e-9); a clipped step is among
+    them (grad_clip 0.5); every axis of the mesh moved bytes."""
     import math
 
     from loom.train.trainer import Trainer
@@ -390,7 +391,9 @@ def check_train_tp_matches_one_rank(comm):
             for k in ("loss", "eval_loss", "grad_norm"):
                 if q[k] is not None:
                     assert math.isclose(r[k], q[k], rel_tol=1e-9, abs_tol=1e-9), (extra, k, r["step"], r[k], q[k])
-        assert recs[-1]["bytes"].get("tp", {}).get("wire", 0) > 0, recs[-1]["bytes"]
+        for axis, n in extra["mesh"].items():
+            if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+                assert recs[-1]["bytes"].get(axis, {}).get("wire", 0) > 0, (extra, axis, recs[-1]["bytes"])
         named = dict(ref.model.named_parameters())
         for n, t in tr.model.named_parameters():
             err = float((t.detach() - tr._my_shard(n, named[n].detach())).abs().max())

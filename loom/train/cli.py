@@ -69,9 +69,10 @@ def fill_dp(cfg: Config, size: int) -> int:
     must divide ``size``, else :class:`ConfigError` names them."""
     other = cfg.mesh.pp * cfg.mesh.sp * cfg.mesh.ep * cfg.mesh.tp
     if size % other:
+        tp = f" x mesh.tp={cfg.mesh.tp}" if cfg.mesh.tp > 1 else ""
         raise ConfigError(f"the job has {size} ranks, which mesh.pp={cfg.mesh.pp} x mesh.sp={cfg.mesh.sp} x "
-                          f"mesh.ep={cfg.mesh.ep} x mesh.tp={cfg.mesh.tp} = {other} does not divide; launch a "
-                          f"multiple of {other} ranks or set --mesh.dp/--mesh.pp/--mesh.sp/--mesh.tp explicitly")
+                          f"mesh.ep={cfg.mesh.ep}{tp} = {other} does not divide; launch a multiple of {other} "
+                          f"ranks or set --mesh.dp/--mesh.pp/--mesh.sp/--mesh.tp explicitly")
     return size // other
 
 

@@ -436,10 +436,10 @@ class Config:
         mesh = self.mesh
         if mesh.size != world_size:
             raise ConfigError(
-                f"mesh dp={mesh.dp} x pp={mesh.pp} x sp={mesh.sp} x ep={mesh.ep} x tp={mesh.tp} = {mesh.size} ranks "
-                f"but the job "
+                f"mesh dp={mesh.dp} x pp={mesh.pp} x sp={mesh.sp} x ep={mesh.ep}"
+                f"{f' x tp={mesh.tp}' if mesh.tp > 1 else ''} = {mesh.size} ranks but the job "
                 f"has {world_size}; launch with --ranks {mesh.size} (mpiexec -n {mesh.size}) or set "
-                f"--mesh.dp/--mesh.pp/--mesh.sp so their product is {world_size}")
+                f"--mesh.dp/--mesh.pp/--mesh.sp/--mesh.tp so their product is {world_size}")
 
 
 def _field_names(cls: type) -> list[str]:

@@ -376,7 +376,8 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
         f"  model      {m.layers} layers, hidden {m.hidden}, heads {m.heads}/{m.kv_heads} kv, ffn {m.ffn} "
         f"{m.ffn_hidden}, vocab {m.vocab}: {total:,} parameters ({_fmt(total * _ELEM[cfg.train.dtype])} in "
         f"{cfg.train.dtype})",
-        f"  mesh       dp={mesh.dp} pp={mesh.pp} sp={mesh.sp} ep={mesh.ep} tp={mesh.tp} = {mesh.size} ranks",
+        f"  mesh       dp={mesh.dp} pp={mesh.pp} sp={mesh.sp} ep={mesh.ep}"
+        f"{f' tp={mesh.tp}' if mesh.tp > 1 else ''} = {mesh.size} ranks",
         f"  stages     {stages}" + (" (HybridParallel's split: min-max parameters)" if mesh.pp > 1 else ""),
         f"  sequence   {seq.algorithm}, seq_len {d.seq_len:,} -> {d.seq_len // mesh.sp:,} tokens per sp rank, "
         f"chunks {seq.chunks}, offload {seq.offload}, recompute {seq.recompute}"

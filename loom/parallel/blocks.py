@@ -38,10 +38,15 @@ import torch
 from .. import settings
 
 __all__ = ["attention_kernel", "block_kernel", "block_forward", "block_backward", "merge", "acc_dtype",
-           "allowed", "workspace", "TILE"]
+           "allowed", "workspace", "TILE", "MASK_TILE"]
 
 TILE = 256
 """Query rows and key rows per tile of the pure-torch kernel (its working set is ``O(TILE^2)`` per head)."""
+
+MASK_TILE = 4096
+"""Query rows and key rows per piece of a packed-document block on an SDPA kernel: the kernel takes its mask
+whole (1 byte per score for the mask, 2-4 for the additive bias), so a longer block runs as pieces merged
+through their log-sum-exp, and the mask is bounded by a piece, not by the block."""
 
 _aten = torch.ops.aten
 
@@ -334,19 +339,40 @@ def block_forward(q, k, v, causal: bool, scale: float, kernel: str, docs=None):
         kernel: :func:`attention_kernel`'s choice for the device.
         docs: packed documents: ``(doc_q [B, Lq], doc_k [B, Lk])`` int64 ids; a query attends only to keys of
             its document. Rows with no allowed key get ``out = 0`` and ``lse = -inf`` so that :func:`merge`
-            ignores them. The SDPA kernels take the block's mask whole (``[B, Lq, Lk]``); the torch kernel
-            makes it one tile at a time.
+            ignores them. The SDPA kernels take the mask of a :data:`MASK_TILE` piece at a time, the torch
+            kernel of one tile.
     """
     kind = block_kernel(kernel, q.device, q.dtype, q.shape[-1], docs is not None)
     if kind == "torch":
         return _torch_forward(q, k, v, causal, scale, docs)
-    mask = None if docs is None else allowed(docs, causal, 0, q.shape[2], 0, k.shape[2])
-    out, lse = _sdpa_forward(kind, q, k, v, causal, scale, mask)
-    if mask is not None:
-        rows = mask.any(-1)[:, None, :]  # [B, 1, Lq]
-        lse = lse.masked_fill(~rows, float("-inf"))
-        out = out.masked_fill(~rows[..., None], 0.0)
-    return out, lse
+    if docs is None:
+        return _sdpa_forward(kind, q, k, v, causal, scale, None)
+    o = lse = None
+    outs, lses = [], []
+    for q0, q1, k0, k1 in _pieces(q.shape[2], k.shape[2], causal):
+        mask = allowed(docs, causal, q0, q1, k0, k1)
+        ob, lb = _sdpa_forward(kind, q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], causal, scale, mask)
+        rows = mask.any(-1)[:, None, :]  # [B, 1, Lq]: rows with no allowed key must not count in the merge
+        lb = lb.masked_fill(~rows, float("-inf"))
+        ob = ob.masked_fill(~rows[..., None], 0.0)
+        if k0 == 0:
+            if o is not None:
+                outs.append(o)
+                lses.append(lse)
+            o, lse = ob, lb
+        else:
+            o, lse = merge(o, lse, ob, lb)
+    if not outs:
+        return o, lse
+    return torch.cat([t.to(o.dtype) for t in (*outs, o)], 2), torch.cat([*lses, lse], 2)
+
+
+def _pieces(lq: int, lk: int, causal: bool):
+    """``(q0, q1, k0, k1)`` of the :data:`MASK_TILE` pieces of a block, key pieces inner, in order."""
+    for q0 in range(0, lq, MASK_TILE):
+        q1 = min(lq, q0 + MASK_TILE)
+        for k0 in range(0, min(lk, q1) if causal else lk, MASK_TILE):
+            yield q0, q1, k0, min(lk, k0 + MASK_TILE)
 
 
 def block_backward(do, q, k, v, out, lse, causal: bool, scale: float, kernel: str, docs=None):
@@ -355,8 +381,23 @@ def block_backward(do, q, k, v, out, lse, causal: bool, scale: float, kernel: st
     kind = block_kernel(kernel, q.device, q.dtype, q.shape[-1], docs is not None)
     if kind == "torch":
         return _torch_backward(do, q, k, v, out, lse, causal, scale, docs)
-    mask = None if docs is None else allowed(docs, causal, 0, q.shape[2], 0, k.shape[2])
-    return _sdpa_backward(kind, do, q, k, v, out, lse, causal, scale, mask)
+    lq, lk = q.shape[2], k.shape[2]
+    if docs is None:
+        return _sdpa_backward(kind, do, q, k, v, out, lse, causal, scale, None)
+    if lq <= MASK_TILE and lk <= MASK_TILE:
+        return _sdpa_backward(kind, do, q, k, v, out, lse, causal, scale, allowed(docs, causal, 0, lq, 0, lk))
+    acc = acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros_like(dk)
+    for q0, q1, k0, k1 in _pieces(lq, lk, causal):
+        gq, gk, gv = _sdpa_backward(kind, do[:, :, q0:q1], q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1],
+                                    out[:, :, q0:q1], lse[..., q0:q1], causal, scale,
+                                    allowed(docs, causal, q0, q1, k0, k1))
+        dq[:, :, q0:q1] += gq
+        dk[:, :, k0:k1] += gk
+        dv[:, :, k0:k1] += gv
+    return dq, dk, dv
 
 
 def workspace(kind: str, batch: int, heads: int, kv_heads: int, lq: int, lk: int, head_dim: int,

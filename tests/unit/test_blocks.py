@@ -93,8 +93,11 @@ def test_tiled_torch_kernel_is_exact(causal, heads, docs, monkeypatch):
         _check("torch", g, 2, *heads, lq, lk, 6, causal, docs, parts)
 
 
+@pytest.mark.parametrize("mask_tile", [4096, 4])
 @pytest.mark.parametrize("causal, heads, docs", CASES)
-def test_cpu_flash_kernel_is_exact(causal, heads, docs):
+def test_cpu_flash_kernel_is_exact(causal, heads, docs, mask_tile, monkeypatch):
+    """mask_tile 4: packed-document blocks run as 4-row pieces merged through their log-sum-exp."""
+    monkeypatch.setattr(blocks, "MASK_TILE", mask_tile)
     g = torch.Generator().manual_seed(12)
     for lq, lk, parts in ((13, 13, 1), (13, 11, 3)):
         if causal and lq != lk:
@@ -134,6 +137,7 @@ def test_sdpa_path_without_gqa_is_exact(causal, heads, docs, monkeypatch):
     ops = blocks._Ops(_pad_lse(fwd), _take_padded(cpu.bwd), gqa=False, lse_align=32, bias_align=16,
                       bias_heads=True)
     monkeypatch.setitem(blocks._OPS, "cpu-flash", ops)
+    monkeypatch.setattr(blocks, "MASK_TILE", 6)
     g = torch.Generator().manual_seed(13)
     for lq, lk, parts in ((13, 13, 1), (13, 11, 3)):
         if causal and lq != lk:

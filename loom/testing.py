@@ -34,7 +34,8 @@ from typing import Any, Callable, Mapping
 from . import settings
 from .comm import launch
 
-__all__ = ["run_ranks", "mpi_checks", "seeded", "assert_all_checks_passed", "load_checks", "run_bench", "ROOT"]
+__all__ = ["run_ranks", "mpi_checks", "seeded", "assert_all_checks_passed", "load_checks", "run_bench", "ROOT",
+           "device_check", "DeviceCheckError"]
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root: relative script paths are resolved against it."""
@@ -144,3 +145,52 @@ def run_bench(tmp_path: Path, *argv: str, ranks: int = 2, timeout: float = 180) 
                       env={"LOOM_LAUNCHED": "1", "OMP_NUM_THREADS": "1"}, capture=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(out.read_text()), proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------- devices
+_FACTORY_NAMES = ("zeros", "ones", "empty", "full", "arange", "range", "tensor", "randn", "rand", "randint",
+                  "randperm", "linspace", "logspace", "eye", "empty_strided", "scalar_tensor", "tril_indices",
+                  "triu_indices")
+
+
+class DeviceCheckError(AssertionError):
+    """A tensor factory without ``device=`` ran in library code inside :func:`device_check`."""
+
+
+def device_check(roots: "tuple[str | os.PathLike, ...] | None" = None):
+    """A context in which library code may not make a tensor without saying where: CPU-only CI's net for the bug
+    class that only a GPU shows, a tensor made on the host that meets a tensor of the model's device.
+
+    Why a factory call and not the meeting itself: on a CPU-only machine the host *is* the model's device, so the
+    meeting is legal and invisible; what differs on a GPU is only what a factory call without ``device=`` makes
+    (a host tensor). Inside the context every ``torch.zeros/ones/empty/full/arange/tensor/rand*/...`` called
+    directly from a file under ``roots`` (default: the ``loom`` package) without a ``device=`` raises
+    :class:`DeviceCheckError` naming the file and line; a host-side tensor says ``device="cpu"``, one that
+    meets the model says ``device=like.device`` (or uses ``like.new_zeros``, ``torch.zeros_like``). Calls made
+    by torch itself and by other libraries are not checked. Run a training step inside it
+    (``tests/mpi/check_devices.py``); a plain ``torch.zeros(())`` in ``Trainer.clip`` fails it as it failed on
+    the GPU. What it cannot see: an explicit ``device="cpu"`` that meets the model, and a host read
+    (``.numpy()``) of a device tensor; the GPU tier (``make test-gpu``) covers those.
+    """
+    import sys
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    prefixes = tuple(str(Path(r).resolve()) + os.sep for r in (roots or (ROOT / "loom",)))
+    factories = {getattr(torch, n) for n in _FACTORY_NAMES if hasattr(torch, n)}
+
+    class _Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in factories and kwargs.get("device") is None:
+                caller = sys._getframe(1)
+                where = caller.f_code.co_filename
+                if where.startswith(prefixes):
+                    raise DeviceCheckError(
+                        f"{where}:{caller.f_lineno}: torch.{func.__name__}() without device= inside a "
+                        f"device-checked step; on a GPU it makes a host tensor that meets the model's CUDA "
+                        f"tensors. Pass device=<the tensor it meets>.device, or device='cpu' for a host-side one")
+            return func(*args, **kwargs)
+
+    return _Mode()

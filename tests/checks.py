@@ -29,6 +29,7 @@ CHECKS = [
     Checks("tests/mpi/check_sequence.py", (1, 2, 3, 4), timeout=240),
     Checks("tests/mpi/check_hybrid.py", (1, 2, 4), timeout=400),
     Checks("tests/mpi/check_train.py", (2, 4), timeout=300),
+    Checks("tests/mpi/check_devices.py", (1, 2), timeout=300),
     Checks("tests/mpi/check_dask.py", (2, 3), timeout=120, needs="distributed"),
     Checks("tests/mpi/check_data.py", (1, 2, 3, 4), timeout=240),
     Checks("tests/mpi/check_zero.py", (2, 3, 4), timeout=600,  # one rank: tests/unit/test_zero.py

@@ -14,6 +14,7 @@ from typing import Any
 # cost seconds per process (the testbed's host side builds mpiexec lines but never communicates).
 _EXPORTS = {
     "cuda_aware": "buffers",
+    "local_device": "devices", "local_rank": "devices", "resolve_device": "devices",
     "ANY_SOURCE": "communicator", "ANY_TAG": "communicator", "REDUCE_OPS": "communicator",
     "Communicator": "communicator", "reset_stats": "communicator", "stats": "communicator", "world": "communicator",
     "tag_ub": "communicator", "MIN_TAG_UB": "communicator",
@@ -58,8 +59,11 @@ __all__ = [
     "Ticket",
     "configure",
     "cuda_aware",
+    "local_device",
+    "local_rank",
     "poller",
     "reset_stats",
+    "resolve_device",
     "stats",
     "tag_ub",
     "wait_all",

@@ -136,12 +136,157 @@ def reduction_dtype(x: Buffer):
     return np.dtype(np.float32) if x.dtype in _UPCAST else x.dtype
 
 
+# ------------------------------------------------------------------ staging CUDA tensors through the host
+# For an MPI that is not CUDA-aware. Plan: device -> host copies go into pinned buffers that are reused across
+# calls (a free list, each buffer back when the last Python reference to its host view dies, and not handed out
+# again before the copies that still read it are done: its event), on a side stream that first waits for the
+# tensor's stream (the kernels that produce it); host -> device copies of results run on that stream and the
+# caller's stream waits for them on the device, not on the host. Casts (bf16 -> fp32 for a sum) happen on the
+# device before staging. ``Communicator.allreduce`` pipelines large tensors piece by piece (see ``staged_pieces``).
+
+STAGE_PIECE = 4 << 20
+"""Bytes per piece of a pipelined staged allreduce (copy piece i+1 while MPI reduces piece i)."""
+
+
+class _Pinned:
+    """A free list of pinned host buffers (uint8, power-of-two sizes), with the event each must wait for."""
+
+    def __init__(self):
+        self.free: list[tuple[torch.Tensor, Any]] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        for i, (buf, ev) in enumerate(self.free):
+            if buf.numel() >= nbytes:
+                del self.free[i]
+                if ev is not None:
+                    ev.synchronize()  # a host -> device copy may still read it
+                return buf
+        size = 1 << max(12, (max(nbytes, 1) - 1).bit_length())
+        return torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=True)
+
+    def give(self, buf: torch.Tensor, event: Any = None) -> None:
+        self.free.append((buf, event))
+        if len(self.free) > 16:  # bound what is kept: drop the smallest
+            self.free.sort(key=lambda be: be[0].numel())
+            del self.free[0]
+
+
+_PINNED = _Pinned()
+_STREAMS: dict[Any, Any] = {}
+_PENDING: dict[int, Any] = {}  # id(host view) -> event of the last copy that reads it
+
+
+def _side_stream(device: torch.device, which: int = 0):
+    """The staging stream of ``device``: 0 carries device -> host copies, 1 host -> device (two copy engines)."""
+    s = _STREAMS.get((device, which))
+    if s is None:
+        s = _STREAMS[(device, which)] = torch.cuda.Stream(device=device)
+    return s
+
+
+def staging(x: Any) -> bool:
+    """True when ``x`` is a CUDA tensor that must travel through host memory (an MPI that is not CUDA-aware)."""
+    return isinstance(x, torch.Tensor) and x.is_cuda and not cuda_aware()
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor of ``shape`` over a pooled pinned buffer; the buffer returns to the pool when the tensor
+    (the last Python reference to this view) is gone."""
+    import weakref
+
+    n = 1
+    for d in shape:
+        n *= int(d)
+    nbytes = n * torch.empty((), dtype=dtype, device="cpu").element_size()
+    buf = _PINNED.take(nbytes)
+    view = buf[:nbytes].view(dtype).reshape(shape)
+    key = id(view)
+    weakref.finalize(view, lambda: _PINNED.give(buf, _PENDING.pop(key, None)))
+    return view
+
+
+def to_host(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` (CUDA) copied into a pooled pinned host tensor (or ``out``), on the side stream after the work queued
+    on ``x``'s stream; returns once the copy is done (MPI reads it next)."""
+    host = pinned_empty(tuple(x.shape), x.dtype) if out is None else out
+    side = _side_stream(x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):
+        host.copy_(x, non_blocking=True)
+    side.synchronize()
+    return host
+
+
+def to_device(host: torch.Tensor, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A host result copied to ``device`` (into ``out`` when given) on the side stream; the caller's stream waits
+    for the copy on the device (no host sync), and a pooled ``host`` is not reused before the copy is done."""
+    dev = torch.empty(host.shape, dtype=host.dtype, device=device) if out is None else out
+    side = _side_stream(dev.device, 1)
+    cur = torch.cuda.current_stream(dev.device)
+    side.wait_stream(cur)  # ``dev`` may have been in use on the caller's stream
+    with torch.cuda.stream(side):
+        dev.copy_(host, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(side)
+    cur.wait_event(ev)
+    dev.record_stream(side)
+    _PENDING[id(host)] = ev
+    return dev
+
+
+def staged_allreduce(mpi_comm: Any, x: torch.Tensor, mop: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allreduce a CUDA tensor through host memory in pipelined pieces; returns ``(result in the reduction dtype on
+    the device, the pinned host buffer)``.
+
+    Plan: cast on the device to the reduction dtype (bf16/fp16 widened to fp32 there, not on the host); queue
+    every piece's device -> host copy on stream 0 (after the caller's stream), each with its event; for each
+    piece wait for its event, ``MPI_Allreduce`` it in place in the pinned buffer, and queue its host -> device
+    copy on stream 1, so piece i+1 crosses the bus while MPI reduces piece i and results flow back meanwhile.
+    The caller's stream waits for the last copy on the device; the pinned buffer is not reused before it.
+    """
+    dev = x.device
+    rdt = reduction_dtype(x)
+    flat = x.detach().to(rdt).reshape(-1).contiguous()
+    n = flat.numel()
+    piece = max(1, STAGE_PIECE // max(flat.element_size(), 1))
+    host = pinned_empty((n,), rdt)
+    res = torch.empty_like(flat)
+    d2h, h2d, cur = _side_stream(dev, 0), _side_stream(dev, 1), torch.cuda.current_stream(dev)
+    d2h.wait_stream(cur)
+    h2d.wait_stream(cur)
+    ready = []
+    with torch.cuda.stream(d2h):
+        for lo in range(0, n, piece):
+            host[lo:lo + piece].copy_(flat[lo:lo + piece], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(d2h)
+            ready.append(ev)
+    for ev, lo in zip(ready, range(0, n, piece)):
+        ev.synchronize()
+        hp = host[lo:lo + piece]
+        mpi_comm.Allreduce(MPI.IN_PLACE, [_fromaddress(hp.data_ptr(), hp.nbytes), _TORCH_MPI[rdt]], mop)
+        with torch.cuda.stream(h2d):
+            res[lo:lo + piece].copy_(hp, non_blocking=True)
+    with torch.cuda.stream(h2d):
+        done = torch.cuda.Event()
+        done.record(h2d)
+    cur.wait_event(done)
+    flat.record_stream(d2h)
+    res.record_stream(h2d)
+    _PENDING[id(host)] = done
+    return res.view(x.shape), host
+
+
 def host_view(x: Buffer) -> Buffer:
-    """A contiguous host (CPU) version of ``x`` for reading, without autograd history. Zero-copy when possible."""
+    """A contiguous host (CPU) version of ``x`` for reading, without autograd history. Zero-copy when possible;
+    a CUDA tensor without a CUDA-aware MPI is staged into a pooled pinned buffer (:func:`to_host`)."""
     if isinstance(x, torch.Tensor):
         if x.requires_grad:
             x = x.detach()
-        if x.device.type != "cpu" and not (x.device.type == "cuda" and cuda_aware()):
+        if x.device.type == "cuda":
+            if not cuda_aware():
+                return to_host(x)
+        elif x.device.type != "cpu":
             x = x.to("cpu")
         if not x.is_contiguous():
             x = x.contiguous()
@@ -209,8 +354,11 @@ def as_send(x: Buffer) -> list:
 
 
 def empty_like_shape(x: Buffer, shape: tuple[int, ...], *, device=None) -> Buffer:
-    """A new contiguous buffer of the same kind and dtype as ``x`` with ``shape``."""
+    """A new contiguous buffer of the same kind and dtype as ``x`` with ``shape`` (pooled pinned memory when ``x``
+    is a staged host view: the result goes back to the device too)."""
     if isinstance(x, torch.Tensor):
+        if device is None and x.is_cpu and x.is_pinned():
+            return pinned_empty(shape, x.dtype)
         return torch.empty(shape, dtype=x.dtype, device=device if device is not None else x.device)
     return np.empty(shape, dtype=x.dtype)
 
@@ -223,8 +371,10 @@ def recv_target(out: Buffer) -> Buffer:
                 "cannot receive into a tensor that requires grad (an in-place write to an autograd leaf); "
                 "receive into a plain tensor and wrap it, or use the differentiable ops in loom.parallel"
             )
-        if out.device.type != "cpu" and not (out.device.type == "cuda" and cuda_aware()):
-            return torch.empty(out.shape, dtype=out.dtype)
+        if out.device.type == "cuda" and not cuda_aware():
+            return pinned_empty(tuple(out.shape), out.dtype)
+        if out.device.type != "cpu" and out.device.type != "cuda":
+            return torch.empty(out.shape, dtype=out.dtype, device="cpu")
         if not out.is_contiguous():
             return torch.empty(out.shape, dtype=out.dtype, device=out.device)
         return out
@@ -248,7 +398,10 @@ def finish_recv(out: Buffer, tmp: Buffer) -> Buffer:
     """Copy a temporary receive buffer back into ``out`` when :func:`recv_target` had to use one."""
     if tmp is not out:
         if isinstance(out, torch.Tensor):
-            out.copy_(tmp)
+            if out.is_cuda and not tmp.is_cuda:
+                to_device(tmp, out.device, out=out) if out.is_contiguous() else out.copy_(tmp)
+            else:
+                out.copy_(tmp)
         else:
             out[...] = tmp
     return out

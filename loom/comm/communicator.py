@@ -103,8 +103,18 @@ def _check_dim0(x, what: str) -> None:
 def _to_device(x, like):
     """Move a host result back to ``like``'s device when ``like`` was a staged CUDA tensor."""
     if isinstance(like, _Tensor) and isinstance(x, _Tensor) and x.device != like.device:
-        return x.to(like.device)
+        return _b.to_device(x, like.device) if like.is_cuda else x.to(like.device)
     return x
+
+
+def _reducible(tensor):
+    """``(x, xin)``: what the reduction reads (``x``: the host view, or a staged CUDA tensor itself, for its dtype,
+    shape and bytes) and its host buffer in the reduction dtype; a staged 16-bit float is widened on the device."""
+    if _b.staging(tensor):
+        x = tensor.detach()
+        return x, _host_view(x.to(_b.reduction_dtype(x)))
+    x = _host_view(tensor)
+    return x, _b.cast(x, _b.reduction_dtype(x))
 
 
 def _row_bytes(x) -> int:
@@ -302,7 +312,7 @@ class Communicator:
             res = out if out is not None and type(out) is type(tensor) and out.dtype == tensor.dtype else None
             if res is None and out is None:
                 res = (np.empty(tensor.shape, tensor.dtype) if type(tensor) is _ndarray
-                       else torch.empty(tensor.shape, dtype=tensor.dtype))
+                       else torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu"))
             sout = _b.fast_typed(res) if res is not None else None
             if sout is not None:
                 if res is tensor:
@@ -312,6 +322,16 @@ class Communicator:
                 d = self.bytes_sent
                 d["allreduce"] = d.get("allreduce", 0) + 2 * tensor.nbytes * (self.size - 1) // self.size
                 return res
+        if _b.staging(tensor):  # a CUDA tensor, an MPI that is not CUDA-aware: pipelined through pinned memory
+            res, _host = _b.staged_allreduce(self.mpi, tensor, mop)
+            self._count("allreduce", 2 * _b.nbytes(tensor) * (self.size - 1) // max(self.size, 1))
+            if op == "avg":
+                res /= self.size
+            res = res.to(tensor.dtype)
+            if out is None:
+                return res
+            out.copy_(res)
+            return out
         x = _host_view(tensor)
         rdt = _b.reduction_dtype(x)
         xin = _b.cast(x, rdt)
@@ -355,8 +375,7 @@ class Communicator:
     def _reduce_scatter_buffers(self, tensor: _b.Buffer, what: str):
         """Check that dim 0 splits over the ranks; return the host view, its reducible copy and the block buffer."""
         n0, p = self._check_blocks(tensor, what)
-        x = _host_view(tensor)
-        xin = _b.cast(x, _b.reduction_dtype(x))
+        x, xin = _reducible(tensor)
         return x, xin, _b.empty_like_shape(xin, (n0 // p, *xin.shape[1:]))
 
     def _allgather_buffers(self, tensor: _b.Buffer, out: _b.Buffer | None, what: str):
@@ -471,8 +490,7 @@ class Communicator:
         contiguous host buffer of an MPI-reducible dtype; otherwise the result is copied into ``out``.
         """
         mop = _op(op)
-        x = _host_view(tensor)
-        xin = _b.cast(x, _b.reduction_dtype(x))
+        x, xin = _reducible(tensor)
         inplace = out is tensor and xin is x and x is tensor and _b.direct_target(out, x)
         res = x if inplace else _b.empty_like_shape(xin, tuple(xin.shape))
         req = self.mpi.Iallreduce(MPI.IN_PLACE if inplace else _as_send(xin), _as_send(res), mop)

@@ -92,7 +92,7 @@ class Packet:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return torch.empty((), dtype=dtype, device="cpu").element_size()
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -167,7 +167,7 @@ class Codec(abc.ABC):
     def error_bound(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """Per-element bound on ``|roundtrip(x) - x|`` for a float32/float64 ``x`` (the module table), as
         float64; ``None`` when the codec has no a-priori bound (PowerSGD)."""
-        return torch.zeros(tensor.shape, dtype=torch.float64)
+        return torch.zeros(tensor.shape, dtype=torch.float64, device=tensor.device)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -277,7 +277,7 @@ class _BlockCodec(Codec):
         flat = tensor.detach().reshape(-1).double()
         n = flat.numel()
         if n == 0:
-            return torch.zeros(tensor.shape, dtype=torch.float64)
+            return torch.zeros(tensor.shape, dtype=torch.float64, device=tensor.device)
         nb = -(-n // self.block)
         xb = torch.cat([flat, flat.new_zeros(nb * self.block - n)]).view(nb, self.block)
         amax = xb.abs().amax(dim=1, keepdim=True)

@@ -177,7 +177,7 @@ def _allreduce_sharded(x, comm, codec: Codec, ef: ErrorFeedback | None, key) -> 
     # Fixed-size codecs: every rank can compute every byte count, so no count exchanges are needed.
     sizes = [codec.wire_bytes(hi - lo, rdt) for lo, hi in bounds]
     fixed = all(sz is not None for sz in sizes)
-    send_buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    send_buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=y.device)
     known = [0 if i == me else sizes[me] for i in range(p)] if fixed else None
     recv_buf, recv_counts = comm.alltoallv(send_buf, counts, known)
 
@@ -334,7 +334,7 @@ def alltoallv(
     row_shape = tuple(x.shape[1:])
     row_bytes = math.prod(row_shape) * x.element_size()
     if recv_counts is None:
-        rc = comm.alltoall(torch.tensor(sc, dtype=torch.int64)).tolist()
+        rc = comm.alltoall(torch.tensor(sc, dtype=torch.int64, device="cpu")).tolist()
     else:
         rc = [int(c) for c in recv_counts]
         if len(rc) != p:
@@ -353,7 +353,7 @@ def alltoallv(
         pkt = block_codec(sc[j]).encode(blk)
         chunks.append(pkt.data)
         counts.append(pkt.nbytes)
-    send_buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    send_buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=x.device)
     recv_buf, rbytes = comm.alltoallv(send_buf, counts)
     pieces, off = [], 0
     for i in range(p):
@@ -389,7 +389,7 @@ def isend(tensor: torch.Tensor, dest: int, comm: Communicator, codec: "str | Cod
         pkt = codec.encode(x)
         reqs = []
         if codec.wire_bytes(x.numel(), x.dtype) is None:
-            reqs.append(comm.isend(torch.tensor([pkt.nbytes], dtype=torch.int64), dest, tag))
+            reqs.append(comm.isend(torch.tensor([pkt.nbytes], dtype=torch.int64, device="cpu"), dest, tag))
         reqs.append(comm.isend(pkt.data, dest, tag))
     _account(comm, _nbytes(x), before)
     return reqs
@@ -416,7 +416,7 @@ def recv(out: torch.Tensor, source: int, comm: Communicator, codec: "str | Codec
         return comm.recv(out, source, tag)
     n = codec.wire_bytes(out.numel(), out.dtype)
     if n is None:
-        size = torch.empty(1, dtype=torch.int64)
+        size = torch.empty(1, dtype=torch.int64, device="cpu")
         comm.recv(size, source, tag)
         n = int(size.item())
     buf = torch.empty(n, dtype=torch.uint8, device=out.device if out.device.type == "cpu" else "cpu")

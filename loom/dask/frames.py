@@ -316,4 +316,6 @@ def cuda_block(n: int):
     """A new device buffer of ``n`` bytes for a received CUDA frame."""
     import torch
 
-    return torch.empty(n, dtype=torch.uint8, device="cuda")
+    from ..comm.devices import local_device
+
+    return torch.empty(n, dtype=torch.uint8, device=local_device("cuda"))

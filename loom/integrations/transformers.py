@@ -625,6 +625,7 @@ def generate_text(model: nn.Module, model_cfg: Any, prompt: str, *, tokens: int,
     """Continue ``prompt`` with the model's own ``generate`` (its tokenizer, or loom's bytes without one)."""
     tok = _tokenizer(model_cfg)
     ids = tok(prompt, return_tensors="pt")["input_ids"] if tok is not None else encode(prompt or "\n")[None]
+    ids = ids.to(next(model.parameters()).device)
     torch.manual_seed(seed)
     sample = temperature > 0
     extra = {"temperature": temperature, "top_k": top_k or None} if sample else {}

@@ -540,10 +540,11 @@ class Llama(nn.Module):
         """
         h = self.hidden_states(tokens, doc_ids)
         total = chunked_lm_loss(h, self.head_weight, targets, self.cfg.loss_chunks, ignore_index, norm=self.norm)
-        count = torch.tensor([float((targets != ignore_index).sum())], dtype=torch.float64)
+        # The count stays on the device (no host sync per loss); counts are exact in the loss's dtype.
+        count = (targets != ignore_index).sum(dtype=torch.float64).reshape(1)
         if self.sp is not None and self.sp.size > 1:
             count = self.sp.allreduce(count)
-        return total / max(float(count[0]), 1.0)
+        return total / count.clamp(min=1.0).to(total.dtype)[0]
 
 
 def build_llama(cfg: Any, *, sp_comm=None, ep_comm=None, dtype: torch.dtype = torch.float32, device: Any = "cpu",

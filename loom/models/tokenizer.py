@@ -13,7 +13,7 @@ __all__ = ["encode", "decode"]
 
 def encode(text: str) -> torch.Tensor:
     """Byte-level tokenization: UTF-8 bytes as int64 token ids (vocab 256)."""
-    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long, device="cpu")
 
 
 def decode(tokens) -> str:

@@ -374,7 +374,7 @@ class HybridParallel:
             self.reducer.start(m)
         slots: dict[tuple[int, int], Any] = {}
         before = [None if t.grad is None else t.grad.clone() for _, ts in self._shared for t in ts]
-        total = torch.zeros(1, dtype=torch.float64)
+        total = None  # on the loss's device: no host sync per micro-batch
         for op, k, i in self._ops():
             st = self.local_stages[k]
             if op == "F":
@@ -384,7 +384,8 @@ class HybridParallel:
                 with self._context():
                     slot, _ = st.forward(self._key(mbs[i]), mbs[i], tgt, loss_fn)
                 if slot.loss is not None:
-                    total += float(slot.loss.detach())  # host scalar (a CUDA loss syncs here)
+                    part = slot.loss.detach().to(torch.float64).reshape(1)
+                    total = part if total is None else total + part
                 slots[(k, i)] = slot
             else:
                 st.backward(slots.pop((k, i)), 1.0 / m)
@@ -394,7 +395,13 @@ class HybridParallel:
             st.wait()
         if self._shared:
             self._sync_shared(before)
+        if total is None:  # no last stage here: the pp sum below brings its loss
+            total = torch.zeros(1, dtype=torch.float64, device=self._device())
         return self._mean_loss(total / m)
+
+    def _device(self) -> torch.device:
+        """Where this rank's stage computes (its parameters' device)."""
+        return self._params[0].device if self._params else torch.device("cpu")
 
     def _mean_loss(self, local: torch.Tensor) -> float:
         if self.partitions > 1:
@@ -411,7 +418,7 @@ class HybridParallel:
         self._mode(False)
         want_loss = loss_fn is not None
         tgts = self._split(targets, "targets") if (want_loss and self._last) else [None] * self.micro_batches
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self._device())
         outs = []
         for op, k, i in self._ops():  # the forwards of the training order (valid on their own)
             if op != "F":
@@ -423,7 +430,7 @@ class HybridParallel:
             with self._context():
                 slot, out = st.forward(self._key(mbs[i]), mbs[i], tgt, loss_fn, grad=False)
             if slot.loss is not None:
-                total += float(slot.loss)
+                total += slot.loss.to(device=total.device, dtype=torch.float64).reshape(1)
             if st.last:
                 outs.append((i, out))
         for st in self.local_stages:

@@ -93,10 +93,12 @@ def dispatch_alltoallv(x: torch.Tensor, send_counts: list[int], recv_counts: lis
 
 
 def _init(cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(cfg.seed)
-    gate = torch.randn(cfg.experts, cfg.dim, generator=g, dtype=torch.float64) / math.sqrt(cfg.dim)
-    w1 = torch.randn(cfg.experts, cfg.dim, cfg.hidden, generator=g, dtype=torch.float64) / math.sqrt(cfg.dim)
-    w2 = torch.randn(cfg.experts, cfg.hidden, cfg.dim, generator=g, dtype=torch.float64) / math.sqrt(cfg.hidden)
+    g = torch.Generator().manual_seed(cfg.seed)  # drawn on the host: the same values whatever the device
+    gate = torch.randn(cfg.experts, cfg.dim, generator=g, dtype=torch.float64, device="cpu") / math.sqrt(cfg.dim)
+    w1 = torch.randn(cfg.experts, cfg.dim, cfg.hidden, generator=g, dtype=torch.float64,
+                     device="cpu") / math.sqrt(cfg.dim)
+    w2 = torch.randn(cfg.experts, cfg.hidden, cfg.dim, generator=g, dtype=torch.float64,
+                     device="cpu") / math.sqrt(cfg.hidden)
     return gate.to(cfg.dtype), w1.to(cfg.dtype), w2.to(cfg.dtype)
 
 
@@ -154,7 +156,9 @@ class MoE(torch.nn.Module):
         expert = idx.reshape(-1)
         token = torch.arange(x.shape[0], device=x.device).repeat_interleave(cfg.top_k)
         order = torch.argsort(expert, stable=True)
-        per_expert = torch.bincount(expert, minlength=cfg.experts).reshape(p, el).to(torch.int64)
+        # The counts are the routing's only host read (MPI needs them as numbers): one copy of E integers
+        # per forward; the index tensors built from them are made on the host and moved to x's device once.
+        per_expert = torch.bincount(expert, minlength=cfg.experts).reshape(p, el).to(torch.int64).cpu()
         mp = self.multipath
         if mp is None:
             recv_per_expert = comm.alltoall(per_expert.contiguous())                  # [P sources, E/P]
@@ -169,9 +173,9 @@ class MoE(torch.nn.Module):
         recv_counts = recv_per_expert.sum(1).tolist()
         rows = dispatch_alltoallv(x[token[order]], send_counts, recv_counts, comm, mp)
         # Received rows: by source, then by local expert. Regroup by local expert for one matmul each.
-        local_id = torch.arange(el).repeat(p).repeat_interleave(recv_per_expert.reshape(-1))
-        perm = torch.argsort(local_id, stable=True)
-        sizes = torch.bincount(local_id, minlength=el).tolist()
+        local_id = torch.arange(el, device="cpu").repeat(p).repeat_interleave(recv_per_expert.reshape(-1))
+        perm = torch.argsort(local_id, stable=True).to(x.device)
+        sizes = recv_per_expert.sum(0).tolist()
         outs = [F.gelu(chunk @ self.w1[j]) @ self.w2[j]
                 for j, chunk in enumerate(torch.split(rows[perm], sizes))]
         grouped = torch.cat(outs) if outs else rows[:0]

@@ -225,7 +225,7 @@ def _flat_block(ps: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor | Non
                 dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """Elements ``[lo, lo + n)`` of the zero-padded concatenation of ``tensors`` (shaped like ``ps``), without
     building the concatenation; written into ``out`` (zeros of ``n`` elements) when given."""
-    out = torch.zeros(n, dtype=dtype) if out is None else out
+    out = torch.zeros(n, dtype=dtype, device=ps[0].device if ps else "cpu") if out is None else out
     off = 0
     for p, t in zip(ps, tensors):
         a, b = max(off, lo), min(off + p.numel(), lo + n)

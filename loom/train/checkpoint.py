@@ -48,24 +48,27 @@ def zero_path(directory: str | Path, step: int) -> Path:
     return Path(directory) / f"step_{step:06d}.zero"
 
 
-def capture_rng() -> dict[str, Any]:
-    """RNG state that training could consume (torch CPU generator, Python ``random``)."""
+def capture_rng(device: Any = None) -> dict[str, Any]:
+    """RNG state that training could consume (torch CPU generator, Python ``random``) and, for a CUDA ``device``,
+    that device's generator: the rank's own GPU, not whichever is current."""
     import torch
 
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if device is not None and torch.device(device).type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(torch.device(device))
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: dict[str, Any], device: Any = None) -> None:
+    """Restore :func:`capture_rng`'s state; the CUDA generator only when resuming on a CUDA ``device`` (a state
+    saved on a GPU resumes on the CPU without it, and a CPU state leaves the GPU's generator as seeded)."""
     import torch
 
     torch.set_rng_state(state["torch"])
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if "cuda" in state and device is not None and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], torch.device(device))
 
 
 def save(path: str | Path, payload: dict[str, Any]) -> Path:

@@ -104,7 +104,8 @@ def batch_windows(stream: torch.Tensor, *, seed: int, step: int, batch: int, seq
     resume and every mesh see exactly the same data.
     """
     g = torch.Generator().manual_seed((seed * 1_000_003 + stream_id * 7_919 + step) % (2**63 - 1))
-    starts = torch.randint(0, len(stream) - seq_len - 1, (batch,), generator=g)
-    idx = starts[:, None] + torch.arange(seq_len + 1)[None, :]
+    # On the host, with the corpus: the trainer moves each rank's slice to its device.
+    starts = torch.randint(0, len(stream) - seq_len - 1, (batch,), generator=g, device="cpu")
+    idx = starts[:, None] + torch.arange(seq_len + 1, device="cpu")[None, :]
     win = stream[idx].long()
     return win[:, :-1].contiguous(), win[:, 1:].contiguous()

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from .. import cli_args
+from ..comm.devices import resolve_device
 from ..models.tokenizer import decode, encode
 from . import checkpoint as ckpt
 from .config import ConfigError, config_from_dict
@@ -22,8 +23,9 @@ __all__ = ["main", "load_model", "sample"]
 RELAUNCH = False  # one process is enough; --ranks is accepted and ignored
 
 
-def load_model(path: str):
-    """``(model, config, step)`` from a checkpoint file or directory (newest complete step)."""
+def load_model(path: str, device: str | torch.device = "cpu"):
+    """``(model, config, step)`` from a checkpoint file or directory (newest complete step), the model on
+    ``device`` (``auto``: this rank's GPU when there is one)."""
     files = ckpt.resolve(path)
     parts = [ckpt.load(f) for f in files]
     cfg = config_from_dict(parts[0]["config"])
@@ -35,7 +37,7 @@ def load_model(path: str):
     for part in parts:
         state.update(part["model"])
     dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.float32}[cfg.train.dtype]
-    model = build_model(cfg, dtype=dtype).module
+    model = build_model(cfg, dtype=dtype, device=resolve_device(device)).module
     missing, unexpected = model.load_state_dict(state, strict=False)
     held = model.state_dict(keep_vars=True)
     loaded = {id(held[k]) for k in state if k in held}
@@ -51,12 +53,13 @@ def load_model(path: str):
 def sample(model, prompt: str, *, tokens: int = 200, temperature: float = 0.8, top_k: int = 40,
            context: int = 256, seed: int = 0) -> str:
     """Continue ``prompt`` by ``tokens`` bytes; ``temperature`` 0 is greedy."""
-    g = torch.Generator().manual_seed(seed)
-    ids = encode(prompt) if prompt else torch.tensor([10])
+    g = torch.Generator().manual_seed(seed)  # sampling runs on the host: the same text on any device
+    device = next(model.parameters()).device
+    ids = encode(prompt) if prompt else torch.tensor([10], device="cpu")
     out = ids.tolist()
     for _ in range(tokens):
-        x = torch.tensor(out[-context:])[None, :]
-        logits = model(x)[0, -1].double()
+        x = torch.tensor(out[-context:], device=device)[None, :]
+        logits = model(x)[0, -1].double().cpu()
         if temperature <= 0:
             nxt = int(logits.argmax())
         else:
@@ -78,10 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-k", "--top-k", type=int, default=40, help="sample among the k most likely bytes (0 = all)")
     p.add_argument("--context", type=int, default=0, help="context window in bytes (0 = the training seq_len)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--device", default="auto", help="cpu, cuda[:N], or auto (the GPU when torch sees one)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
     try:
-        model, cfg, step = load_model(args.checkpoint)
+        model, cfg, step = load_model(args.checkpoint, args.device)
     except (FileNotFoundError, ValueError, ConfigError) as exc:
         print(f"loom generate: error: {exc}", file=sys.stderr)
         return 2

@@ -59,7 +59,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..comm import Communicator, Mesh, stats, world
+from ..comm import Communicator, Mesh, local_device, stats, world
 from .. import stats as _stats
 from ..stats import Axis, flat_axis
 from ..compress import stats as compress_stats
@@ -180,8 +180,18 @@ def sp_layout(n: int, p: int, r: int, chunks: int) -> torch.Tensor:
     ``r, r+p, r+2p, ...``.
     """
     c = n // (p * chunks)
-    starts = (torch.arange(chunks) * p + r) * c
-    return (starts[:, None] + torch.arange(c)[None, :]).reshape(-1)
+    starts = (torch.arange(chunks, device="cpu") * p + r) * c  # host: it indexes the host batch, then moves
+    return (starts[:, None] + torch.arange(c, device="cpu")[None, :]).reshape(-1)
+
+
+def _host_floats(*values: torch.Tensor | float) -> list[float]:
+    """Python floats of scalar tensors (on any device) and floats, with one device-to-host copy in all."""
+    ts = [v for v in values if isinstance(v, torch.Tensor)]
+    if not ts:
+        return [float(v) for v in values]
+    got = iter(torch.stack([t.detach().reshape(()).to(device=ts[0].device, dtype=torch.float64) for t in ts])
+               .tolist())
+    return [next(got) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
 class Trainer:
@@ -295,12 +305,13 @@ class Trainer:
         self.rep = self.mesh[("dp", "ep")] if cfg.mesh.ep > 1 else self.dp
 
     def _pick_device(self) -> torch.device:
-        """The CPU, or the CUDA device of this rank's local index."""
+        """The CPU, or this rank's GPU (``cuda:local_rank``, made the current device by ``loom.comm.local_device``)."""
         if self.cfg.train.device != "cuda":
             return torch.device("cpu")
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device = 'cuda' but torch sees no CUDA device; use train.device = 'cpu'")
-        return torch.device("cuda", self.comm.rank % torch.cuda.device_count())
+        try:
+            return local_device("cuda")
+        except ValueError as exc:
+            raise ConfigError(f"train.device = 'cuda': {exc}") from None
 
     def _make_sharded(self):
         """ZeRO stages 2-3: the model in ``ShardedDataParallel`` over the ``zero.axes`` ranks.
@@ -352,7 +363,7 @@ class Trainer:
         out = []
         r = self.sdp.comm.rank
         for b in self.sdp.buckets:
-            mask = torch.zeros(b.padded, dtype=torch.bool)
+            mask = torch.zeros(b.padded, dtype=torch.bool, device=self.sdp.shards[len(out)].device)
             for p, off in zip(b.params, b.offsets):
                 mask[off:off + p.numel()] = p.ndim >= 2
             out.append(mask[r * b.shard:(r + 1) * b.shard])
@@ -444,7 +455,7 @@ class Trainer:
         else:
             self._load_full(state)
         self._restore_compression(state, step)
-        ckpt.restore_rng(state["rng"])
+        ckpt.restore_rng(state["rng"], self.device)
         self.start_step = int(state["step"])
 
     def _load_full(self, state: dict[str, Any]) -> None:
@@ -543,10 +554,13 @@ class Trainer:
                     optim["state"][idx] = {k: (self._gather(n, v) if k in ("exp_avg", "exp_avg_sq") else v)
                                            for k, v in st.items()}
         if self.dp_rank == 0 and self.sp_rank == 0 and self.ep_rank == 0 and self.tp_rank == 0:
+            if optim is not None:  # host copies: a checkpoint written on a GPU loads anywhere without map_location
+                optim = {**optim, "state": {k: {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in st.items()}
+                                            for k, st in optim["state"].items()}}
             payload = {
                 "format": ckpt.FORMAT, "step": step, "config": config_to_dict(self.cfg),
                 "stage": self.stage, "stages": self.stages, "params": list(self.param_names),
-                "model": model, "optim": optim, "rng": ckpt.capture_rng(),
+                "model": model, "optim": optim, "rng": ckpt.capture_rng(self.device),
             }
             if compress is not None:
                 payload["compress"] = compress
@@ -669,7 +683,7 @@ class Trainer:
 
     def _sharded_clip(self) -> float:
         grads = [sh.grad for sh in self.sdp.shards]
-        sq = sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+        sq = sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=self.device))
         sq = self.sdp.comm.allreduce(sq.reshape(1), op="sum")
         if self.pp is not None:  # every stage's shards
             sq = self.pp.allreduce(sq, op="sum")
@@ -696,13 +710,18 @@ class Trainer:
         self.sdp.update(self.opt)
         self.sdp.zero_grad()
 
-    def clip(self) -> float:
-        """Clip the global gradient norm (summed over pipeline stages) to ``optim.grad_clip``; returns the norm."""
+    def clip(self) -> torch.Tensor | float:
+        """Clip the global gradient norm (summed over pipeline stages) to ``optim.grad_clip``; returns the norm.
+
+        The norm stays a tensor on the model's device and the scale is applied without reading it on the host
+        (``min(1, limit / (norm + eps))``: a factor of exactly 1 below the limit), so clipping costs no host sync;
+        the caller reads the norm once per step with the loss.
+        """
         if self.sdp is not None:
             return self._sharded_clip()
-        sq = torch.zeros((), dtype=torch.float64)
-        sq_ex = torch.zeros((), dtype=torch.float64)
-        sq_tp = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        sq_ex = torch.zeros((), dtype=torch.float64, device=self.device)
+        sq_tp = torch.zeros((), dtype=torch.float64, device=self.device)
         for n, p in zip(self.param_names, self.params):
             if p.grad is not None:
                 if self._is_expert(n):
@@ -717,17 +736,18 @@ class Trainer:
             sq = sq + self.tp.allreduce(sq_tp.reshape(1), op="sum")[0]
         if self.pp is not None:
             sq = self.pp.allreduce(sq.reshape(1), op="sum")[0]
-        norm = float(sq.sqrt())
+        norm = sq.sqrt()
         limit = self.cfg.optim.grad_clip
-        if limit > 0 and norm > limit:
-            scale = limit / (norm + 1e-6)
+        if limit > 0:
+            scale = (limit / (norm + 1e-6)).clamp(max=1.0)
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
         return norm
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Loss (mean over this rank's tokens, or over dp x pp under a pipeline) after filling ``.grad``."""
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | float:
+        """Loss (mean over this rank's tokens, or over dp x pp under a pipeline) after filling ``.grad``: a
+        detached tensor on the model's device (read on the host once per step), or a float from a pipeline."""
         if self.hybrid is not None:
             return self.hybrid.train_step(x, y, self.tm.loss_fn)
         if self.reducer is not None:
@@ -736,14 +756,14 @@ class Trainer:
         if self.reducer is not None:
             self.reducer.prepare(loss)  # a tensor this loss cannot reach does not hold back its bucket
         loss.backward()
-        return self._as_mean(float(loss.detach()))
+        return self._as_mean(loss.detach())
 
     @property
     def _sp_share(self) -> bool:
         """The whole-model loss is this rank's share of the sequence mean (sum over sp), not a local mean."""
         return self.tm.sp_sum and self.hybrid is None
 
-    def _as_mean(self, loss: float) -> float:
+    def _as_mean(self, loss):
         # A share of the sequence mean times sp is this rank's local mean (equal token counts per sp rank),
         # so averaging over all ranks gives the global mean either way.
         return loss * self.cfg.mesh.sp if self._sp_share else loss
@@ -799,8 +819,7 @@ class Trainer:
             sync_s = self.sync_grads()
             gnorm = self.clip()
             self.update()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            loss, gnorm = _host_floats(loss, gnorm)  # the step's one read of device values (waits for it)
             step_s = time.perf_counter() - t0
             after, saved1, off1 = _wire_bytes(), _saved_bytes(), _offload_bytes()
             zero_s = zero_stats()["exposed_comm_s"] - zero0  # ZeRO: time blocked on gathers and reduce-scatters

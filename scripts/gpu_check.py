@@ -2,6 +2,8 @@
 
     python scripts/gpu_check.py            # prints one line per check, exits non-zero on the first failure
 
+``make test-gpu`` runs it too (tests/gpu/test_cuda.py).
+
 1. **Hand-off to a CUDA-aware MPI waits for the producing stream.** With the direct path forced on, a tensor
    whose producing kernel is still queued (``torch.cuda._sleep`` then a fill, on the current stream, also
    inside ``with torch.cuda.stream(side)``) is handed to ``loom.comm.buffers.as_bytes``/``as_send``; right
@@ -26,11 +28,21 @@ import sys
 
 import torch
 
-SLEEP_CYCLES = 200_000_000  # ~0.1 s of GPU time: long enough to observe a stream that is still busy
+SLEEP_CYCLES = 2_000_000_000  # about a second of GPU time (2 GHz): a stream stays visibly busy
+_WARM: list[bool] = []
 
 
 def _queued(fill: float, n: int = 1 << 20) -> torch.Tensor:
-    """A tensor whose producing kernels are still queued on the current stream."""
+    """A tensor whose producing kernels are still queued on the current stream.
+
+    The first launch of a kernel loads its module (CUDA's lazy loading), which can wait for the device: the
+    kernels run once beforehand, so the queued ones below are still running when the caller looks.
+    """
+    if not _WARM:
+        torch.cuda._sleep(1000)
+        torch.empty(n, device="cuda").fill_(0.0)
+        torch.cuda.synchronize()
+        _WARM.append(True)
     t = torch.empty(n, device="cuda")
     torch.cuda._sleep(SLEEP_CYCLES)
     return t.fill_(fill)

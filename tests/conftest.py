@@ -11,3 +11,11 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "root" in item.keywords:
                 item.add_marker(skip_root)
+    cuda = [item for item in items if "cuda" in item.keywords]
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            skip_cuda = pytest.mark.skip(reason="needs a CUDA device (torch sees none): the GPU tier, make test-gpu")
+            for item in cuda:
+                item.add_marker(skip_cuda)

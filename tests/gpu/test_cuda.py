@@ -1,0 +1,34 @@
+"""The GPU tier (``make test-gpu``): loom on a real CUDA device, skipped where torch sees none.
+
+Two ranks share the machine's GPU(s) (each binds ``cuda:local_rank % device_count``). The rank-side checks are
+``check_comm_cuda.py`` and ``check_train_cuda.py`` in this folder; ``scripts/gpu_check.py`` runs as one process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from loom.testing import ROOT, assert_all_checks_passed, run_ranks
+
+pytestmark = [pytest.mark.cuda, pytest.mark.mpi]
+
+
+def test_comm_on_cuda_tensors():
+    script = "tests/gpu/check_comm_cuda.py"
+    assert_all_checks_passed(run_ranks(2, script, timeout=180), script)
+
+
+def test_train_meshes_on_cuda_match_cpu_and_checkpoints_move():
+    script = "tests/gpu/check_train_cuda.py"
+    assert_all_checks_passed(run_ranks(2, script, timeout=420), script)
+
+
+def test_gpu_check_script():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py")], capture_output=True, text=True,
+                          timeout=180, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("PASS ") == 5, proc.stdout

@@ -1,0 +1,99 @@
+"""Device binding (``loom.comm.local_device``) and the CPU device-consistency check (``loom.testing.device_check``).
+
+The CUDA side is mocked here (no GPU); ``make test-gpu`` runs it for real (tests/gpu)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from loom.comm import devices, local_device, local_rank, resolve_device
+from loom.testing import DeviceCheckError, device_check
+from loom.train import checkpoint as ckpt
+from loom.train.trainer import _host_floats
+
+_LAUNCH_VARS = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMIX_RANK",
+                "PMIX_SIZE", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID")
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    for v in _LAUNCH_VARS:
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr(devices, "_BOUND", None)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("env, want", [
+    ({}, 0),
+    ({"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1"}, 1),               # MPICH / Hydra
+    ({"OMPI_COMM_WORLD_RANK": "6", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "2"}, 2),
+    ({"PMI_RANK": "3", "PMI_SIZE": "4"}, 3),                                           # no local rank: one node
+])
+def test_local_rank_comes_from_the_launcher(launcher, env, want):
+    for k, v in env.items():
+        launcher.setenv(k, v)
+    assert local_rank() == want
+
+
+def test_cuda_binds_local_rank_modulo_the_gpus(launcher):
+    bound = []
+    launcher.setattr(torch.cuda, "is_available", lambda: True)
+    launcher.setattr(torch.cuda, "device_count", lambda: 2)
+    launcher.setattr(torch.cuda, "set_device", bound.append)
+    launcher.setenv("PMI_RANK", "3")
+    launcher.setenv("PMI_SIZE", "4")
+    launcher.setenv("MPI_LOCALRANKID", "3")
+    assert local_device("cuda") == torch.device("cuda", 1)       # 4 local ranks share 2 GPUs
+    assert local_device("cuda") == torch.device("cuda", 1) and bound == [torch.device("cuda", 1)]  # bound once
+    assert resolve_device("auto") == torch.device("cuda", 1)
+    assert local_device("cuda:0") == torch.device("cuda", 0) and bound[-1] == torch.device("cuda", 0)
+
+
+def test_cpu_and_bad_devices(launcher):
+    assert local_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == resolve_device(None) == torch.device("cpu")
+        with pytest.raises(ValueError, match="torch sees no CUDA device.*use 'cpu'"):
+            local_device("cuda")
+    with pytest.raises(ValueError, match="'meta'.*'cpu' or 'cuda'"):
+        local_device("meta")
+
+
+def _module(tmp_path, body: str):
+    path = tmp_path / "lib_under_check.py"
+    path.write_text("import torch\n\n\n" + body)
+    spec = importlib.util.spec_from_file_location("lib_under_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_device_check_flags_a_factory_without_device_in_library_code(tmp_path):
+    mod = _module(tmp_path, "def bad(g):\n    return g + torch.zeros(g.shape)\n\n\n"
+                            "def good(g):\n"
+                            "    return g + torch.zeros(g.shape, device=g.device) + g.new_zeros(g.shape)\n")
+    g = torch.ones(3)
+    with device_check(roots=(tmp_path,)):
+        assert torch.equal(mod.good(g), g)
+        torch.zeros(2)  # this test file is not under the checked roots
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))])  # torch's own factory calls are not checked
+        opt.param_groups[0]["params"][0].grad = torch.ones(2)
+        opt.step()
+        with pytest.raises(DeviceCheckError, match=r"lib_under_check.py:5: torch.zeros\(\) without device="):
+            mod.bad(g)
+    assert torch.equal(mod.bad(g), g)  # outside the context nothing is checked
+
+
+def test_host_floats_reads_tensors_once_and_passes_floats():
+    assert _host_floats(torch.tensor(1.5), 2.0, torch.tensor([3.0], dtype=torch.float64)) == [1.5, 2.0, 3.0]
+    assert _host_floats(4.0) == [4.0]
+
+
+def test_rng_of_a_cpu_run_has_no_cuda_state():
+    state = ckpt.capture_rng(torch.device("cpu"))
+    assert "cuda" not in state
+    ckpt.restore_rng({**state, "cuda": torch.zeros(8, dtype=torch.uint8)}, torch.device("cpu"))  # ignored on CPU

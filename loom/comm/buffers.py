@@ -142,7 +142,7 @@ def reduction_dtype(x: Buffer):
 # again before the copies that still read it are done: its event), on a side stream that first waits for the
 # tensor's stream (the kernels that produce it); host -> device copies of results run on that stream and the
 # caller's stream waits for them on the device, not on the host. Casts (bf16 -> fp32 for a sum) happen on the
-# device before staging. ``Communicator.allreduce`` pipelines large tensors piece by piece (see ``staged_pieces``).
+# device before staging. ``Communicator.allreduce`` pipelines large tensors piece by piece (``staged_allreduce``).
 
 STAGE_PIECE = 4 << 20
 """Bytes per piece of a pipelined staged allreduce (copy piece i+1 while MPI reduces piece i)."""
@@ -173,7 +173,7 @@ class _Pinned:
 
 _PINNED = _Pinned()
 _STREAMS: dict[Any, Any] = {}
-_PENDING: dict[int, Any] = {}  # id(host view) -> event of the last copy that reads it
+_PENDING: dict[int, Any] = {}  # id(pooled host view) -> event of the last copy that reads it, or None
 
 
 def _side_stream(device: torch.device, which: int = 0):
@@ -201,7 +201,12 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     buf = _PINNED.take(nbytes)
     view = buf[:nbytes].view(dtype).reshape(shape)
     key = id(view)
-    weakref.finalize(view, lambda: _PINNED.give(buf, _PENDING.pop(key, None)))
+    _PENDING[key] = None
+
+    def back():
+        _PINNED.give(buf, _PENDING.pop(key, None))
+
+    weakref.finalize(view, back)
     return view
 
 
@@ -230,7 +235,8 @@ def to_device(host: torch.Tensor, device: torch.device, out: torch.Tensor | None
         ev.record(side)
     cur.wait_event(ev)
     dev.record_stream(side)
-    _PENDING[id(host)] = ev
+    if id(host) in _PENDING:  # a pooled buffer: not handed out again before this copy has read it
+        _PENDING[id(host)] = ev
     return dev
 
 

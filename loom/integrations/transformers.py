@@ -368,7 +368,7 @@ class PositionHolder:
     def ids(self, s: int, device: Any) -> torch.Tensor:
         """``[1, s]`` positions: the set layout, or ``0..s-1`` when none is set."""
         if self._ids is None or self._ids.shape[1] != s:
-            v = self._value if self._value is not None and self._value.numel() == s else torch.arange(s)
+            v = self._value if self._value is not None and self._value.numel() == s else torch.arange(s, device=device)
             self._ids = v.reshape(1, s).to(device)
         return self._ids
 

@@ -318,7 +318,7 @@ class GradReducer:
         t0 = time.perf_counter()
         posted_in_backward = self._next
         tests = self.live["tests"]  # before finish
-        used = torch.tensor(self._used, dtype=torch.int32)
+        used = torch.tensor(self._used, dtype=torch.int32, device="cpu")
         self.armed = False
         while self._next < len(self.buckets):
             self._launch(self._next)

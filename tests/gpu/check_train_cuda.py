@@ -38,7 +38,8 @@ BASE = {
 MOE = {"model": {"ffn": "moe", "experts": 4, "top_k": 2}}
 
 
-def _meshes(p: int, rank: int) -> list[tuple[str, dict, float]]:
+def _meshes(comm) -> list[tuple[str, dict, float]]:
+    p = comm.size
     out = [("dp", {"mesh": {"dp": p}}, LOSS_RTOL),
            ("sp ulysses", {"mesh": {"sp": p}}, LOSS_RTOL),
            ("sp fpdt offload", {"mesh": {"sp": p}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}},
@@ -54,9 +55,11 @@ def _meshes(p: int, rank: int) -> list[tuple[str, dict, float]]:
         from transformers import LlamaConfig
     except ImportError:
         return out
-    path = os.path.join(tempfile.gettempdir(), f"loom-gpu-hf-{os.getuid()}-{rank}.json")
-    LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, max_position_embeddings=128).to_json_file(path)
+    path = _dir(comm, "llama.json")
+    if comm.rank == 0:
+        LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, max_position_embeddings=128).to_json_file(path)
+    comm.barrier()
     out.append(("hf llama sp", {"model": {"hf_config": path}, "mesh": {"sp": p}}, LOSS_RTOL))
     return out
 
@@ -84,7 +87,7 @@ def _close(a: float, b: float, rtol: float) -> bool:
 
 def check_meshes_on_cuda_match_cpu(comm):
     bad = []
-    for name, extra, rtol in _meshes(comm.size, comm.rank):
+    for name, extra, rtol in _meshes(comm):
         cpu = Trainer(_cfg("cpu", extra), comm, out=_dir(comm, f"{name}-cpu"), quiet=True).run()
         tr = Trainer(_cfg("cuda", extra), comm, out=_dir(comm, f"{name}-cuda"), quiet=True)
         assert tr.device.type == "cuda" and all(p.is_cuda for p in tr.params), name

@@ -4,8 +4,9 @@ A tensor the library makes without ``device=`` during a training step is a host 
 model's CUDA tensors there (``Trainer.clip`` crashed so at step 1 on every mesh). On the CPU that meeting is legal,
 so the check makes the factory call itself an error (see ``device_check``). Every mesh ``loom train`` runs (dp,
 sp with Ulysses and with FPDT + offload, pp, ep with MoE with and without ``[multipath]``, the compression
-policies, ZeRO stage 1) trains two steps, evaluates, checkpoints and resumes inside it; the losses are those of
-the same run without the check (the check changes no value: equal bit for bit).
+policies, ZeRO stage 1, a transformers model when transformers is installed) trains two steps, evaluates,
+checkpoints and resumes inside it; the losses are those of the same run without the check (the check changes
+no value: equal bit for bit).
 """
 
 from __future__ import annotations
@@ -33,11 +34,26 @@ HYBRID = {"compress": {"policy": "hybrid", "min_kb": 0, "bucket_mb": 0.05}}
 NAIVE = {"compress": {"policy": "naive", "min_kb": 0, "bucket_mb": 0.05}}
 
 
-def _meshes(p: int) -> list[dict]:
+def _hf(comm, root: str) -> list[dict]:
+    """A tiny transformers Llama (from a config: nothing downloaded) under sp, when transformers is installed."""
+    try:
+        from transformers import LlamaConfig
+    except ImportError:
+        return []
+    path = os.path.join(root, "llama.json")
+    if comm.rank == 0:
+        LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, max_position_embeddings=128).to_json_file(path)
+    comm.barrier()
+    return [{"model": {"hf_config": path}}]
+
+
+def _meshes(comm, root: str) -> list[dict]:
     """Every mesh of ``p`` ranks that the step takes a different path through (one rank: the model variants)."""
+    p = comm.size
     if p == 1:
         return [{}, MOE, FPDT, HYBRID, {"zero": {"stage": 1}}]
-    return [{"mesh": {"dp": p}},
+    return [*[{**hf, "mesh": {"sp": p}} for hf in _hf(comm, root)],{"mesh": {"dp": p}},
             {"mesh": {"sp": p}},
             {**FPDT, "mesh": {"sp": p}},
             {"mesh": {"pp": p}, "data": {"micro_batches": 2}},
@@ -65,22 +81,26 @@ def _run(comm, extra: dict, out: str, *, checked: bool, resume: bool = False, un
         return tr.run(until)
 
 
+_ROOT: list[str] = []
+
+
 def check_train_steps_make_tensors_on_their_device(comm):
-    root = comm.bcast_object(tempfile.mkdtemp(prefix="loom-devices-") if comm.rank == 0 else None)
-    try:
-        for i, extra in enumerate(_meshes(comm.size)):
-            out = os.path.join(root, f"run{i}")
-            plain = _run(comm, extra, out + "-plain", checked=False)
-            # Interrupted after step 1, then resumed inside the check: the load path runs under it too.
-            _run(comm, extra, out, checked=True, until=1)
-            recs = _run(comm, extra, out, checked=True, resume=True)
-            assert [r["step"] for r in recs] == [2], (extra, recs)
-            got, want = recs[-1]["loss"], plain[-1]["loss"]
-            assert math.isfinite(got) and got == want, (extra, got, want)
-    finally:
-        comm.barrier()
-        if comm.rank == 0:
-            shutil.rmtree(root, ignore_errors=True)
+    _ROOT.append(comm.bcast_object(tempfile.mkdtemp(prefix="loom-devices-") if comm.rank == 0 else None))
+    for i, extra in enumerate(_meshes(comm, _ROOT[0])):
+        out = os.path.join(_ROOT[0], f"run{i}")
+        plain = _run(comm, extra, out + "-plain", checked=False)
+        # Interrupted after step 1, then resumed inside the check: the load path runs under it too.
+        _run(comm, extra, out, checked=True, until=1)
+        recs = _run(comm, extra, out, checked=True, resume=True)
+        assert [r["step"] for r in recs] == [2], (extra, recs)
+        got, want = recs[-1]["loss"], plain[-1]["loss"]
+        assert math.isfinite(got) and got == want, (extra, got, want)
+
+
+def check_cleanup(comm):
+    comm.barrier()
+    if comm.rank == 0 and _ROOT:
+        shutil.rmtree(_ROOT[0], ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -766,21 +766,25 @@ class Trainer:
     def _as_mean(self, loss):
         # A share of the sequence mean times sp is this rank's local mean (equal token counts per sp rank),
         # so averaging over all ranks gives the global mean either way.
+        # A tensor is widened first: the product is then the one float(loss) * sp gives on the host.
+        if isinstance(loss, torch.Tensor):
+            loss = loss.to(torch.float64)
         return loss * self.cfg.mesh.sp if self._sp_share else loss
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean held-out loss over ``train.eval_batches`` fixed batches, averaged over all ranks."""
         self.model.eval()
-        tot = 0.0
+        parts = []  # device scalars, read on the host together
         for k in range(self.cfg.train.eval_batches):
             x, y = self.local_batch(self.corpus.heldout, k, stream_id=1)
             if self.hybrid is not None:
-                tot += self.hybrid.eval_step(x, y, self.tm.loss_fn)
+                parts.append(self.hybrid.eval_step(x, y, self.tm.loss_fn))
             elif self.sdp is not None:
-                tot += self._as_mean(float(self.sdp.call(self.tm.loss, x, y)))
+                parts.append(self._as_mean(self.sdp.call(self.tm.loss, x, y)))
             else:
-                tot += self._as_mean(float(self.tm.loss(x, y)))
+                parts.append(self._as_mean(self.tm.loss(x, y)))
+        tot = sum(_host_floats(*parts)) if parts else 0.0
         self.model.train()
         return self.comm.allreduce_object(tot / self.cfg.train.eval_batches) / self.comm.size
 

@@ -132,10 +132,10 @@ class TensorParallelLlama(Llama):
 
         total = chunked_map(fn, h, self.cfg.loss_chunks, [self.head.weight, self.norm.weight], reduce="sum",
                             what="loss_chunks")
-        count = torch.tensor([float((targets != ignore_index).sum())], dtype=torch.float64)
+        count = (targets != ignore_index).sum(dtype=torch.float64).reshape(1)  # on the device: no host sync
         if self.sp is not None and self.sp.size > 1:  # Ulysses: a share of the whole sequence's mean
             count = self.sp.allreduce(count)
-        return total / max(float(count[0]), 1.0)
+        return total / count.clamp(min=1.0).to(total.dtype)[0]
 
     def init_parameter(self, name: str, tensor: torch.Tensor) -> None:
         raise RuntimeError("a tensor-parallel Llama cannot re-initialise a parameter slice by name; build and "

@@ -57,6 +57,8 @@ def _meshes(comm, root: str) -> list[dict]:
             {"mesh": {"sp": p}},
             {**FPDT, "mesh": {"sp": p}},
             {"mesh": {"pp": p}, "data": {"micro_batches": 2}},
+            {"mesh": {"tp": p}},
+            {"mesh": {"tp": p, "tp_sequence_parallel": True}},
             {**MOE, "mesh": {"ep": p}},
             {**MOE, "mesh": {"ep": p}, "multipath": {"enabled": True, "topology": "shm", "min_bytes": 0}},
             {**HYBRID, "mesh": {"dp": p}},

@@ -404,10 +404,10 @@ class Config:
         """Tensor parallelism composes with dp (ZeRO stage 0-1 over dp) and Ulysses sp today; other axes are
         refused."""
         m, mesh, tp = self.model, self.mesh, self.mesh.tp
-        for axis in ("pp", "ep"):
-            n = getattr(mesh, axis)
-            _need(n == 1, f"mesh.tp = {tp} with mesh.{axis} = {n}: tensor parallelism composes with mesh.dp and "
-                          f"mesh.sp (Ulysses) only so far; use mesh.{axis} = 1 (or mesh.tp = 1)")
+        _need(mesh.ep == 1, f"mesh.tp = {tp} with mesh.ep = {mesh.ep}: tensor parallelism composes with mesh.dp, "
+                            f"mesh.pp and mesh.sp (Ulysses) only so far; use mesh.ep = 1 (or mesh.tp = 1)")
+        _need(mesh.pp == 1 or mesh.sp == 1, f"mesh.tp = {tp} with mesh.pp = {mesh.pp} and mesh.sp = {mesh.sp}: "
+                                            f"tp composes with pp or with sp, not yet both; set one of them to 1")
         _need(self.zero.stage == 0 or self.zero.stage == 1 and self.zero.axes == ["dp"],
               f"mesh.tp = {tp} with zero.stage = {self.zero.stage} over {self.zero.axes}: ZeRO stages 2-3 (and "
               f"stage 1 over sp) do not handle tp-split parameters yet; use zero.stage = 0, or 1 with zero.axes = "

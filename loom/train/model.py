@@ -101,6 +101,16 @@ def _mean_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, y.reshape(-1))
 
 
+def _vocab_parallel_mean_ce(tp, vocab_start: int):
+    """The pipeline loss on vocabulary-split logits (a tp LM head): the mean over the micro-batch's tokens."""
+    from ..parallel.tensor import vocab_parallel_cross_entropy
+
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, y, tp, vocab_start, reduction="mean")
+
+    return loss_fn
+
+
 class TrainModel:
     """What the trainer drives: the module that owns the parameters, a pipeline view, the loss.
 
@@ -175,4 +185,8 @@ def build_model(cfg: Config, *, sp_comm=None, ep_comm=None, dtype: torch.dtype =
         except ValueError as exc:
             raise ConfigError(f"mesh.tp = {tp.size}: {exc}") from None
     pos = Positions()
+    if tp is not None and tp.size > 1:
+        tm = TrainModel(module, StageView(module, pos), pos, sp_sum=sp > 1)
+        tm.loss_fn = _vocab_parallel_mean_ce(tp, module.head.out_start)  # the pipeline's last stage: split logits
+        return tm
     return TrainModel(module, StageView(module, pos), pos, sp_sum=sp > 1)

@@ -21,11 +21,13 @@ Step plan (every rank, mesh ``dp x pp x ep x sp x tp``, ``tp`` fastest):
    ``ep``) through the compression policy's dp hook (``hook(bucket, comm, index) -> mean``), or
    ``allreduce(op="avg")`` without one. Equal shard sizes make the mean of local means the global mean, so
    any mesh matches one rank up to summation order (and codec error).
-   Tensor parallelism (``mesh.tp``, with dp and Ulysses sp): the model is built whole and split in place
+   Tensor parallelism (``mesh.tp``, with dp, Ulysses sp or pp): the model is built whole and split in place
    (:func:`loom.models.parallelize.parallelize_llama`); the ``tp`` ranks of a replica take the same rows,
    their activation allreduces run inside autograd (the policy's ``tp`` codec), and no gradient is reduced
    over tp (split parameters hold their slice's gradient, replicated ones the same on every tp rank).
-   Checkpoints hold whole tensors (slices gathered over tp) and ``--resume`` slices them again.
+   Checkpoints hold whole tensors (slices gathered over tp) and ``--resume`` slices them again. Under a
+   pipeline the stages are cut from the config (the same on every tp rank, whose slices may differ by a
+   row) and the last stage's loss is the vocabulary-parallel cross-entropy.
 4. **Update.** Global-norm clipping (norm summed over pipeline stages, expert shards and tp slices), AdamW
    with the warm-up + cosine learning rate of this step.
 
@@ -246,8 +248,8 @@ class Trainer:
                              **({"min_bytes": self.policy.min_bytes} if self.policy is not None else {}),
                              sequence_parallel=cfg.mesh.tp_sequence_parallel)
         self.tm = build_model(cfg, sp_comm=sp_comm, ep_comm=ep_comm, dtype=self.master_dtype, device=self.device,
-                              meta=self.pp is not None or cfg.zero.stage == 3 and not cfg.multipath.enabled,
-                              tp=tp_link)
+                              meta=(self.pp is not None or cfg.zero.stage == 3 and not cfg.multipath.enabled)
+                              and self.tp is None, tp=tp_link)  # tp slices a whole build
         if cfg.multipath.enabled and ep_comm is not None:  # [multipath]: expert all-to-allv over planned paths
             from ..parallel.moe import use_multipath
 
@@ -415,9 +417,14 @@ class Trainer:
     def _make_hybrid(self) -> HybridParallel:
         cfg = self.cfg
         schedule = cfg.mesh.schedule
+        balance: Any = "params"
+        if self.tp is not None:  # tp ranks hold uneven slices: split by the config, the same on every tp rank
+            from .memory import stage_split
+
+            balance = [hi - lo for lo, hi in stage_split(cfg)]
         try:
             return HybridParallel(self.tm.pipeline, partitions=cfg.mesh.pp, replicas=cfg.mesh.dp,
-                                  micro_batches=cfg.data.micro_batches, schedule=schedule, balance="params",
+                                  micro_batches=cfg.data.micro_batches, schedule=schedule, balance=balance,
                                   mesh=self.mesh, grad_hook=self.hook, compression=self.policy,
                                   bucket_mb=cfg.compress.bucket_mb, device=self.device, dtype=self.master_dtype,
                                   reduce_dp=cfg.zero.stage < 2)

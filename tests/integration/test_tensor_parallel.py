@@ -54,7 +54,7 @@ def test_tp2_job_matches_one_rank_and_resumes_at_tp1(tmp_path):
 
 @pytest.mark.parametrize("override, words", [
     ("--model.kv_heads=1", ["model.kv_heads = 1 is not divisible by mesh.tp = 2", "choose mesh.tp dividing"]),
-    ("--mesh.pp=2", ["mesh.tp = 2 with mesh.pp = 2", "use mesh.pp = 1"]),
+    ("--mesh.ep=2", ["mesh.tp = 2 with mesh.ep = 2", "use mesh.ep = 1"]),
     ("--zero.stage=3", ["mesh.tp = 2 with zero.stage = 3", "use zero.stage = 0, or 1 with zero.axes"]),
 ])
 def test_tp_refusals_exit_2(tmp_path, override, words):

@@ -408,10 +408,10 @@ class Config:
                             f"mesh.pp and mesh.sp (Ulysses) only so far; use mesh.ep = 1 (or mesh.tp = 1)")
         _need(mesh.pp == 1 or mesh.sp == 1, f"mesh.tp = {tp} with mesh.pp = {mesh.pp} and mesh.sp = {mesh.sp}: "
                                             f"tp composes with pp or with sp, not yet both; set one of them to 1")
-        _need(self.zero.stage == 0 or self.zero.stage == 1 and self.zero.axes == ["dp"],
-              f"mesh.tp = {tp} with zero.stage = {self.zero.stage} over {self.zero.axes}: ZeRO stages 2-3 (and "
-              f"stage 1 over sp) do not handle tp-split parameters yet; use zero.stage = 0, or 1 with zero.axes = "
-              f"[\"dp\"] (or mesh.tp = 1)")
+        _need(self.zero.stage == 0 or self.zero.axes == ["dp"] and (self.zero.stage == 1 or mesh.pp == mesh.sp == 1),
+              f"mesh.tp = {tp} with zero.stage = {self.zero.stage} over {self.zero.axes}: with tp, ZeRO shards over "
+              f"dp only (zero.axes = [\"dp\"]), and stages 2-3 not yet with mesh.pp or mesh.sp; use zero.stage = 0 "
+              f"or 1, or set mesh.pp = mesh.sp = 1 (or mesh.tp = 1)")
         _need(not (m.hf or m.hf_config), f"mesh.tp = {tp} with a transformers model (model.hf): tensor "
                                          f"parallelism splits loom's Llama only; use mesh.tp = 1")
         _need(m.ffn != "moe", f"mesh.tp = {tp} with model.ffn = 'moe' is not implemented; use 'swiglu' or 'gelu'")

@@ -27,7 +27,9 @@ Step plan (every rank, mesh ``dp x pp x ep x sp x tp``, ``tp`` fastest):
    over tp (split parameters hold their slice's gradient, replicated ones the same on every tp rank).
    Checkpoints hold whole tensors (slices gathered over tp) and ``--resume`` slices them again. Under a
    pipeline the stages are cut from the config (the same on every tp rank, whose slices may differ by a
-   row) and the last stage's loss is the vocabulary-parallel cross-entropy.
+   row) and the last stage's loss is the vocabulary-parallel cross-entropy. ZeRO 2-3 (dp x tp only): each
+   tp rank shards its slices over dp (its own directory of shard files); the clipping norm sums the
+   tp-split elements' squares over tp as well.
 4. **Update.** Global-norm clipping (norm summed over pipeline stages, expert shards and tp slices), AdamW
    with the warm-up + cosine learning rate of this step.
 
@@ -378,6 +380,8 @@ class Trainer:
 
         if self.stages > 1:  # one ZeRO layout per pipeline stage
             zero_dir = zero_dir / f"stage{self.stage}"
+        if self.tp is not None:  # each tp rank shards its own slices over dp
+            zero_dir = zero_dir / f"tp{self.tp_rank}"
         split = self.sp is not None and "sp" not in self.cfg.zero.axes
         if write:
             return zero_dir / f"sp{self.sp_rank}" if split else zero_dir
@@ -546,6 +550,8 @@ class Trainer:
             zero_dir = ckpt.zero_path(self.ckpt_dir, step)
             self.sdp.save_sharded(self._zero_files(zero_dir, write=True), self.opt)
             model = self.full_parameters()
+            if self.tp is not None:  # whole tensors in the stage file (collective over tp)
+                model = {n: self._gather(n, t) for n, t in model.items()}
             optim = None
         sharded = self.opt.state_dict() if self.cfg.zero.stage == 1 else None  # collective over the zero axes
         if self.dp_rank == 0 and self.sp_rank == 0 and self.sdp is None:
@@ -688,10 +694,32 @@ class Trainer:
             sh.grad = self.sp.allreduce(sh.grad, op=op)
         return time.perf_counter() - t0
 
+    def _tp_masks(self) -> list[torch.Tensor]:
+        """Per flat shard: which of its elements belong to tp-split parameters (their squares add up over tp)."""
+        named = dict(self.model.named_parameters())
+        split = {id(named[n]) for n in self._tp_dims}
+        out = []
+        r = self.sdp.comm.rank
+        for b in self.sdp.buckets:
+            mask = torch.zeros(b.padded, dtype=torch.bool)
+            for p, off in zip(b.params, b.offsets):
+                mask[off:off + p.numel()] = id(p) in split
+            out.append(mask[r * b.shard:(r + 1) * b.shard].to(self.device))
+        return out
+
     def _sharded_clip(self) -> float:
         grads = [sh.grad for sh in self.sdp.shards]
-        sq = sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=self.device))
-        sq = self.sdp.comm.allreduce(sq.reshape(1), op="sum")
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.tp is not None:  # tp slices' squares add up over tp, replicated ones count once
+            if not hasattr(self, "_tp_mask"):
+                self._tp_mask = self._tp_masks()
+            sq_tp = sum((g[m].double().pow(2).sum() for g, m in zip(grads, self._tp_mask)), zero)
+            sq_rep = sum((g[~m].double().pow(2).sum() for g, m in zip(grads, self._tp_mask)), zero)
+            sq = self.sdp.comm.allreduce(torch.stack([sq_rep, sq_tp]), op="sum")
+            sq = (sq[0] + self.tp.allreduce(sq[1:], op="sum")[0]).reshape(1)
+        else:
+            sq = sum((g.double().pow(2).sum() for g in grads), zero)
+            sq = self.sdp.comm.allreduce(sq.reshape(1), op="sum")
         if self.pp is not None:  # every stage's shards
             sq = self.pp.allreduce(sq, op="sum")
         norm = float(sq[0].sqrt())

@@ -369,6 +369,8 @@ def _train_meshes(p: int) -> list[dict]:
     if p == 4:
         kv = {"model": {"kv_heads": 2}}
         return [{**kv, "mesh": {"dp": 2, "tp": 2}}, {**kv, "mesh": {"dp": 2, "tp": 2}, "zero": {"stage": 1}},
+                {**kv, "mesh": {"dp": 2, "tp": 2}, "zero": {"stage": 2}},
+                {**kv, "mesh": {"dp": 2, "tp": 2}, "zero": {"stage": 3, "bucket_mb": 0.01}},
                 {"mesh": {"sp": 2, "tp": 2}, "model": {"heads": 4, "kv_heads": 2}},  # Ulysses: 1 kv head, 2 sp
                 {**kv, "mesh": {"pp": 2, "tp": 2}, "data": {"micro_batches": 2}},
                 {**kv, "mesh": {"pp": 2, "tp": 2, "tp_sequence_parallel": True}, "data": {"micro_batches": 2},
@@ -401,33 +403,36 @@ def check_train_tp_matches_one_rank(comm):
         for axis, n in extra["mesh"].items():
             if isinstance(n, int) and not isinstance(n, bool) and n > 1:
                 assert recs[-1]["bytes"].get(axis, {}).get("wire", 0) > 0, (extra, axis, recs[-1]["bytes"])
-        named, mine = dict(ref.model.named_parameters()), dict(tr.model.named_parameters())
+        named = dict(ref.model.named_parameters())
+        mine = tr.full_parameters() if tr.sdp is not None else dict(tr.model.named_parameters())  # ZeRO: gathered
         assert tr.param_names, "this rank trains no parameters"
         for n in tr.param_names:  # under a pipeline: this rank's stage
-            err = float((mine[n].detach() - tr._my_shard(n, named[n].detach())).abs().max())
+            err = float((mine[n].detach() - tr._my_shard(n, named[n].detach()).to(mine[n].device)).abs().max())
             assert err < 1e-9, (extra, n, err)
 
 
 def check_train_tp_resume_is_bit_exact(comm):
     """Checkpoints gather the tp slices into whole tensors; --resume slices them again: a run stopped after
     step 2 and resumed ends bit for bit where the uninterrupted one does (fp32; uneven vocabulary at tp 2-3,
-    pp x tp = 2 x 2 with Megatron-SP at 4 ranks: one file per stage, its slices gathered over tp)."""
+    at 4 ranks ZeRO-3 over dp in dp x tp (one directory of shard files per tp rank) and pp x tp with
+    Megatron-SP (one file per stage, its slices gathered over tp))."""
     from loom.train.trainer import Trainer
 
     meshes = _train_meshes(comm.size)
     if not meshes:
         return
-    extra = {**meshes[-1], "train": {"dtype": "float32"}, "checkpoint": {"every": 2}}
-    full = Trainer(_train_cfg(TRAIN, extra), comm, out=_tmp(comm, "full"), quiet=True)
-    full.run()
-    cut = Trainer(_train_cfg(TRAIN, extra), comm, out=_tmp(comm, "cut"), quiet=True)
-    cut.run(until=2)
-    again = Trainer(_train_cfg(TRAIN, extra), comm, out=_tmp(comm, "cut"), quiet=True, resume=True)
-    assert again.start_step == 2
-    again.run()
-    a, b = dict(full.model.named_parameters()), dict(again.model.named_parameters())
-    for n in a:
-        assert torch.equal(a[n], b[n]), f"{n} differs after resume"
+    for k, mesh in enumerate(meshes[-1:] if comm.size < 4 else [meshes[3], meshes[-1]]):
+        extra = {**mesh, "train": {"dtype": "float32"}, "checkpoint": {"every": 2}}
+        full = Trainer(_train_cfg(TRAIN, extra), comm, out=_tmp(comm, f"full{k}"), quiet=True)
+        full.run()
+        cut = Trainer(_train_cfg(TRAIN, extra), comm, out=_tmp(comm, f"cut{k}"), quiet=True)
+        cut.run(until=2)
+        again = Trainer(_train_cfg(TRAIN, extra), comm, out=_tmp(comm, f"cut{k}"), quiet=True, resume=True)
+        assert again.start_step == 2
+        again.run()
+        a, b = full.full_parameters(), again.full_parameters()
+        for n in a:
+            assert torch.equal(a[n], b[n]), f"{n} differs after resume ({mesh})"
 
 
 def check_train_tp_compressed_loss_within_1_percent(comm):

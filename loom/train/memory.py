@@ -32,6 +32,12 @@ The prediction follows what the code keeps alive, term by term, for the most loa
     pipeline the last stage computes full logits.
   - a pipeline stage keeps the activations of its in-flight micro-batches: ``M`` under GPipe,
     ``min(pp - stage, M)`` under 1F1B.
+  - tensor parallelism (``mesh.tp = T``; not FPDT): what lives inside the tp regions (q/k/v, attention
+    output, ``wo``'s input, the FFN intermediates, their backward working set and the vocabulary-split
+    logits) divides by ``T``; the two norms' inputs and outputs (``4 h``) stay whole, or under Megatron-SP
+    (``mesh.tp_sequence_parallel``) divide by ``T`` while the two all-gathered norm outputs (``2 h``), which
+    the column-parallel layers save, stay whole. A formula of what the code keeps, not checked against a
+    measured tp peak.
 
 Peak = ``W + O + max(activations at the start of backward + the head's gradient, G + gradient-sync
 buckets, G + the optimizer's per-parameter temporaries)``: gradients grow while saved activations shrink,
@@ -159,6 +165,11 @@ def _block(cfg: Config, d: dict[str, int]) -> tuple[int, int, int]:
     e, t, h, kv = d["e"], d["t"], d["h"], d["kv"]
     plain = e * t * (9 * h + 2 * kv + _ffn_saved(cfg, d))
     work = e * t * (3 * h + 2 * d["F"])  # gradients of the widest intermediates while backpropagating
+    tp = getattr(cfg.mesh, "tp", 1)
+    if tp > 1:  # inside the tp regions: 1/tp; the norms' 4h whole, or 1/tp plus the 2h gathered (Megatron-SP)
+        whole = 4 * h // tp + 2 * h if cfg.mesh.tp_sequence_parallel else 4 * h
+        plain = e * t * (whole + (5 * h + 2 * kv + _ffn_saved(cfg, d)) // tp)
+        work = e * t * (3 * h + 2 * d["F"] // tp)
     s = cfg.sequence
     fpdt = s.algorithm == "fpdt" and cfg.mesh.sp > 1
     if fpdt:
@@ -182,6 +193,7 @@ def _loss(cfg: Config, d: dict[str, int], last: bool) -> tuple[int, int]:
     if not last:
         return 0, 0
     e, t, h, V = d["e"], d["t"], d["h"], d["V"]
+    V = -(-V // getattr(cfg.mesh, "tp", 1))  # vocabulary-split logits under tp
     f = 8 if e == 8 else 4  # the loss accumulates in fp32 (fp64 for fp64 models)
     fpdt = cfg.sequence.algorithm == "fpdt" and cfg.mesh.sp > 1
     chunks = 1 if cfg.mesh.pp > 1 else (cfg.sequence.chunks if fpdt else 1)

@@ -39,6 +39,8 @@ CONFIGS: dict[str, tuple[int, dict[str, dict[str, Any]]]] = {
     "sp=2 fpdt recompute": (2, {"mesh": {"sp": 2}, "sequence": {**_FPDT, "recompute": True}}),
     "pp=2 1f1b": (2, {"mesh": {"pp": 2}, "data": {"micro_batches": 2}}),
     "pp=2 gpipe": (2, {"mesh": {"pp": 2, "schedule": "gpipe"}, "data": {"micro_batches": 2}}),
+    "tp=2": (2, {"mesh": {"tp": 2}}),
+    "tp=2 megatron-sp": (2, {"mesh": {"tp": 2, "tp_sequence_parallel": True}}),
     "sp=4 fpdt offload": (4, {"mesh": {"sp": 4}, "sequence": _FPDT}),
     "dp=2 x sp=2 fpdt": (4, {"mesh": {"dp": 2, "sp": 2}, "sequence": _FPDT}),
 }

@@ -36,8 +36,7 @@ The prediction follows what the code keeps alive, term by term, for the most loa
     output, ``wo``'s input, the FFN intermediates, their backward working set and the vocabulary-split
     logits) divides by ``T``; the two norms' inputs and outputs (``4 h``) stay whole, or under Megatron-SP
     (``mesh.tp_sequence_parallel``) divide by ``T`` while the two all-gathered norm outputs (``2 h``), which
-    the column-parallel layers save, stay whole. A formula of what the code keeps, not checked against a
-    measured tp peak.
+    the column-parallel layers save, stay whole (``loom bench memory`` has ``tp=2`` configurations).
 
 Peak = ``W + O + max(activations at the start of backward + the head's gradient, G + gradient-sync
 buckets, G + the optimizer's per-parameter temporaries)``: gradients grow while saved activations shrink,

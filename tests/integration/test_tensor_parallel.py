@@ -63,3 +63,14 @@ def test_tp_refusals_exit_2(tmp_path, overrides, words):
     for w in words:
         assert w in proc.stderr, (w, proc.stderr)
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_dry_run_memory_model_predicts_the_tp_peak(tmp_path):
+    """`loom bench memory` at tp = 2, with and without Megatron-SP: the dry-run's prediction within 20 % of the
+    measured peak per rank (goal 15 %; memory only, so the loaded machine does not matter)."""
+    from loom.testing import run_bench
+
+    doc, text = run_bench(tmp_path, "memory", "--only", "tp=2", "tp=2 megatron-sp", "--seq-len", "512",
+                          ranks=2, timeout=300)
+    assert [r["Config"] for r in doc["rows"]] == ["tp=2", "tp=2 megatron-sp"], text
+    assert doc["meta"]["max_abs_error_pct"] <= 20, text

@@ -8,14 +8,24 @@ itself under the bundled ``mpiexec -n N``; inside a job (``mpiexec -n N loom ...
 command module with ``OWN_RANKS = True`` parses ``--ranks`` in its own parser and launches its ranks itself
 (``loom dask run``: the arguments of its script are not loom's). Shared flags and their one
 meaning each come from :mod:`loom.cli_args`.
+
+Ctrl-C (SIGINT) or SIGTERM stops a command with one line and exit code 130 / 143, never a traceback. With
+``--ranks N`` this process stops the whole job (:func:`loom.comm.launch.run`) and prints the line; on a rank
+(under ``--ranks N`` or a plain ``mpiexec``) the command unwinds (a run directory's lock is released; a
+checkpoint being written is dropped, the last complete one stays), rank 0 of a plain ``mpiexec`` job prints the
+line, and the rank leaves at once: finalizing MPI would wait on peers that may be inside a collective.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
+import threading
 
-from .cli_args import UsageError, pop_ranks
+from . import settings
+from .cli_args import UsageError, follower_wait, pop_ranks
 
 __all__ = ["main", "COMMANDS", "pop_ranks"]
 
@@ -38,12 +48,63 @@ def _inside_mpi() -> bool:
 
 
 def relaunch(ranks: int, argv: list[str]) -> int:
-    """Run ``loom argv`` on ``ranks`` local ranks with the bundled mpiexec; returns its exit code."""
+    """Run ``loom argv`` on ``ranks`` local ranks with the bundled mpiexec; returns its exit code (128 + the
+    signal when this process was interrupted: the job is stopped first)."""
     from .comm import launch
 
     env = {"LOOM_LAUNCHED": "1"}
-    proc = launch.run(ranks, [sys.executable, "-m", "loom.cli", *argv], env=env)
+    try:
+        proc = launch.run(ranks, [sys.executable, "-m", "loom.cli", *argv], env=env)
+    except launch.Interrupted as exc:
+        sys.stderr.write(f"loom {argv[0]}: interrupted by {signal.Signals(exc.signum).name}; "
+                         f"stopped its {ranks}-rank job\n")
+        return 128 + exc.signum
     return proc.returncode
+
+
+_caught: list[int] = []
+
+
+def _on_term(signum, frame):
+    _caught.append(signum)
+    raise KeyboardInterrupt
+
+
+def _run(name: str, module_name: str, rest: list[str]) -> int:
+    """The command's ``main(rest)``, with SIGTERM unwinding it as Ctrl-C does (main thread only)."""
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_term)
+    _caught.clear()
+    try:
+        return int(_module(module_name).main(rest) or 0)
+    except KeyboardInterrupt:
+        return _interrupted(name, _caught[-1] if _caught else signal.SIGINT)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupted(name: str, signum: int) -> int:
+    """One line (by rank 0, unless loom's launcher prints it), then exit code ``128 + signum``; a rank of a
+    job leaves at once."""
+    from .comm import launch
+
+    code = 128 + signum
+    inside = launch.inside_job()
+    launched = bool(settings.get("launched"))
+    if settings.launch_rank() == 0 and not launched:
+        sys.stderr.write(f"loom {name}: interrupted by {signal.Signals(signum).name}; stopped\n")
+    elif inside and not launched:
+        follower_wait(1.0)  # the launcher ends the job when rank 0 leaves: let rank 0's line out first
+    if not inside:
+        return code
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _usage() -> str:
@@ -73,12 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rest = _dispatch_ranks(name, _module(module_name), rest)
         except UsageError as exc:
-            print(f"loom {name}: error: {exc}", file=sys.stderr)
+            if settings.launch_rank() == 0:
+                print(f"loom {name}: error: {exc}", file=sys.stderr)
+            else:
+                follower_wait()
             return 2
         if isinstance(rest, int):
             return rest
     try:
-        return int(_module(module_name).main(rest) or 0)
+        return _run(name, module_name, rest)
     except SystemExit as exc:  # argparse's --help and usage errors: main() returns the exit code like the shell sees
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0

@@ -11,15 +11,21 @@ Short flags are scarce; :data:`SHORT` lists every one a ``loom`` command may use
 for (a test walks every parser and checks them against it). Ranks are asked for in one way only:
 ``--ranks N`` (short ``-n``, as with ``mpiexec -n``); ``loom`` itself reads it before the command runs
 (:func:`pop_ranks`) and relaunches the command on that many local ranks.
+
+A usage error is printed once per job: every rank of a job finds it (they parse the same command line), rank
+0 prints it and the other ranks exit with the same code in silence (:func:`follower_wait`).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import time
+
+from . import settings
 
 __all__ = ["SHORT", "ArgumentParser", "Formatter", "parse_size", "parse_ranks", "pop_ranks", "add_json", "add_dry_run",
-           "add_topology", "add_verbose", "UsageError"]
+           "add_topology", "add_verbose", "UsageError", "follower_wait", "FOLLOWER_WAIT_S"]
 
 SHORT: dict[str, str] = {
     "-n": "--ranks",
@@ -72,7 +78,22 @@ class ArgumentParser(argparse.ArgumentParser):
         return ns, rest
 
     def error(self, message: str):
+        if settings.launch_rank() != 0:
+            follower_wait()
+            self.exit(2)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+FOLLOWER_WAIT_S = 5.0
+"""How long a rank other than 0 waits before it leaves after an error that rank 0 reports."""
+
+
+def follower_wait(seconds: float = FOLLOWER_WAIT_S) -> None:
+    """On a rank other than 0 of a job that stops for a reason every rank knows (a usage error, Ctrl-C): wait a
+    moment before leaving in silence. A launcher ends the whole job when the first rank exits with an error;
+    were it this rank, rank 0 could be killed before its one line is written. Rank 0's exit ends the wait."""
+    if settings.launch_rank() != 0:
+        time.sleep(seconds)
 
 
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,

@@ -13,7 +13,12 @@ used when ``LOOM_MPIEXEC`` names its launcher. Everything that differs between M
   or ``Process name: [...,3]`` then ``Exit code: 7``): :class:`DeathParser`;
 * which MPI mpi4py is linked to (:func:`library_flavor`, from ``MPI_Get_library_version``) against which the
   launcher is (:func:`flavor`): a launcher of one MPI starting ranks of the other starts ``n`` singletons
-  that never meet, so :func:`run` refuses that pairing up front.
+  that never meet, so :func:`run` refuses that pairing up front;
+* how a job is stopped when the process that launched it gets SIGINT (a terminal's Ctrl-C) or SIGTERM: the
+  launcher runs in its own session, so the signal reaches only this process; :func:`run` passes SIGINT to the
+  job's ranks (each stops without a traceback, see ``loom/cli.py``), kills whatever is left after
+  :data:`GRACE_S` seconds, and raises :class:`Interrupted`. The ranks are signalled rather than the launcher:
+  MPICH's hydra answers SIGINT with two lines of its own and SIGTERM with its bad-termination banner.
 
 This module stays stdlib-only at import (the testbed's host side builds mpiexec lines but never communicates).
 """
@@ -27,6 +32,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
@@ -36,7 +42,7 @@ from .. import settings
 __all__ = [
     "mpiexec", "mpiexec_argv", "run", "flavor", "library_flavor", "is_openmpi", "check_pairing",
     "inside_job", "rank_pids", "Death", "DeathParser", "pid_alive", "start_time",
-    "signal_verified", "survivor_flags", "descendants",
+    "signal_verified", "survivor_flags", "descendants", "Interrupted", "GRACE_S",
 ]
 
 MPICH, OPENMPI, UNKNOWN = "mpich", "openmpi", "unknown"
@@ -146,6 +152,24 @@ def mpiexec_argv(n: int, argv: Sequence[str], *, extra: Sequence[str] = ()) -> l
     return cmd + list(extra) + list(argv)
 
 
+GRACE_S = 5.0
+"""Seconds a job has to stop after its ranks were passed the signal, before every process left is killed."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """The launching process got SIGINT or SIGTERM (``signum``) and the job has been stopped: no process of it
+    is left. A ``KeyboardInterrupt``, so a caller that does not catch it stops as on any Ctrl-C."""
+
+    def __init__(self, signum: int, result: subprocess.CompletedProcess):
+        super().__init__(signum)
+        self.signum = signum
+        self.result = result
+
+
+class _Stop(Exception):
+    pass
+
+
 def run(
     n: int,
     argv: Sequence[str],
@@ -154,7 +178,12 @@ def run(
     env: Mapping[str, str] | None = None,
     capture: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run ``argv`` on ``n`` local ranks; a job still running after ``timeout`` s is killed (whole group)."""
+    """Run ``argv`` on ``n`` local ranks; a job still running after ``timeout`` s is killed (whole group).
+
+    Raises:
+        subprocess.TimeoutExpired: the job ran past ``timeout`` (it has been killed).
+        Interrupted: this process got SIGINT or SIGTERM (the job has been stopped; see the module docstring).
+    """
     full_env = dict(os.environ)
     if env:
         full_env.update(env)
@@ -162,20 +191,101 @@ def run(
     # More ranks than cores: one intra-op thread per rank, or torch threads fight the busy-waiting MPI.
     full_env.setdefault("OMP_NUM_THREADS", "1")
     cmd = mpiexec_argv(n, argv)
-    proc = subprocess.Popen(
-        cmd, env=full_env, start_new_session=True,
-        stdout=subprocess.PIPE if capture else None, stderr=subprocess.PIPE if capture else None, text=True,
-    )
+    caught: list[int] = []
+    armed = [True]
+
+    def on_signal(signum, frame):
+        caught.append(signum)
+        if armed[0]:
+            armed[0] = False
+            raise _Stop
+
+    previous = _install(on_signal)
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        family = descendants(proc.pid)
-        os.killpg(proc.pid, signal.SIGKILL)
-        for pid, started in family:  # ranks in other process groups (Open MPI) survive the launcher's death
-            signal_verified(pid, signal.SIGKILL, lambda p, t=started: start_time(p) == t)
-        out, err = proc.communicate()
-        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+        proc = subprocess.Popen(
+            cmd, env=full_env, start_new_session=True,
+            stdout=subprocess.PIPE if capture else None, stderr=subprocess.PIPE if capture else None, text=True,
+        )
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except _Stop:
+            out, err = _stop(proc, caught, armed)
+            raise Interrupted(caught[0], subprocess.CompletedProcess(cmd, proc.returncode, out, err)) from None
+        except subprocess.TimeoutExpired:
+            armed[0] = False
+            _kill_job(proc, descendants(proc.pid))
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    finally:
+        _restore(previous)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _install(handler) -> dict[int, object]:
+    """Install ``handler`` for SIGINT and SIGTERM; returns the previous handlers. Off the main thread, where
+    Python allows no handler, nothing is installed and the caller keeps the old behaviour."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {}
+    for sig in _STOP_SIGNALS:
+        old = signal.getsignal(sig)
+        previous[sig] = signal.SIG_DFL if old is None else old  # None: installed outside Python
+        signal.signal(sig, handler)
+    return previous
+
+
+def _restore(previous: Mapping[int, object]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def _job_ranks(family: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The processes of ``family`` that a launcher started as ranks (their environment names a rank)."""
+    want = tuple(f"{var}=".encode() for var in RANK_ENV)
+    out = []
+    for pid, started in family:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(e.startswith(want) for e in env):
+            out.append((pid, started))
+    return out
+
+
+def _stop(proc: subprocess.Popen, caught: list[int], armed: list[bool]) -> tuple[str | None, str | None]:
+    """Stop the job of ``proc`` after this process was signalled: SIGINT to its ranks, then, after
+    :data:`GRACE_S` or at a second signal, SIGKILL to everything of the job that is left."""
+    family = descendants(proc.pid)
+    ranks = _job_ranks(family)
+    for pid, started in ranks:
+        signal_verified(pid, signal.SIGINT, lambda p, t=started: start_time(p) == t)
+    out = err = None
+    if ranks:  # none yet: the launcher is still starting them, and there is nothing to stop gently
+        armed[0] = True
+        try:
+            out, err = proc.communicate(timeout=GRACE_S)
+        except (_Stop, subprocess.TimeoutExpired):
+            pass
+        armed[0] = False
+    _kill_job(proc, family + descendants(proc.pid))
+    if proc.returncode is None or (out is None and proc.stdout is not None):
+        out, err = proc.communicate()
+    return out, err
+
+
+def _kill_job(proc: subprocess.Popen, family: Iterable[tuple[int, int]]) -> None:
+    """SIGKILL the launcher's process group and every process of ``family`` that is still the one found."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid, started in family:  # ranks in other process groups (Open MPI) survive the launcher's death
+        signal_verified(pid, signal.SIGKILL, lambda p, t=started: start_time(p) == t)
 
 
 def start_time(pid: int) -> int | None:

@@ -12,18 +12,25 @@ completed), ``config`` (the run's nested config dict), ``stage``/``stages``/``la
 and Python ``random`` state). The data order needs no state: batches are a function of (seed, step).
 
 A run directory belongs to one run (:func:`claim_run_dir`): a new run refuses a directory that holds another
-run's checkpoints or metrics unless told to resume it or to overwrite it, and a resumed run must have the
-checkpoint's config apart from :data:`RESUMABLE` keys (:func:`config_changes`). Without these rules a shorter
-run into a used directory would prune its own checkpoint and keep the stale, newer steps of the old run.
+run's checkpoints or metrics unless told to resume it or to overwrite it, a ``--resume`` needs a checkpoint to
+continue, and a resumed run must have the checkpoint's config apart from :data:`RESUMABLE` keys
+(:func:`config_changes`). Without these rules a shorter run into a used directory would prune its own checkpoint
+and keep the stale, newer steps of the old run. While a run writes to its directory it holds ``<out>/.lock``
+(:func:`lock_run_dir`, naming host, pid and the process's start time), so two runs started into one directory
+cannot mix their files: the second is refused while the first lives, and a lock whose process is gone (same
+host, no such process) is taken over.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
 import re
 import shutil
+import socket
+import sys
 import warnings
 import zipfile
 from pathlib import Path
@@ -32,7 +39,8 @@ from typing import Any
 from .config import ConfigError
 
 __all__ = ["save", "load", "latest", "stage_path", "zero_path", "prune", "resolve", "capture_rng", "restore_rng",
-           "FORMAT", "RESUMABLE", "config_changes", "run_files", "claim_run_dir", "clear_run_dir", "RunDirError"]
+           "FORMAT", "RESUMABLE", "config_changes", "run_files", "claim_run_dir", "clear_run_dir", "RunDirError",
+           "LOCK", "lock_holder", "lock_run_dir", "unlock_run_dir", "occupied"]
 
 FORMAT = 1
 _NAME = re.compile(r"step_(\d{6,})\.stage(\d+)\.pt$")
@@ -178,9 +186,12 @@ def resolve(path: str | Path) -> list[Path]:
     """The stage files of a checkpoint given as a file, a step file of any stage, or a directory.
 
     A directory resolves to its newest *complete* step (every stage file present); a step of which some
-    stage files are missing is skipped.
+    stage files are missing is skipped. A run directory (``train.out``, holding ``checkpoints/``) resolves as
+    its ``checkpoints/``.
     """
     p = Path(path)
+    if p.is_dir() and not _complete(p) and (p / "checkpoints").is_dir():
+        p = p / "checkpoints"
     if p.is_dir():
         found = _complete(p)
         if not found:
@@ -249,18 +260,27 @@ def run_files(out: str | Path, ckpt_dir: str | Path) -> list[Path]:
     return files
 
 
-def claim_run_dir(out: str | Path, ckpt_dir: str | Path, *, resume: bool, overwrite: bool) -> None:
+def claim_run_dir(out: str | Path, ckpt_dir: str | Path, *, resume: bool, overwrite: bool, stages: int = 1) -> None:
     """Check that a run may write to ``out``; raise :class:`RunDirError` naming the ways out if not.
 
-    A new run needs an empty directory (or ``overwrite``; the caller then calls :func:`clear_run_dir`);
-    ``resume`` continues what is there.
+    Reads only (every rank may call it before any communication): a directory locked by a live run is refused
+    whatever the flags; a new run needs an empty directory (or ``overwrite``; the lock holder then calls
+    :func:`clear_run_dir`); ``resume`` continues what is there and needs a complete checkpoint of ``stages``
+    stage files.
     """
     if resume and overwrite:
-        raise RunDirError("--resume continues the run in the directory and --overwrite deletes it; choose one")
-    if resume or overwrite:
-        return
+        raise ConfigError("--resume continues the run in the directory and --overwrite deletes it; choose one")
+    busy = _live_holder(out)
+    if busy:
+        raise RunDirError(busy)
     found = run_files(out, ckpt_dir)
-    if not found:
+    if resume:
+        if latest(ckpt_dir, stages=stages) is None:
+            left = " (with --overwrite: it holds the metrics of a run that saved no checkpoint)" if found else ""
+            raise RunDirError(f"--resume: no checkpoint in {ckpt_dir} to continue; drop --resume to start a new "
+                              f"run{left}, or give the --train.out of the run to continue")
+        return
+    if overwrite or not found:
         return
     steps = sorted({int(m.group(1)) for p in found if (m := _NAME.match(p.name))})
     what = [f"checkpoints of step {', '.join(map(str, steps))} in {ckpt_dir}"] if steps else []
@@ -268,6 +288,114 @@ def claim_run_dir(out: str | Path, ckpt_dir: str | Path, *, resume: bool, overwr
     raise RunDirError(
         f"{out} already holds another run ({'; '.join(what) or found[0]}); continue it with --resume, "
         f"choose a new directory with --train.out=DIR, or delete it with --overwrite")
+
+
+def occupied(out: str | Path, ckpt_dir: str | Path, *, resume: bool, overwrite: bool, stages: int = 1) -> str | None:
+    """What :func:`claim_run_dir` would refuse, as text (``None`` when the run may start): a dry run writes
+    nothing, so it reports an occupied directory in its plan instead of refusing to plan."""
+    try:
+        claim_run_dir(out, ckpt_dir, resume=resume, overwrite=overwrite, stages=stages)
+    except RunDirError as exc:
+        return str(exc)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- run lock
+LOCK = ".lock"
+"""The lock file's name in a run directory: JSON ``{"host", "pid", "started", "argv"}`` of the holder."""
+
+
+def _me() -> dict[str, Any]:
+    from ..comm.launch import start_time
+
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": start_time(os.getpid()),
+            "argv": " ".join(sys.argv)[:300]}
+
+
+def lock_holder(out: str | Path) -> dict[str, Any] | None:
+    """The holder recorded in ``out``'s lock (``{}`` for an unreadable lock file), or ``None`` without a lock."""
+    try:
+        text = (Path(out) / LOCK).read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return {}
+    try:
+        holder = json.loads(text)
+    except ValueError:
+        return {}  # being written this instant, or damaged: treated as held (never silently taken)
+    return holder if isinstance(holder, dict) else {}
+
+
+def _gone(holder: dict[str, Any]) -> bool:
+    """Whether the process that wrote ``holder`` has ended: only decidable on its own host (pid absent, or the
+    pid now belongs to a process started at another time)."""
+    from ..comm.launch import pid_alive, start_time
+
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    pid = holder["pid"]
+    if not pid_alive(pid):
+        return True
+    return holder.get("started") is not None and start_time(pid) not in (None, holder["started"])
+
+
+def _live_holder(out: str | Path) -> str | None:
+    """Why ``out`` is busy (the message of the refusal), or ``None`` when it is free or its lock is stale."""
+    holder = lock_holder(out)
+    if holder is None or _gone(holder):
+        return None
+    lock = Path(out) / LOCK
+    if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        return None  # this process holds it
+    who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}"
+    if holder.get("host") == socket.gethostname():
+        fix = "wait for that run to end or stop it, or choose another directory with --train.out=DIR"
+    else:
+        fix = (f"wait for that run to end, or choose another directory with --train.out=DIR; this host cannot see "
+               f"whether it still runs: if it has ended, delete {lock}")
+    return f"{out} is in use by another run ({who}, lock {lock}); {fix}"
+
+
+def lock_run_dir(out: str | Path) -> tuple[Path, dict[str, Any] | None]:
+    """Take ``out``'s lock for this process (``O_EXCL``: of two runs started at once, one gets it).
+
+    Returns ``(lock path, the stale holder taken over or None)``. Raises :class:`RunDirError` naming the holder
+    when a live run holds it.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = out / LOCK
+    me = json.dumps(_me()).encode()
+    taken_over = None
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            busy = _live_holder(out)
+            if busy:
+                raise RunDirError(busy) from None
+            taken_over = lock_holder(out)
+            # Replace only the stale lock read above: a rename of our own file over it would also replace a
+            # lock that another run took in between, so remove it and race for O_EXCL again.
+            lock.unlink(missing_ok=True)
+            continue
+        try:
+            os.write(fd, me)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return lock, taken_over
+    raise RunDirError(f"{out}: could not take the lock {lock} (another run keeps taking it); retry, or choose "
+                      f"another directory with --train.out=DIR")
+
+
+def unlock_run_dir(lock: str | Path) -> None:
+    """Release a lock this process holds (a lock of another process is left alone)."""
+    lock = Path(lock)
+    holder = lock_holder(lock.parent)
+    if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        lock.unlink(missing_ok=True)
 
 
 def clear_run_dir(out: str | Path, ckpt_dir: str | Path) -> None:

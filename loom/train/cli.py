@@ -1,15 +1,19 @@
 """``loom train --config X.toml [--section.key=value ...] [--dry-run] [--resume]``.
 
-Every rank parses the same arguments and config, so a bad config fails identically on every rank: each
-prints ``loom train: error: ...`` and the job exits with code 2, without a traceback and without
+Every rank parses the same arguments and config, so a bad config fails identically on every rank: rank 0
+prints ``loom train: error: ...`` once and every rank exits with code 2, without a traceback and without
 communicating (nothing can hang on a peer that already left).
 
 ``--dry-run`` validates what the real run validates (the config, the compression policy, the corpus, the
-device, the run directory) and prints the plan (mesh, stage split, per-rank memory estimate, bytes per step
-per mesh axis) without training; outside an MPI job it plans for the configured mesh.
+device) and prints the plan (mesh, stage split, per-rank memory estimate, bytes per step per mesh axis)
+without training; outside an MPI job it plans for the configured mesh. It writes nothing, so an occupied run
+directory is not refused: the plan says what the run itself would refuse.
 
 A run directory (``train.out``) belongs to one run: a new run into a directory holding another run's
-checkpoints or metrics exits 2 unless given ``--resume`` (continue it) or ``--overwrite`` (delete it first).
+checkpoints or metrics exits 2 unless given ``--resume`` (continue it) or ``--overwrite`` (delete it first); a
+``--resume`` with no checkpoint to continue exits 2; and while a run lives, rank 0 holds the directory's lock
+(``<train.out>/.lock``), so a second run into it exits 2 naming the holder (a lock whose process is gone is
+taken over).
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .. import settings
-from .. import cli_args
+from .. import cli_args, settings
+from . import checkpoint as ckpt
 from .config import Config, ConfigError, config_to_dict, load_config
 from .memory import plan
 
@@ -98,22 +102,48 @@ def preflight(cfg: Config) -> list[str]:
     return problems
 
 
-def claim(cfg: Config, *, resume: bool, overwrite: bool, dry_run: bool = False) -> None:
-    """Apply the run-directory rules to ``train.out`` (rank 0 clears it on ``overwrite``)."""
-    from . import checkpoint as ckpt
-
+def _dirs(cfg: Config) -> tuple[Path, Path]:
     out = Path(cfg.train.out)
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
-    ckpt.claim_run_dir(out, ckpt_dir, resume=resume, overwrite=overwrite)
-    if overwrite and not dry_run and settings.launch_rank() == 0:
-        ckpt.clear_run_dir(out, ckpt_dir)
+    return out, Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else out / "checkpoints"
+
+
+def claim(cfg: Config, *, resume: bool, overwrite: bool, dry_run: bool = False) -> str | None:
+    """Apply the run-directory rules to ``train.out`` (reads only). A run that may not start raises
+    :class:`~loom.train.checkpoint.RunDirError`; a dry run gets the reason back instead (``None``: free)."""
+    out, ckpt_dir = _dirs(cfg)
+    if dry_run:
+        return ckpt.occupied(out, ckpt_dir, resume=resume, overwrite=overwrite, stages=cfg.mesh.pp)
+    ckpt.claim_run_dir(out, ckpt_dir, resume=resume, overwrite=overwrite, stages=cfg.mesh.pp)
+    return None
+
+
+def hold(cfg: Config, comm, *, overwrite: bool) -> Path | None:
+    """Rank 0 takes the run directory's lock (and clears it on ``overwrite``) before anything is written; every
+    rank learns the outcome, so a refused job exits 2 on every rank. Returns the lock (rank 0) or ``None``."""
+    lock = err = None
+    if comm.rank == 0:
+        try:
+            lock, stale = ckpt.lock_run_dir(cfg.train.out)
+            if stale:
+                print(f"loom train: took over the lock of a run that is gone (pid {stale.get('pid')} on "
+                      f"{stale.get('host')})", flush=True)
+            if overwrite:
+                ckpt.clear_run_dir(*_dirs(cfg))
+        except (ConfigError, OSError) as exc:
+            err = str(exc)
+    err = comm.bcast_object(err)
+    if err:
+        raise ConfigError(err)
+    return lock
 
 
 def _error(msg: str) -> int:
-    rank = settings.launch_rank()
-    # One write per message: ranks share the launcher's stderr, and print() writes the newline separately.
-    sys.stderr.write(f"loom train: error (rank {rank}): {msg}\n")
-    sys.stderr.flush()
+    if settings.launch_rank() == 0:
+        # One write per message: ranks share the launcher's stderr, and print() writes the newline separately.
+        sys.stderr.write(f"loom train: error: {msg}\n")
+        sys.stderr.flush()
+    else:
+        cli_args.follower_wait()
     return 2
 
 
@@ -130,14 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         if size is not None:
             cfg.validate_world(size)
         problems = preflight(cfg) if args.dry_run else []
-        # Every rank checks the directory; rank 0 clears it on --overwrite before the trainer's first
-        # collective, and nothing is written until after that collective.
-        claim(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run)
+        # Every rank checks the directory; once MPI is up, rank 0 takes its lock (and clears it on --overwrite)
+        # before the trainer's first collective, and nothing is written until after that.
+        occupied = claim(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run)
     except ConfigError as exc:
         return _error(str(exc))
     if args.dry_run:
         if settings.launch_rank() == 0:
             print(plan(cfg, size))
+            if occupied:  # a dry run writes nothing: say what the run would refuse rather than refuse to plan
+                print(f"run directory: occupied; the run itself would exit 2: {occupied}")
             for problem in problems:  # the real run stops here (exit 2); the plan above still holds
                 print(f"loom train: warning: this machine cannot run it as configured: {problem}", file=sys.stderr)
         return 0
@@ -150,10 +182,18 @@ def main(argv: list[str] | None = None) -> int:
 
     comm = world()
     try:
-        trainer = Trainer(cfg, comm, resume=args.resume)
+        lock = hold(cfg, comm, overwrite=args.overwrite)
     except ConfigError as exc:
         return _error(str(exc))
-    records = trainer.run()
+    try:  # the lock is released however the run ends (an interrupt unwinds through here)
+        try:
+            trainer = Trainer(cfg, comm, resume=args.resume)
+        except ConfigError as exc:
+            return _error(str(exc))
+        records = trainer.run()
+    finally:
+        if lock is not None:
+            ckpt.unlock_run_dir(lock)
     if comm.rank == 0 and records:
         last = records[-1]
         tps = sum(r["tokens_per_s"] for r in records[-10:]) / len(records[-10:])

@@ -74,7 +74,8 @@ def sample(model, prompt: str, *, tokens: int = 200, temperature: float = 0.8, t
 
 def main(argv: list[str] | None = None) -> int:
     p = cli_args.ArgumentParser(prog="loom generate", description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", required=True, help="checkpoint .pt file or directory (newest complete step)")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint .pt file, checkpoint directory or run directory (newest complete step)")
     p.add_argument("-p", "--prompt", default="def ", help="text to continue")
     p.add_argument("--tokens", type=int, default=200, help="bytes to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0 = greedy)")

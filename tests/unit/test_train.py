@@ -151,13 +151,36 @@ def test_checkpoint_save_failure_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_dry_run_plan(capsys):
+def test_dry_run_plan(tmp_path, capsys):
     from loom.train.cli import main
 
-    assert main(["--config", str(ROOT / "configs" / "demo.toml"), "--dry-run"]) == 0
+    assert main(["--config", str(ROOT / "configs" / "demo.toml"), f"--train.out={tmp_path}", "--dry-run"]) == 0
     out = capsys.readouterr().out
     for w in ("mesh", "stages", "memory", "bytes per step", "dp", "sp"):
         assert w in out
+    assert "occupied" not in out and list(tmp_path.iterdir()) == []  # a dry run writes nothing
+
+
+def test_dry_run_after_the_demo_filled_its_run_directory(tmp_path, capsys):
+    """`make demo` then `make test`: the demo's run directory holds a finished run (checkpoints, metrics,
+    plots; made here as a run leaves them, without the slow demo), and a dry run of the demo config still
+    plans: it writes nothing, so it says the directory is occupied instead of refusing."""
+    from loom import tour
+    from loom.train.cli import main
+
+    run = tmp_path / "demo"
+    ckpt.save(ckpt.stage_path(run / "checkpoints", 200, 0), {"format": ckpt.FORMAT, "step": 200, "stages": 1})
+    (run / "metrics.jsonl").write_text('{"kind": "step", "step": 200}\n')
+    (run / "plots").mkdir()
+    (run / "plots" / "loss.png").write_bytes(b"png")
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    argv = ["--config", str(tour.demo_config()), *tour.mesh_for(4), f"--train.out={run}"]
+    assert main([*argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "memory" in out and "run directory: occupied" in out and "step 200" in out, out
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    assert main(argv) == 2  # the run itself still refuses it
+    assert "already holds another run" in capsys.readouterr().err
 
 
 def test_cli_bad_config_returns_2(capsys):
@@ -185,6 +208,7 @@ def test_single_rank_run_writes_metrics_plots_checkpoint_and_generates(tmp_path,
         assert (tmp_path / "plots" / name).stat().st_size > 1000
     model, cfg, step = generate.load_model(str(tmp_path / "checkpoints"))
     assert step == 4 and cfg.model.layers == 2
+    assert generate.load_model(str(tmp_path))[2] == 4  # the run directory finds its checkpoints/
     a = generate.sample(model, "def ", tokens=20, seed=3)
     b = generate.sample(model, "def ", tokens=20, seed=3)
     assert a == b and a.startswith("def ") and len(a.encode()) >= 20
@@ -192,13 +216,13 @@ def test_single_rank_run_writes_metrics_plots_checkpoint_and_generates(tmp_path,
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_demo_config_fits_any_rank_count(n, monkeypatch, capsys):
+def test_demo_config_fits_any_rank_count(n, monkeypatch, capsys, tmp_path):
     from loom import tour
     from loom.train.cli import main
 
     monkeypatch.setenv("PMI_SIZE", str(n))
     monkeypatch.setenv("PMI_RANK", "0")
-    assert main(["--config", str(tour.demo_config()), *tour.mesh_for(n), "--dry-run"]) == 0
+    assert main(["--config", str(tour.demo_config()), *tour.mesh_for(n), f"--train.out={tmp_path}", "--dry-run"]) == 0
     assert f"= {n} ranks" in capsys.readouterr().out
 
 

@@ -95,8 +95,10 @@ def _interrupted(name: str, signum: int) -> int:
     launched = bool(settings.get("launched"))
     if settings.launch_rank() == 0 and not launched:
         sys.stderr.write(f"loom {name}: interrupted by {signal.Signals(signum).name}; stopped\n")
-    elif inside and not launched:
-        follower_wait(1.0)  # the launcher ends the job when rank 0 leaves: let rank 0's line out first
+    elif inside:
+        # The launcher ends the job when the first rank leaves: let rank 0 write its line and release what it
+        # holds (a run directory's lock) first.
+        follower_wait(1.0)
     if not inside:
         return code
     for stream in (sys.stdout, sys.stderr):

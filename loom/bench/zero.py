@@ -243,7 +243,8 @@ def _peers(sub: Communicator, group, mesh, args) -> dict[str, Any]:
     reset_zero_stats()
     _timed(sub, runs, args)
     exposed = zero_stats()["exposed_comm_s"]
-    t1 = omb.Table("ZeRO-3 vs torch FSDP2 (fully_shard, gloo)", ["Mode", "Step(ms)", "Peak(MiB)", "x-FSDP2-time"],
+    # Speedup columns hold the peer's step time over this row's (> 1: faster than the peer), named as speedups.
+    t1 = omb.Table("ZeRO-3 vs torch FSDP2 (fully_shard, gloo)", ["Mode", "Step(ms)", "Peak(MiB)", "speedup-vs-FSDP2"],
                    rank=sub.rank)
     t1.meta = {"model": f"residual MLP width {w} depth {d} ({params / 1e6:.1f} M params, fp32, Adam foreach=False)",
                "batch": f"global {b}", "ranks": f"{sub.size}, 1 thread each; loom buckets of {bucket:.2f} MiB"}
@@ -259,7 +260,7 @@ def _peers(sub: Communicator, group, mesh, args) -> dict[str, Any]:
     _timed(sub, ddp_runs, args)
     for red in reducers.values():
         red.remove()
-    t2 = omb.Table("Plain data parallel vs torch DDP (gloo)", ["Mode", "Step(ms)", "x-DDP-time"], rank=sub.rank)
+    t2 = omb.Table("Plain data parallel vs torch DDP (gloo)", ["Mode", "Step(ms)", "speedup-vs-DDP"], rank=sub.rank)
     t2.meta = {"model": f"residual MLP width {w} depth {d} ({params / 1e6:.1f} M params, fp32, SGD)",
                "batch": "global 16, one micro-batch", "ranks": f"{sub.size}, 1 thread each, 25 MiB buckets",
                "progress": f"loom reductions progress from the hooks or a progress thread; auto picks {auto} here"}

@@ -19,6 +19,11 @@ Sizes shrink where a flag allows: :data:`SMALL` appends flags to each ``loom`` c
 in argparse and in ``--section.key`` overrides), so a benchmark or a training run checks that the command
 works without measuring anything. ``make demo`` runs its recipe (``loom demo --ranks 4``); ``make test`` is
 this suite. Each example has a timeout, so a hang fails instead of stalling the suite.
+
+The README states how many blocks run, run only as root, are inputs or are not run, and how many inline
+``loom ...`` commands of its prose are only parsed (tests/unit/test_readme.py): :func:`census` counts them
+and :func:`test_readme_states_what_its_tests_prove` holds the sentence to the count
+(``python tests/integration/test_readme_examples.py`` prints it).
 """
 
 from __future__ import annotations
@@ -274,3 +279,39 @@ def test_extractor_honours_markers_and_tells_output_from_commands(tmp_path):
                                                                           "--rounds 1 --max-seconds 2")
     assert shrink("loom generate --checkpoint runs/demo/checkpoints") == \
         "loom generate --checkpoint runs/demo/checkpoints --tokens 8"
+
+
+def census(examples: list[Example] | None = None) -> dict[str, int]:
+    """How the README's examples are checked: blocks run as written, run only as root, saved as inputs for
+    other blocks, not run (marked skip); and inline ``loom ...`` commands of the prose, parsed only."""
+    from tests.unit.test_readme import _inline_commands
+
+    examples = EXAMPLES if examples is None else examples
+    return {
+        "blocks": len(examples),
+        "run": sum(1 for e in examples if not (e.skip or e.file or e.root)),
+        "root": sum(1 for e in examples if e.root and not (e.skip or e.file)),
+        "inputs": sum(1 for e in examples if e.file and not e.skip),
+        "not run": sum(1 for e in examples if e.skip),
+        "parsed only": len(_inline_commands()),
+    }
+
+
+_CLAIM = re.compile(r"Of this README's (\d+) example blocks, `make test` runs (\d+) as written.*?, (\d+) more only "
+                    r"as root.*?, and (\d+) hold files that other blocks run; (\d+) are not run.*?The (\d+) inline "
+                    r"`loom` commands", re.S)
+
+
+def test_readme_states_what_its_tests_prove():
+    """The README's sentence about its examples carries the counts of :func:`census`, so it cannot drift."""
+    counts = census()
+    print("README examples:", ", ".join(f"{v} {k}" for k, v in counts.items()))
+    m = _CLAIM.search((ROOT / "README.md").read_text())
+    assert m, "README.md lost its sentence on what `make test` runs (docs/readme/00-header.md)"
+    stated = dict(zip(("blocks", "run", "root", "inputs", "not run", "parsed only"), map(int, m.groups())))
+    assert stated == counts, f"README states {stated}, the examples are {counts}: fix docs/readme/00-header.md"
+    assert counts["blocks"] == counts["run"] + counts["root"] + counts["inputs"] + counts["not run"]
+
+
+if __name__ == "__main__":
+    print("README examples:", ", ".join(f"{v} {k}" for k, v in census().items()))

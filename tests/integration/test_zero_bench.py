@@ -27,6 +27,12 @@ def test_bench_zero(tmp_path):
     assert sum(", auto)" in m for m in modes) == 1
     for mode in ("hooks", "thread"):  # reductions launched during backward, not after it
         assert doc["dp_last_step"][mode]["posted_in_backward"] >= 1, doc["dp_last_step"]
+    # The speedup columns hold the peer's step time over the row's (> 1: faster than the peer).
+    for key, peer, col in (("fsdp2", "torch FSDP2", "speedup-vs-FSDP2"), ("ddp", "torch DDP", "speedup-vs-DDP")):
+        rows = {r["Mode"]: r for r in doc[key]}
+        assert rows[peer][col] == 1.0
+        for r in rows.values():
+            assert r[col] == pytest.approx(rows[peer]["Step(ms)"] / r["Step(ms)"], rel=1e-9), (key, r)
 
 
 def test_bench_hybrid_picks_micro_batches_and_runs_ddp(tmp_path):

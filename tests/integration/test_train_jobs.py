@@ -84,15 +84,17 @@ def _job_processes(marker: str) -> list[str]:
     return found
 
 
-def _start(cmd: list[str], out: Path, logs: Path) -> subprocess.Popen:
-    """Start a long run in its own session (as a shell starts a foreground job) with output to files."""
+def _start(cmd: list[str], out: Path, logs: Path, ready=None) -> subprocess.Popen:
+    """Start a long run in its own session (as a shell starts a foreground job) with output to files; return
+    once ``ready()`` (default: a checkpoint is written and the run directory is locked)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, env=env, stdout=open(logs / "out", "w"), stderr=open(logs / "err", "w"), text=True,
                             start_new_session=True)
+    ready = ready or (lambda: ckpt.latest(out / "checkpoints") is not None and (out / ckpt.LOCK).exists())
     deadline = time.monotonic() + 600  # a hang bound: start-up alone can take minutes on a busy machine
-    while ckpt.latest(out / "checkpoints") is None or not (out / ckpt.LOCK).exists():
-        assert proc.poll() is None, f"job ended before its first checkpoint:\n{(logs / 'err').read_text()}"
-        assert time.monotonic() < deadline, "no checkpoint within 600 s"
+    while not ready():
+        assert proc.poll() is None, f"job ended before it was under way:\n{(logs / 'err').read_text()}"
+        assert time.monotonic() < deadline, "not under way within 600 s"
         time.sleep(0.2)
     return proc
 
@@ -162,3 +164,15 @@ def test_signal_stops_the_job_with_one_line_and_no_traceback(tmp_path, how, sig)
     assert "Traceback" not in err + (tmp_path / "out").read_text(), err
     step = ckpt.latest(out / "checkpoints")
     assert ckpt.load(ckpt.stage_path(out / "checkpoints", step))["step"] == step
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="finds the job's processes through /proc")
+def test_ctrl_c_stops_any_ranks_command(tmp_path):
+    """Not only `loom train`: a benchmark under --ranks stops alike (its ranks were left running before)."""
+    marker = tmp_path / "bench.json"  # names the job's processes on their command lines
+    cmd = [sys.executable, "-m", "loom.cli", "bench", "latency", "--ranks", "2", "-m", "1", "-M", "1M",
+           "--rounds", "100000", "--max-seconds", "1000", "--json", str(marker)]
+    job = _start(cmd, marker, tmp_path, ready=lambda: "# Size" in (tmp_path / "out").read_text())
+    err = _stop(job, signal.SIGINT, marker, tmp_path)
+    assert [ln for ln in err.splitlines() if ln.strip()] == [
+        "loom bench: interrupted by SIGINT; stopped its 2-rank job"], err

@@ -99,9 +99,9 @@ def _start(cmd: list[str], out: Path, logs: Path, ready=None) -> subprocess.Pope
     return proc
 
 
-def _stop(proc: subprocess.Popen, sig: int, out: Path, logs: Path) -> str:
+def _stop(proc: subprocess.Popen, sig: int, out: Path | str, logs: Path, code: int | None = None) -> str:
     """Send ``sig`` to the job's foreground process group (what a terminal's Ctrl-C does); returns its stderr
-    once it has ended, with nothing of the job left."""
+    once it has ended with exit code ``code`` (default 128 + ``sig``), with nothing of the job left."""
     os.killpg(proc.pid, sig)
     try:
         proc.wait(timeout=120)  # a hang bound, not a speed check (the grace period is launch.GRACE_S)
@@ -117,7 +117,7 @@ def _stop(proc: subprocess.Popen, sig: int, out: Path, logs: Path) -> str:
         os.kill(pid, signal.SIGKILL)  # after recording them: the assertions below report them
     assert proc.returncode is not None, f"the job still runs 120 s after {signal.Signals(sig).name}"
     assert not left, f"left running after {signal.Signals(sig).name}: {left}"
-    assert proc.returncode == 128 + sig, (proc.returncode, (logs / "err").read_text())
+    assert proc.returncode == (128 + sig if code is None else code), (proc.returncode, (logs / "err").read_text())
     return (logs / "err").read_text()
 
 
@@ -176,3 +176,28 @@ def test_ctrl_c_stops_any_ranks_command(tmp_path):
     err = _stop(job, signal.SIGINT, marker, tmp_path)
     assert [ln for ln in err.splitlines() if ln.strip()] == [
         "loom bench: interrupted by SIGINT; stopped its 2-rank job"], err
+
+
+_DEAF_RANK = "import signal, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); " \
+             "time.sleep(600)  # {marker}"
+_DRIVER = """
+import sys
+from loom.comm import launch
+try:
+    launch.run(2, [sys.executable, "-c", {rank!r}])
+except launch.Interrupted as exc:
+    print("interrupted", exc.signum, flush=True)
+    sys.exit(7)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="finds the job's processes through /proc")
+def test_ranks_that_ignore_the_signal_are_killed_after_the_grace_period(tmp_path):
+    """launch.run itself: ranks that ignore SIGINT (a rank stuck in C code cannot take it either) are killed
+    after launch.GRACE_S, and the caller gets Interrupted with nothing of the job left."""
+    marker = str(tmp_path / "deaf")
+    driver = _DRIVER.format(rank=_DEAF_RANK.format(marker=marker))
+    job = _start([sys.executable, "-c", driver], tmp_path, tmp_path,
+                 ready=lambda: (tmp_path / "out").read_text().count("up") == 2)
+    err = _stop(job, signal.SIGINT, marker, tmp_path, code=7)
+    assert "interrupted 2" in (tmp_path / "out").read_text() and "Traceback" not in err, err

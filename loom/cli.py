@@ -78,8 +78,8 @@ def _run(name: str, module_name: str, rest: list[str]) -> int:
     _caught.clear()
     try:
         return int(_module(module_name).main(rest) or 0)
-    except KeyboardInterrupt:
-        return _interrupted(name, _caught[-1] if _caught else signal.SIGINT)
+    except KeyboardInterrupt as exc:  # a job the command launched itself reports its signal (launch.Interrupted)
+        return _interrupted(name, getattr(exc, "signum", None) or (_caught[-1] if _caught else signal.SIGINT))
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -63,26 +63,70 @@ def relaunch(ranks: int, argv: list[str]) -> int:
 
 
 _caught: list[int] = []
+_said = threading.Lock()  # taken by whichever thread writes the one interrupt line
 
 
-def _on_term(signum, frame):
+def _on_signal(signum, frame):
+    """SIGTERM (and, on a rank, SIGINT): the first unwinds the command as Ctrl-C does; later ones (a terminal's
+    Ctrl-C reaches a rank both from the terminal and through the launcher) are noted, not raised again."""
     _caught.append(signum)
-    raise KeyboardInterrupt
+    if len(_caught) == 1:
+        raise KeyboardInterrupt
+
+
+def _say(name: str, signum: int) -> None:
+    if _said.acquire(blocking=False):
+        sys.stderr.write(f"loom {name}: interrupted by {signal.Signals(signum).name}; stopped\n")
+        sys.stderr.flush()
+
+
+def _watch(name: str, sock) -> None:
+    """Rank 0's line as soon as the signal arrives: Python runs signal handlers on the main thread only when
+    it gets control back, which a rank waiting inside an MPI call may never do (the launcher then kills it);
+    the wake-up byte reaches this thread at once."""
+    while True:
+        try:
+            data = sock.recv(1)
+        except OSError:
+            return
+        if not data:
+            return
+        if data[0] in (signal.SIGINT, signal.SIGTERM):
+            _say(name, data[0])
+            return
 
 
 def _run(name: str, module_name: str, rest: list[str]) -> int:
     """The command's ``main(rest)``, with SIGTERM unwinding it as Ctrl-C does (main thread only)."""
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _on_term)
+    from .comm import launch
+
+    global _said
+    previous: dict[int, object] = {}
+    wake = None
     _caught.clear()
+    _said = threading.Lock()
+    if threading.current_thread() is threading.main_thread():
+        inside = launch.inside_job()
+        for sig in (signal.SIGTERM, signal.SIGINT) if inside else (signal.SIGTERM,):
+            previous[sig] = signal.signal(sig, _on_signal)
+        if inside and settings.launch_rank() == 0 and not settings.get("launched"):
+            import socket
+
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            wake = (signal.set_wakeup_fd(writer.fileno()), reader, writer)
+            threading.Thread(target=_watch, args=(name, reader), daemon=True, name="loom-interrupt").start()
     try:
         return int(_module(module_name).main(rest) or 0)
     except KeyboardInterrupt as exc:  # a job the command launched itself reports its signal (launch.Interrupted)
-        return _interrupted(name, getattr(exc, "signum", None) or (_caught[-1] if _caught else signal.SIGINT))
+        return _interrupted(name, getattr(exc, "signum", None) or (_caught[0] if _caught else signal.SIGINT))
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        if wake is not None:
+            signal.set_wakeup_fd(wake[0])
+            wake[2].close()  # the watcher sees the end of its socket and returns
+            wake[1].close()
 
 
 def _interrupted(name: str, signum: int) -> int:
@@ -94,7 +138,7 @@ def _interrupted(name: str, signum: int) -> int:
     inside = launch.inside_job()
     launched = bool(settings.get("launched"))
     if settings.launch_rank() == 0 and not launched:
-        sys.stderr.write(f"loom {name}: interrupted by {signal.Signals(signum).name}; stopped\n")
+        _say(name, signum)
     elif inside:
         # The launcher ends the job when the first rank leaves: let rank 0 write its line and release what it
         # holds (a run directory's lock) first.

@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "seqlen": ("loom.bench.seqlen", "main", "longest trainable sequence: Ulysses vs FPDT at a memory budget"),
     "memory": ("loom.bench.memory", "main", "loom train's dry-run memory model vs the measured peak per rank"),
     "hybrid": ("loom.bench.hybrid", "main", "step time: data parallel vs pipeline vs hybrid"),
+    "parallel": ("loom.bench.parallel", "main", "Llama training step: dp vs tp vs pp and their mixes"),
     "compress-train": ("loom.bench.compress_train", "main", "data-parallel training with compression policies"),
     "moe": ("loom.bench.moe", "main", "MoE layer step time: direct vs multi-path dispatch"),
     "zero": ("loom.bench.zero", "main", "sharded data parallel (ZeRO 0-3): capacity at a budget, vs FSDP2 and DDP"),

@@ -74,3 +74,19 @@ def test_dry_run_memory_model_predicts_the_tp_peak(tmp_path):
                           ranks=2, timeout=300)
     assert [r["Config"] for r in doc["rows"]] == ["tp=2", "tp=2 megatron-sp"], text
     assert doc["meta"]["max_abs_error_pct"] <= 20, text
+
+
+def test_bench_parallel_trains_every_mesh_to_the_same_loss(tmp_path):
+    """`loom bench parallel` on 2 ranks runs dp=2, pp=2 and tp=2 on one model and batch: the same loss (fp32,
+    1e-5 relative), each mesh's bytes on its own axis only. Nothing about time is asserted."""
+    from loom.testing import run_bench
+
+    doc, text = run_bench(tmp_path, "parallel", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads",
+                          "2", "--seq-len", "16", "--batch", "4", "-i", "1", "-x", "1", ranks=2, timeout=300)
+    rows = {r["Mesh"]: r for r in doc["rows"]}
+    assert list(rows) == ["dp=2", "pp=2", "tp=2"], text
+    losses = [r["loss"] for r in rows.values()]
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0]), text
+    for name, axis in (("dp=2", "dp KiB"), ("pp=2", "pp KiB"), ("tp=2", "tp KiB")):
+        others = [c for c in ("dp KiB", "pp KiB", "tp KiB") if c != axis]
+        assert rows[name][axis] > 0 and all(rows[name][c] == 0 for c in others), (name, text)

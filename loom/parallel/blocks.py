@@ -159,6 +159,11 @@ def _eff_fwd(q, k, v, causal, bias, scale):
 
 def _eff_bwd(do, q, k, v, out, lse, causal, bias, scale):
     seed = _philox(q.device)[2]
+    # The kernel reads ``out`` with a row stride of heads * head_dim (``o_strideM()`` in pytorch's
+    # mem_eff_attention/kernel_backward.h; only its batch and head strides are taken from the tensor): the
+    # [B, L, H, D] memory layout its forward returns. The pipeline's merged out is [B, H, L, D]-contiguous, and
+    # in fp16/bf16 the kernel computes rowsum(dout * out) from it, so it must be laid out again.
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
         do, q, k, v, bias, out, lse, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, dk, dv
@@ -406,13 +411,13 @@ def workspace(kind: str, batch: int, heads: int, kv_heads: int, lq: int, lk: int
     blocks it reads and the gradients it returns (the pipeline's chunk tensors, counted by its caller).
 
     ``torch``: two ``[B, h, t, t]`` tiles in the accumulation dtype (the scores, turned into probabilities in
-    place, and their gradient; ``t = min(TILE, L)``). ``cuda-efficient`` under GQA: K/V repeated to every
-    query head for a causal or masked block, and their gradients. The other SDPA kernels keep no score
-    matrix: 0.
+    place, and their gradient; ``t = min(TILE, L)``). ``cuda-efficient``: the block's out laid out again for
+    the backward kernel, and under GQA K/V repeated to every query head for a causal or masked block, and
+    their gradients. The flash kernels keep no score matrix: 0.
     """
     acc = 8 if elem == 8 else 4
     if kind == "torch":
         return 2 * acc * batch * heads * min(TILE, lq) * min(TILE, lk)
-    if kind == "cuda-efficient" and heads != kv_heads:
-        return 4 * elem * batch * heads * lk * head_dim
+    if kind == "cuda-efficient":
+        return elem * batch * heads * head_dim * (lq + (4 * lk if heads != kv_heads else 0))
     return 0

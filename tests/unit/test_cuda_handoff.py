@@ -61,6 +61,7 @@ def test_host_pool_free_never_blocks_the_host_and_reuse_waits_on_the_stream():
     pool = offload.HostPool("cpu")
     pool._cuda = True
     pool._stream = _Stream()
+    pool._cache = offload.PinnedCache(alloc=lambda n: torch.empty(n, dtype=torch.uint8))
     buf = torch.empty(64, dtype=torch.uint8)
     ev = _Event()
     pool._items[7] = buf.view(torch.float32)

@@ -101,7 +101,9 @@ def _check_dim0(x, what: str) -> None:
 
 
 def _to_device(x, like):
-    """Move a host result back to ``like``'s device when ``like`` was a staged CUDA tensor."""
+    """Move a host result back to ``like``'s device when ``like`` was a staged CUDA tensor. Reductions move first
+    and cast after, so a 16-bit result is narrowed on the device and its pooled pinned buffer is what crosses the
+    bus (an asynchronous copy; casting on the host first made a pageable copy and a host-side cast)."""
     if isinstance(like, _Tensor) and isinstance(x, _Tensor) and x.device != like.device:
         return _b.to_device(x, like.device) if like.is_cuda else x.to(like.device)
     return x
@@ -347,7 +349,7 @@ class Communicator:
             res /= self.size
         if direct:
             return out
-        res = _to_device(_b.cast(res, x.dtype), tensor)
+        res = _b.cast(_to_device(res, tensor), x.dtype)
         return res if out is None else _b.finish_recv(out, res)
 
     def reduce_scatter(self, tensor: _b.Buffer, op: str = "sum") -> _b.Buffer:
@@ -359,7 +361,7 @@ class Communicator:
         self._count("reduce_scatter", _b.nbytes(x) * (p - 1) // p)
         if op == "avg":
             out /= p
-        return _to_device(_b.cast(out, x.dtype), tensor)
+        return _b.cast(_to_device(out, tensor), x.dtype)
 
     def _check_blocks(self, tensor: _b.Buffer, what: str, other_fix: str = "") -> tuple[int, int]:
         """Check that dim 0 splits into one equal block per rank; return (dim 0, ranks)."""
@@ -502,7 +504,7 @@ class Communicator:
                 res.__itruediv__(size)
             if inplace:
                 return out
-            r = _to_device(_b.cast(res, x.dtype), tensor)
+            r = _b.cast(_to_device(res, tensor), x.dtype)
             return r if out is None else _b.finish_recv(out, r)
 
         return Request([req], keep=(xin, res), finish=finish, what=f"iallreduce on {self.name}")
@@ -532,7 +534,7 @@ class Communicator:
         def finish():
             if op == "avg":
                 res.__itruediv__(p)
-            return _to_device(_b.cast(res, x.dtype), tensor)
+            return _b.cast(_to_device(res, tensor), x.dtype)
 
         return Request([req], keep=(xin, res), finish=finish, what=f"ireduce_scatter on {self.name}")
 

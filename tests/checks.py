@@ -36,6 +36,7 @@ CHECKS = [
            only=((8, ("check_train_zero_stages_2_3_match_one_rank",)),)),  # dp x pp x sp = 2 x 2 x 2
     Checks("tests/mpi/check_tensor.py", (1, 2, 3), timeout=400,  # dp/sp/pp x tp = 2 x 2, oversubscribed:
            only=((4, ("check_train_tp_matches_one_rank", "check_train_tp_resume_is_bit_exact")),)),
+    Checks("tests/mpi/check_zero_deep.py", (2, 3, 4), timeout=400),  # one rank: tests/unit/test_zero.py
     Checks("tests/mpi/check_hf.py", (1, 2, 4), timeout=400, needs="transformers"),
 ]
 

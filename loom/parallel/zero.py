@@ -75,6 +75,7 @@ import contextlib
 import json
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -105,6 +106,36 @@ def reset_zero_stats() -> None:
     _stats.counters("time", "zero").clear()
 
 
+# torch optimizers call these around every step (global hooks, installed once): an optimizer over the shards
+# of a live ShardedDataParallel finishes its reduction before the step and refreshes its parameters after,
+# so the plain ``loss.backward(); opt.step()`` loop of DDP and FSDP2 trains as ``sdp.step(opt)`` does.
+_STEP_OWNERS: "weakref.WeakValueDictionary[int, ShardedDataParallel]" = weakref.WeakValueDictionary()
+_STEP_HOOKS: list[Any] = []
+
+
+def _watch_steps(sdp: "ShardedDataParallel", params: Sequence[torch.Tensor]) -> None:
+    if not _STEP_HOOKS:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        _STEP_HOOKS.append(register_optimizer_step_pre_hook(lambda opt, a, k: _step_hook(opt, "_before_step")))
+        _STEP_HOOKS.append(register_optimizer_step_post_hook(lambda opt, a, k: _step_hook(opt, "_after_step")))
+    for p in params:
+        _STEP_OWNERS[id(p)] = sdp
+    sdp._step_ids = {id(p) for p in params}
+
+
+def _step_hook(opt: torch.optim.Optimizer, what: str) -> None:
+    if not _STEP_OWNERS:
+        return
+    seen = set()
+    for g in opt.param_groups:
+        for p in g["params"]:
+            sdp = _STEP_OWNERS.get(id(p))
+            if sdp is not None and id(sdp) not in seen and id(p) in sdp._step_ids:
+                seen.add(id(sdp))
+                getattr(sdp, what)()
+
+
 def _in_backward() -> bool:
     """Whether the autograd engine is executing a backward pass on this thread."""
     return torch._C._current_graph_task_id() != -1
@@ -120,11 +151,62 @@ def _wait(req: Request) -> Any:
     return out
 
 
+# What a freed stage-3 parameter still answers: its metadata, hooks, identity, and ``detach()`` (a module's own
+# ``state_dict()`` reads it; ShardedDataParallel.state_dict() gathers the values). Anything else computes.
+_META_OPS = frozenset({
+    "shape", "dtype", "device", "data", "grad", "requires_grad", "is_leaf", "grad_fn", "ndim", "layout", "names",
+    "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "itemsize", "nbytes", "_base", "_version",
+    "__hash__", "__repr__", "__format__", "__reduce_ex__", "__deepcopy__", "detach",
+    "size", "dim", "numel", "nelement", "stride", "storage_offset", "is_contiguous", "is_floating_point",
+    "is_complex", "element_size", "data_ptr", "untyped_storage", "requires_grad_", "register_hook",
+    "register_post_accumulate_grad_hook", "_is_view", "get_device", "type",
+})
+
+
+class _ShardedParameter(nn.Parameter):
+    """A stage-3 parameter: between gathers its data is a placeholder, and computing with it raises instead of
+    silently reading zeros (as FSDP2 refuses an unsharded read). ``_loom_freed`` holds the error message while
+    the parameter is freed and is ``None`` while its bucket is gathered."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__"):  # a property: its own name (``shape`` reads metadata, ``T`` computes)
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if name not in _META_OPS:
+            for a in (*args, *kwargs.values()):
+                for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                    if type(t) is cls and t._loom_freed is not None:
+                        raise RuntimeError(t._loom_freed)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+class _Then:
+    """A request whose result is ``fn(result of req)``, computed once when ``req`` completes."""
+
+    __slots__ = ("req", "fn", "done", "result")
+
+    def __init__(self, req: Request, fn: Callable[[Any], Any]):
+        self.req, self.fn, self.done, self.result = req, fn, False, None
+
+    def test(self) -> bool:
+        if not self.done and self.req.test():
+            self.result, self.done = self.fn(self.req.wait()), True
+        return self.done
+
+    def wait(self) -> Any:
+        if not self.done:
+            self.result, self.done = self.fn(self.req.wait()), True
+        return self.result
+
+
 class _Bucket:
     """One flat group of parameters and its per-step state."""
 
     __slots__ = ("index", "params", "names", "offsets", "numel", "padded", "shard", "start", "owners",
-                 "full", "req", "grad", "ready", "posted")
+                 "full", "req", "grad", "ready", "posted", "group")
 
     def __init__(self, index: int, named: list[tuple[str, nn.Parameter]], size: int):
         self.index = index
@@ -144,9 +226,23 @@ class _Bucket:
         self.grad: torch.Tensor | None = None  # this backward's flat gradient (master dtype)
         self.ready = 0  # parameters whose gradient arrived in this backward
         self.posted = False  # reduce-scatter of this backward posted
+        self.group = 0  # parameter group (optim_groups)
 
     def layout(self) -> dict[str, Any]:
-        return {"names": self.names, "shapes": [list(p.shape) for p in self.params], "numel": self.numel}
+        lay = {"names": self.names, "shapes": [list(p.shape) for p in self.params], "numel": self.numel}
+        if self.group:
+            lay["group"] = self.group
+        return lay
+
+
+def _freed_message(name: str) -> str:
+    module = name.rpartition(".")[0]
+    where = f"module '{module}'" if module else "the root module"
+    keep = f"keep=[model.{module}]" if module else "keep=[model]"
+    return (f"ShardedDataParallel stage 3: parameter '{name}' was used outside the forward of its {where}, where "
+            f"this rank holds only its shard (its bucket is not gathered, so the value would be a placeholder); "
+            f"pass {keep} to ShardedDataParallel (its bucket then stays gathered from the start of forward "
+            f"until its gradient is reduced), or read it inside that module's forward")
 
 
 def _group(group: Communicator | Mesh, axes: str | Sequence[str] | None) -> Communicator:
@@ -180,20 +276,20 @@ def _check_args(module, stage, bucket_mb, reduce, micro_batches) -> None:
         raise ValueError(f"micro_batches={micro_batches!r} must be an integer >= 1 (backward calls per step)")
 
 
-def _make_buckets(module: nn.Module, size: int, cap: int) -> tuple[list[_Bucket], dict[nn.Module, list[int]]]:
-    """Buckets of the trainable parameters, module by module; and the buckets each module's direct params use."""
-    buckets: list[_Bucket] = []
+def _make_buckets(module: nn.Module, size: int, cap: int, group_of: dict[str, int] | None = None
+                  ) -> tuple[list[_Bucket], dict[nn.Module, list[int]]]:
+    """Buckets of the trainable parameters, module by module; and the buckets each module's direct params use.
+
+    With parameter groups (``group_of``: parameter name -> group) every bucket holds one group's parameters:
+    each group fills its own open bucket, numbered when it opens, so buckets stay in first-use order."""
+    group_of = group_of or {}
+    lists: list[list[tuple[str, nn.Parameter]]] = []
+    groups: list[int] = []
+    sizes: list[int] = []
+    open_: dict[int, int] = {}  # group -> index of its open bucket
     where: dict[int, int] = {}
     owners: dict[nn.Module, list[int]] = {}
-    cur: list[tuple[str, nn.Parameter]] = []
-    nbytes, dtype = 0, None
-
-    def close():
-        nonlocal cur, nbytes
-        if cur:
-            buckets.append(_Bucket(len(buckets), cur, size))
-            cur, nbytes = [], 0
-
+    dtype = None
     for mname, m in module.named_modules():
         own: set[int] = set()
         for pname, p in m.named_parameters(recurse=False):
@@ -206,26 +302,74 @@ def _make_buckets(module: nn.Module, size: int, cap: int) -> tuple[list[_Bucket]
                 raise ValueError(f"ShardedDataParallel: trainable parameters have mixed dtypes ({dtype} and "
                                  f"{p.dtype} at {mname + '.' if mname else ''}{pname}); cast the module to one")
             dtype = p.dtype
-            cur.append((f"{mname}.{pname}" if mname else pname, p))
-            nbytes += p.numel() * p.element_size()
-            where[id(p)] = len(buckets)
-            own.add(len(buckets))
+            k = group_of.get(f"{mname}.{pname}" if mname else pname, 0)
+            if k not in open_:
+                open_[k] = len(lists)
+                lists.append([])
+                groups.append(k)
+                sizes.append(0)
+            i = open_[k]
+            lists[i].append((f"{mname}.{pname}" if mname else pname, p))
+            sizes[i] += p.numel() * p.element_size()
+            where[id(p)] = i
+            own.add(i)
         if own:
             owners[m] = sorted(own)
-        if nbytes >= cap:
-            close()
-    close()
+        for k, i in list(open_.items()):  # a module's direct parameters never straddle two buckets of a group
+            if sizes[i] >= cap:
+                del open_[k]
+    buckets = [_Bucket(i, named, size) for i, named in enumerate(lists)]
+    for bk, k in zip(buckets, groups):
+        bk.group = k
     for bs in owners.values():
-        for b in bs:
-            buckets[b].owners += 1
+        for i in bs:
+            buckets[i].owners += 1
     return buckets, owners
+
+
+def _parse_groups(module: nn.Module, groups: Sequence[dict[str, Any]] | None
+                  ) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Each group's options (without ``params``) and parameter name -> group; trainable parameters no group
+    lists form one more group with no options (the optimizer's defaults)."""
+    if groups is None:
+        return [{}], {}
+    if isinstance(groups, dict) or not all(isinstance(g, dict) and "params" in g for g in groups):
+        raise TypeError("ShardedDataParallel: groups must be a list of dicts with a 'params' entry each, as for "
+                        "a torch optimizer: [{'params': decay, 'weight_decay': 0.1}, {'params': rest, ...}]")
+    names: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        if p.requires_grad:
+            names.setdefault(id(p), []).append(n)
+    opts, group_of, seen = [], {}, set()
+    for k, g in enumerate(groups):
+        opts.append({key: v for key, v in g.items() if key != "params"})
+        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        for p in ps:
+            if id(p) not in names:
+                raise ValueError(f"ShardedDataParallel: groups[{k}] lists a tensor of shape {tuple(p.shape)} that "
+                                 f"is not a trainable parameter of the module; list the module's own parameters")
+            if id(p) in seen:
+                raise ValueError(f"ShardedDataParallel: parameter '{names[id(p)][0]}' is in more than one group "
+                                 f"(groups[{k}] again); give each parameter one group")
+            seen.add(id(p))
+            for n in names[id(p)]:
+                group_of[n] = k
+    if len(seen) < len(names):
+        k = len(opts)
+        opts.append({})
+        for i, ns in names.items():
+            if i not in seen:
+                for n in ns:
+                    group_of[n] = k
+    return opts, group_of
 
 
 def _flat_block(ps: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor | None], lo: int, n: int,
                 dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """Elements ``[lo, lo + n)`` of the zero-padded concatenation of ``tensors`` (shaped like ``ps``), without
     building the concatenation; written into ``out`` (zeros of ``n`` elements) when given."""
-    out = torch.zeros(n, dtype=dtype, device=ps[0].device if ps else "cpu") if out is None else out
+    device = next((p.device for p in ps if not p.is_meta), torch.device("cpu"))
+    out = torch.zeros(n, dtype=dtype, device=device) if out is None else out
     off = 0
     for p, t in zip(ps, tensors):
         a, b = max(off, lo), min(off + p.numel(), lo + n)
@@ -246,23 +390,24 @@ class _MetaSource:
     name-based initialiser takes buckets x one initialisation to build.
     """
 
-    def __init__(self, module: nn.Module, init: Init | None):
-        self.module, self.init = module, init
+    def __init__(self, module: nn.Module, init: Init | None, device: torch.device):
+        self.module, self.init, self.device = module, init, device
         replay = init is None and not callable(getattr(module, "init_parameter", None))
         self.start = torch.get_rng_state() if replay else None
         self.end: torch.Tensor | None = None
 
     @classmethod
-    def open(cls, module: nn.Module, init: Init | None, stage: int) -> "_MetaSource | None":
+    def open(cls, module: nn.Module, init: Init | None, stage: int, device: torch.device
+             ) -> "_MetaSource | None":
         """``None`` unless ``module`` is on meta and ``stage`` is 3: stages 0-2 keep every parameter whole, so
         they are materialised whole here. At stage 3 the replicated state (buffers, frozen parameters) is."""
         if not is_meta(module):
             return None
         check_initialisable(module, init)  # depends on the model only: every rank refuses alike, before allocating
         if stage < 3:
-            materialize(module, init=init)
+            materialize(module, init=init, device=device)
             return None
-        src = cls(module, init)
+        src = cls(module, init, device)
         trainable = {n for n, p in module.named_parameters() if p.requires_grad}
         src.take([n for n in (*dict(module.named_parameters()), *dict(module.named_buffers())) if n not in trainable])
         return src
@@ -271,7 +416,7 @@ class _MetaSource:
         """Materialise the tensors ``names``; the others stay on meta."""
         if self.start is not None:
             torch.set_rng_state(self.start)
-        if materialize(self.module, names, init=self.init, redraw=True) and self.start is not None:
+        if materialize(self.module, names, init=self.init, redraw=True, device=self.device) and self.start is not None:
             self.end = torch.get_rng_state()
 
     def finish(self) -> None:
@@ -315,6 +460,11 @@ class ShardedDataParallel(nn.Module):
         init: for a meta model: ``init(name, tensor)`` filling one tensor in place (default: the model's
             ``init_parameter``, else its modules' ``reset_parameters()`` replayed; a meta tensor none of these
             covers is a ValueError on every rank before anything is allocated).
+        groups: parameter groups as for a torch optimizer (``[{"params": decay, "weight_decay": 0.1},
+            {"params": no_decay, "weight_decay": 0.0}]``): each bucket holds one group's parameters, and
+            :meth:`optim_groups` gives the optimizer the shards group by group with their options.
+        device: where a meta model is materialised (default ``"cpu"``); a real model's parameters say where
+            they are. Buckets, shards, gradients and optimizer state live on that device.
 
     The gradient reduction's factor is :attr:`scale` (``1 / P`` for ``"avg"``, ``1`` for ``"sum"``); a caller
     whose loss is not a plain mean over the group (a sequence-parallel share of the mean, summed over ``sp``
@@ -325,22 +475,28 @@ class ShardedDataParallel(nn.Module):
                  axes: str | Sequence[str] | None = None, bucket_mb: float = 25.0,
                  compute_dtype: torch.dtype | None = None, reduce: str = "avg", micro_batches: int = 1,
                  compress: Any = None, param_codec: str | None = None, keep: Sequence[nn.Module] = (),
-                 init: Init | None = None):
+                 init: Init | None = None, groups: Sequence[dict[str, Any]] | None = None,
+                 device: Any = None):
         super().__init__()
         _check_args(module, stage, bucket_mb, reduce, micro_batches)
+        self._group_opts, group_of = _parse_groups(module, groups)  # by name: a meta build installs new tensors
         comm = _group(group, axes)
         self.module = module
         self.stage = stage
         self.comm = comm
         self.micro_batches = micro_batches
         self.scale = 1.0 / comm.size if reduce == "avg" else 1.0
-        self._source = _MetaSource.open(module, init, stage)
+        self._source = _MetaSource.open(module, init, stage, torch.device(device or "cpu"))
         self._broadcast_replicated()
-        self.buckets, self._owners = _make_buckets(module, comm.size, int(bucket_mb * (1 << 20)))
+        self.buckets, self._owners = _make_buckets(module, comm.size, int(bucket_mb * (1 << 20)), group_of)
         trainable = [p for b in self.buckets for p in b.params]
         self.master_dtype = trainable[0].dtype if trainable else torch.float32
+        # Buckets, shards, placeholders, gradients and (through the shards) the optimizer state live where the
+        # parameters live; loom.comm stages device buffers through the host unless the MPI is CUDA-aware.
+        self.device = next((p.device for p in trainable if not p.is_meta), torch.device(device or "cpu"))
         self.compute_dtype = compute_dtype or self.master_dtype
         self._pending_rs: list[tuple[int, Request]] = []
+        self._deferred: list[tuple[_Bucket, torch.Tensor]] = []  # compressed reduce-scatters run after backward
         self._hooks: list[Any] = []
         if stage == 0:
             if compute_dtype not in (None, self.master_dtype):
@@ -349,6 +505,7 @@ class ShardedDataParallel(nn.Module):
             self.reducer.start(micro_batches)
             for p in trainable:  # a missing gradient counts as zero, as in the flat shard of stages 1-3
                 p.grad = torch.zeros_like(p)
+            _watch_steps(self, trainable)
             return
         if self.compute_dtype != self.master_dtype:
             with torch.no_grad():
@@ -360,8 +517,13 @@ class ShardedDataParallel(nn.Module):
         self._rs = comm.dup(name=comm.name)  # gradient reduce-scatters, in theirs
         self._init_shards()
         trainable = [p for b in self.buckets for p in b.params]  # a meta model's were replaced by real ones
+        self._synced = False  # this step's gradients are reduced into the shards (sync_grads ran)
+        self._stepped = False  # the optimizer step hook refreshed the parameters
         if stage >= 2:
             self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
+        else:
+            self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad1) for p in trainable]
+        _watch_steps(self, list(self.shards))
         if stage == 3:
             for m, bs in self._owners.items():
                 self._hooks.append(m.register_forward_pre_hook(self._pre_hook(bs)))
@@ -385,7 +547,7 @@ class ShardedDataParallel(nn.Module):
                     self.comm.bcast(t, root=0)
 
     def _padded_flat(self, b: _Bucket, tensors: Sequence[torch.Tensor | None], dtype) -> torch.Tensor:
-        flat = torch.zeros(b.padded, dtype=dtype)
+        flat = torch.zeros(b.padded, dtype=dtype, device=self.device)
         for p, off, t in zip(b.params, b.offsets, tensors):
             if t is not None:
                 flat[off:off + p.numel()].copy_(t.reshape(-1))
@@ -397,7 +559,7 @@ class ShardedDataParallel(nn.Module):
         for b in self.buckets:
             b.start = total
             total += b.shard
-        self.shards = nn.ParameterList([nn.Parameter(torch.zeros(b.shard, dtype=self.master_dtype))
+        self.shards = nn.ParameterList([nn.Parameter(torch.zeros(b.shard, dtype=self.master_dtype, device=self.device))
                                         for b in self.buckets])
         self._placeholders: dict[int, torch.Tensor] = {}
         with torch.no_grad():
@@ -411,9 +573,12 @@ class ShardedDataParallel(nn.Module):
                     self.comm.bcast(full, root=0)
                     self._master(b).copy_(full[r * b.shard:(r + 1) * b.shard])
                 if self.stage == 3:
-                    for p in b.params:
-                        self._placeholders[id(p)] = torch.zeros((), dtype=self.compute_dtype).expand(p.shape)
+                    for p, name in zip(b.params, b.names):
+                        zero = torch.zeros((), dtype=self.compute_dtype, device=self.device)
+                        self._placeholders[id(p)] = zero.expand(p.shape)
                         p.data = self._placeholders[id(p)]
+                        p.__class__ = _ShardedParameter
+                        p._loom_freed = _freed_message(name)
                 else:
                     b.full = full.to(self.compute_dtype)
                     self._bind(b)
@@ -433,12 +598,15 @@ class ShardedDataParallel(nn.Module):
 
     def flat_shard(self) -> torch.Tensor:
         """This rank's master blocks laid end to end (a copy)."""
-        return torch.cat([sh.detach() for sh in self.shards]) if len(self.shards) else torch.zeros(0)
+        if not len(self.shards):
+            return torch.zeros(0, device=self.device)
+        return torch.cat([sh.detach() for sh in self.shards])
 
     def _bind(self, b: _Bucket) -> None:
         full = b.full
         for p, off in zip(b.params, b.offsets):
             p.data = full[off:off + p.numel()].view(p.shape)
+            p._loom_freed = None
 
     # ------------------------------------------------------------------ compression
     def _setup_compression(self, compress: Any, param_codec: str | None) -> None:
@@ -465,12 +633,17 @@ class ShardedDataParallel(nn.Module):
         if self.stage == 3 and (param_codec or self.grad_codec is not None):
             self.param_codec = get_codec(param_codec or "int8")
 
-    def _compressed_rs(self, b: _Bucket, grad: torch.Tensor) -> torch.Tensor:
-        """This rank's block of the sum of ``grad`` over the group, other ranks' blocks sent encoded."""
+    def _compressed_rs(self, b: _Bucket, grad: torch.Tensor) -> "Request | _Then":
+        """This rank's block of the sum of ``grad`` over the group, other ranks' blocks sent encoded: one
+        non-blocking ``ialltoallv`` of the bytes (every block encodes to the codec's fixed wire size, so the
+        receive counts are known without asking), decoded and summed when it completes. A codec without a
+        fixed size (zstd) needs its counts exchanged first, a blocking collective: then it runs at once,
+        and :meth:`_post_rs` keeps it out of backward."""
         codec, ef, comm = self.grad_codec, self.error_feedback, self._rs
         y = ef.apply(b.index, grad) if ef is not None else grad
         r, n = comm.rank, b.shard
         residual = torch.zeros_like(y) if ef is not None else None
+        wire = codec.wire_bytes(n, y.dtype)
         chunks, counts = [], []
         for j in range(comm.size):
             if j == r:
@@ -479,19 +652,29 @@ class ShardedDataParallel(nn.Module):
             pkt = codec.encode(y[j * n:(j + 1) * n])
             chunks.append(pkt.data)
             counts.append(pkt.nbytes)
+            if wire is not None and pkt.nbytes != wire:
+                raise RuntimeError(f"codec {codec!r} encoded {n} elements into {pkt.nbytes} bytes, not the "
+                                   f"{wire} its wire_bytes() states; the receive counts would disagree")
             if residual is not None:
                 residual[j * n:(j + 1) * n] = y[j * n:(j + 1) * n] - codec.decode(pkt).to(y.dtype)
-        send = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
-        recv, rc = comm.alltoallv(send, counts)
-        acc = y[r * n:(r + 1) * n].clone()
-        off = 0
-        for j, c in enumerate(rc):
-            if j != r:
-                acc += codec.decode(codec.from_wire(recv[off:off + c], (n,), y.dtype)).to(y.dtype)
-            off += c
         if ef is not None:
             ef.set(b.index, residual)
-        return acc
+        send = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=y.device)
+        own = y[r * n:(r + 1) * n].clone()
+
+        def decode(got):
+            recv, rc = got
+            acc, off = own, 0
+            for j, c in enumerate(rc):
+                if j != r:
+                    acc += codec.decode(codec.from_wire(recv[off:off + c], (n,), y.dtype)).to(y.dtype)
+                off += c
+            return acc
+
+        if wire is None:
+            return Request.completed(decode(comm.alltoallv(send, counts)), what="compressed reduce-scatter")
+        rc = [0 if j == r else wire for j in range(comm.size)]
+        return _Then(comm.ialltoallv(send, counts, rc), decode)
 
     def _ef_state(self) -> dict[int, torch.Tensor] | None:
         if self.error_feedback is None:
@@ -515,6 +698,19 @@ class ShardedDataParallel(nn.Module):
             for i, sh in enumerate(self.shards):
                 yield f"{prefix}shards.{i}", sh
 
+    def optim_groups(self) -> list[dict[str, Any]]:
+        """Parameter groups for a torch optimizer: one per group given as ``groups=`` (each with its options,
+        e.g. ``weight_decay`` or ``lr``), holding this rank's shards of that group's buckets (stage >= 1) or
+        its parameters (stage 0); trainable parameters no group listed form a last group with no options.
+        ``torch.optim.AdamW(sdp.optim_groups(), lr=...)``. Without ``groups=``: one group, :meth:`parameters`."""
+        out = [{"params": [], **opts} for opts in self._group_opts]
+        for b in self.buckets:
+            if self.stage == 0:
+                out[b.group]["params"].extend(b.params)
+            else:
+                out[b.group]["params"].append(self.shards[b.index])
+        return out
+
     def forward(self, *args, **kwargs):
         return self.call(self.module, *args, **kwargs)
 
@@ -530,8 +726,11 @@ class ShardedDataParallel(nn.Module):
         """The context one forward runs in (stage 3: gathers kept buckets, tracks saved tensors, and frees on
         exit); for callers that run the module's pieces themselves, such as a pipeline's micro-batches."""
         if self.stage < 3:
+            if self.stage:
+                self._synced = False
             yield
             return
+        self._synced = False
         self._fwd_next = 0
         self._fwd_ran = [0] * len(self.buckets)
         for i in self._keep:  # read outside any hook: gathered now, in the same order on every rank
@@ -542,24 +741,33 @@ class ShardedDataParallel(nn.Module):
         self._forward_end()
 
     def sync_grads(self) -> None:
-        """Finish this step's gradient reduction: afterwards ``shards[b].grad`` holds this rank's reduced block."""
+        """Finish this step's gradient reduction: afterwards ``shards[b].grad`` holds this rank's reduced block.
+        Idempotent within a step (a second call, as from clipping or the optimizer's step hook, reduces nothing
+        again)."""
         if self.stage == 0:
             if self.reducer.armed:
                 self.reducer.finish()
             return
+        if self._synced:
+            return
+        self._synced = True
         if self._bwd_open:
             self._backward_end()
         if self.stage == 1:
             self._post_stage1()
+        for b, grad in self._deferred:
+            self._pending_rs.append((b.index, self._compressed_rs(b, grad)))
+        self._deferred.clear()
         self._drain(0)
         for sh in self.shards:
             if sh.grad is None:  # no gradient reached it this step: zero, the same on every rank
                 sh.grad = torch.zeros_like(sh)
 
-    def _drain(self, limit: int) -> None:
-        """Consume completed reduce-scatters in posting order; wait until at most ``limit`` are outstanding."""
+    def _drain(self, limit: int | None) -> None:
+        """Consume completed reduce-scatters in posting order; wait until at most ``limit`` are outstanding
+        (``None``: never wait, for hooks, which run while peers may still be in their backward)."""
         pending = self._pending_rs
-        while pending and (len(pending) > limit or pending[0][1].test()):
+        while pending and (limit is not None and len(pending) > limit or pending[0][1].test()):
             i, req = pending.pop(0)
             self._add_grad(i, _wait(req))
 
@@ -567,7 +775,7 @@ class ShardedDataParallel(nn.Module):
         for b in self.buckets:
             grads = [p.grad for p in b.params]
             if all(g is None for g in grads):
-                flat = torch.zeros(b.padded, dtype=self.master_dtype)
+                flat = torch.zeros(b.padded, dtype=self.master_dtype, device=self.device)
             else:
                 flat = self._padded_flat(b, grads, self.master_dtype)
             self._pending_rs.append((b.index, self._rs.ireduce_scatter(flat)))
@@ -583,7 +791,8 @@ class ShardedDataParallel(nn.Module):
             params = [p for b in self.buckets for p in b.params if p.grad is not None]
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         grads = [sh.grad for sh in self.shards]
-        sq = sum((g.to(torch.float64).pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+        sq = sum((g.to(torch.float64).pow(2).sum() for g in grads),
+                 torch.zeros((), dtype=torch.float64, device=self.device))
         total = self.comm.allreduce(sq.reshape(1)).sqrt()[0].to(self.master_dtype)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
@@ -600,10 +809,28 @@ class ShardedDataParallel(nn.Module):
 
     def update(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()`` on the shards, then (stages 1-2) the updated blocks gathered into the module's
-        parameters; for loops that reduce (:meth:`sync_grads`) and clip themselves."""
+        parameters; for loops that reduce (:meth:`sync_grads`) and clip themselves. A torch optimizer over
+        :meth:`parameters` does the same from its step hooks, so a plain ``optimizer.step()`` is equivalent."""
+        self._stepped = False
         optimizer.step()
+        if not self._stepped:  # an optimizer without torch's step hooks
+            self._after_step()
+
+    def _before_step(self) -> None:
+        """The optimizer is about to step on this rank's shards: finish the reduction it needs."""
+        self.sync_grads()
+
+    def _after_step(self) -> None:
+        """The optimizer stepped: stages 1-2 gather the updated blocks into the module's parameters; stage 0
+        arms the reducer for the next step's backward."""
+        self._stepped = True
         if self.stage in (1, 2):
             self._gather_all()
+        elif self.stage == 0 and not self.reducer.armed:
+            self.reducer.start(self.micro_batches)
+
+    def _on_grad1(self, p: torch.Tensor) -> None:
+        self._synced = False  # stage 1: a backward ran, so this step's gradients wait for their reduce-scatter
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.stage == 0:
@@ -611,7 +838,8 @@ class ShardedDataParallel(nn.Module):
                 for p in b.params:
                     if p.grad is not None:
                         p.grad.zero_()
-            self.reducer.start(self.micro_batches)
+            if not self.reducer.armed:
+                self.reducer.start(self.micro_batches)
             return
         for sh in self.shards:
             sh.grad = None
@@ -630,8 +858,16 @@ class ShardedDataParallel(nn.Module):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for i in self._step_ids:
+            if _STEP_OWNERS.get(i) is self:
+                del _STEP_OWNERS[i]
+        self._step_ids = set()
         if self.stage == 0:
             self.reducer.remove()
+        for b in self.buckets:
+            for p in b.params:
+                if type(p) is _ShardedParameter:
+                    p.__class__ = nn.Parameter
 
     # ------------------------------------------------------------------ progress
     def _progress(self) -> None:
@@ -641,7 +877,7 @@ class ShardedDataParallel(nn.Module):
                 b.req.test()
         for _, req in self._pending_rs:
             req.test()
-        self._drain(MAX_PENDING)
+        self._drain(None)
 
     # ------------------------------------------------------------------ gradients (stages 2-3)
     def _open_backward(self) -> None:
@@ -656,14 +892,14 @@ class ShardedDataParallel(nn.Module):
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        self._synced = False
         self._open_backward()
         bi, i = self._index_of[id(p)]
         b = self.buckets[bi]
         if b.grad is None:
-            # The previous bucket's reduce-scatter had this bucket's backward to complete in; finishing it
-            # before a new gradient buffer is allocated keeps one bucket's gradient in flight (as FSDP2 does).
-            self._drain(0)
-            b.grad = torch.zeros(b.padded, dtype=self.master_dtype)
+            # No wait for earlier reduce-scatters here: a peer may post them only at the end of its backward
+            # (a parameter it never used), after gathers this rank would not reach while blocked (issue 26).
+            b.grad = torch.zeros(b.padded, dtype=self.master_dtype, device=self.device)
         off = b.offsets[i]
         b.grad[off:off + p.numel()].copy_(p.grad.reshape(-1))
         p.grad = None
@@ -675,10 +911,14 @@ class ShardedDataParallel(nn.Module):
         self._progress()
 
     def _post_rs(self, b: _Bucket) -> None:
-        grad = b.grad if b.grad is not None else torch.zeros(b.padded, dtype=self.master_dtype)
+        grad = b.grad if b.grad is not None else torch.zeros(b.padded, dtype=self.master_dtype, device=self.device)
         b.grad = None
         if self.grad_codec is not None:
-            req = Request.completed(self._compressed_rs(b, grad), what="compressed reduce-scatter")
+            if self.grad_codec.wire_bytes(b.shard, grad.dtype) is None:
+                self._deferred.append((b, grad))  # a blocking collective: after backward (sync_grads)
+                b.posted = True
+                return
+            req = self._compressed_rs(b, grad)
         else:
             req = self._rs.ireduce_scatter(grad)
         self._pending_rs.append((b.index, req))
@@ -720,7 +960,7 @@ class ShardedDataParallel(nn.Module):
             b.full = allgather(src, self._ag, self.param_codec, min_bytes=0).to(self.compute_dtype)
             b.req = Request.completed(b.full, what="compressed gather")
         else:
-            b.full = torch.empty(b.padded, dtype=self.compute_dtype)
+            b.full = torch.empty(b.padded, dtype=self.compute_dtype, device=self.device)
             b.req = self._ag.iallgather(src, out=b.full)
         _stats.add("time", "zero", gathers=1)
 
@@ -739,8 +979,9 @@ class ShardedDataParallel(nn.Module):
         if b.req is not None:
             _wait(b.req)
             b.req = None
-        for p in b.params:
+        for p, name in zip(b.params, b.names):
             p.data = self._placeholders[id(p)]
+            p._loom_freed = _freed_message(name)
         self._live.pop(b.full.untyped_storage().data_ptr(), None)
         b.full = None
 
@@ -896,7 +1137,8 @@ class ShardedDataParallel(nn.Module):
         r, size = self.comm.rank, self.comm.size
         replicated = {k: v for k, v in self.module.state_dict().items() if k not in self._trainable_names()}
         blob = {"flat": self.flat_shard(), "optim": optimizer.state_dict() if optimizer else None,
-                "extra": extra, "replicated": replicated if r == 0 else None, "error_feedback": self._ef_state()}
+                "optim_buckets": self._optim_order(optimizer) if optimizer else None, "extra": extra,
+                "replicated": replicated if r == 0 else None, "error_feedback": self._ef_state()}
         _atomic_save(blob, d / _shard_name(r, size))
         self.comm.barrier()
         if r == 0:
@@ -934,7 +1176,7 @@ class ShardedDataParallel(nn.Module):
                 for b in self.buckets:
                     b.full.copy_(self.comm.allgather(self._master(b).to(self.compute_dtype)))
         if optimizer is not None:
-            optimizer.load_state_dict(self._reshard_optim(old))
+            optimizer.load_state_dict(self._reshard_optim(old, optimizer))
         if self.error_feedback is not None:
             self.error_feedback.reset()
             saved = old.get(self.comm.rank)["error_feedback"] if old.world == self.comm.size else None
@@ -947,7 +1189,7 @@ class ShardedDataParallel(nn.Module):
         (``block(q)``: old rank ``q``'s block of ``b``); padding stays zero."""
         lay = old.layouts[b.index]
         r = self.comm.rank
-        out = torch.zeros(b.shard, dtype=self.master_dtype)
+        out = torch.zeros(b.shard, dtype=self.master_dtype, device=self.device)
         lo, hi = r * b.shard, min((r + 1) * b.shard, b.numel)
         pos = lo
         while pos < hi:
@@ -958,21 +1200,47 @@ class ShardedDataParallel(nn.Module):
             pos = end
         return out
 
-    def _reshard_optim(self, old: "_OldShards") -> dict[str, Any]:
-        """The optimizer state of the saved run (one entry per bucket's block), resharded to this group."""
-        base = old.get(0)["optim"]
+    def _optim_order(self, optimizer: torch.optim.Optimizer) -> list[int]:
+        """The bucket of each parameter of ``optimizer``, in its state-dict order (groups in order)."""
+        where = {id(sh): i for i, sh in enumerate(self.shards)}
+        order = []
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) not in where:
+                    raise ValueError(f"the optimizer steps a tensor of shape {tuple(p.shape)} that is not one of "
+                                     f"this ShardedDataParallel's shards; build it over sdp.optim_groups() or "
+                                     f"sdp.parameters()")
+                order.append(where[id(p)])
+        return order
+
+    def _reshard_optim(self, old: "_OldShards", optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer state of the saved run, resharded to this group and keyed by bucket (each optimizer
+        position's parameter), so groups may list the shards in another order than the buckets'."""
+        saved = old.get(0)
+        base = saved["optim"]
         if base is None:
             raise ValueError("load_sharded: the checkpoint has no optimizer state (saved without optimizer=)")
+        old_order = saved.get("optim_buckets") or list(range(len(old.layouts)))  # older files: bucket order
+        old_pos = {j: k for k, j in enumerate(old_order)}
+        mine = optimizer.state_dict()["param_groups"]
+        if len(mine) != len(base["param_groups"]):
+            raise ValueError(f"load_sharded: the checkpoint's optimizer has {len(base['param_groups'])} parameter "
+                             f"groups, this one {len(mine)}; build it over sdp.optim_groups() with the same groups")
         state = {}
-        for k, st in base["state"].items():
-            lay = old.layouts[k]
-            state[k] = {}
+        for pos, j in enumerate(self._optim_order(optimizer)):
+            k = old_pos.get(j)
+            st = base["state"].get(k) if k is not None else None
+            if not st:
+                continue
+            lay = old.layouts[j]
+            state[pos] = {}
             for name, v in st.items():
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == lay["shard"]:
-                    state[k][name] = self._reshard(old, self.buckets[k], _optim_block(old, k, name))
+                    state[pos][name] = self._reshard(old, self.buckets[j], _optim_block(old, k, name))
                 else:
-                    state[k][name] = v
-        return {"state": state, "param_groups": base["param_groups"]}
+                    state[pos][name] = v
+        groups = [{**g, "params": m["params"]} for g, m in zip(base["param_groups"], mine)]
+        return {"state": state, "param_groups": groups}
 
 
 def _optim_block(old: "_OldShards", k: int, name: str) -> Callable[[int], torch.Tensor]:
@@ -1014,26 +1282,33 @@ class _OldShards:
 
 
 class ShardedOptimizer:
-    """ZeRO stage 1 over gradients that are already reduced: each rank of ``comm`` keeps the optimizer state
-    of its block of every parameter group, steps it, and the blocks are all-gathered back into the parameters.
+    """ZeRO stage 1 for training loops that keep their own gradient handling: each rank of ``comm`` keeps the
+    optimizer state of its block of every parameter group, steps it, and the blocks are all-gathered back
+    into the parameters.
 
-    For training loops that reduce gradients themselves (``loom train``: its sp/dp/ep sync, compression and
-    pipeline stay as they are). Plan per :meth:`step`: per group, the parameters' gradients are flattened
-    (padded to ``P S``), this rank's block becomes its master's gradient, the wrapped optimizer steps the
-    masters (elementwise optimizers such as Adam(W) and SGD give exactly what they give unsharded), and one
-    ``allgather`` per group writes the updated blocks into every rank's parameters. :meth:`state_dict`
-    gathers the full state in the wrapped optimizer's own format, keyed by the parameters' order, so
-    checkpoints are those of the unsharded optimizer and load at any group size.
+    For ``loom train``: its sp sync, compression and pipeline stay as they are. Plan per :meth:`step`: per
+    group, the parameters' gradients are flattened (padded to ``P S``); with ``reduce=True`` the flat gradient
+    is reduce-scattered (mean over ``comm``) into this rank's master's gradient (:meth:`reduce_grads`, which
+    a loop that clips calls first), else the gradients are already reduced and this rank's block is sliced;
+    the wrapped optimizer steps the masters (elementwise optimizers such as Adam(W) and SGD give exactly what
+    they give unsharded), and one ``allgather`` per group writes the updated blocks into every rank's
+    parameters: a reduce-scatter plus an allgather, DDP's bytes, where an allreduce first would send half
+    as much again. :meth:`state_dict` gathers the full state in the wrapped optimizer's own format, keyed by
+    the parameters' order, to one rank (``to=``), so checkpoints are those of the unsharded optimizer and
+    load at any group size.
 
     Args:
         param_groups: ``[{"params": [...], **group options}, ...]`` as for any torch optimizer.
-        comm: the ranks that hold identical parameters and gradients (e.g. ``mesh[("dp", "sp")]``).
+        comm: the ranks that hold identical parameters (and, without ``reduce``, identical gradients).
         optimizer: the torch optimizer class; ``**defaults`` are its arguments.
+        reduce: reduce-scatter the gradients in :meth:`reduce_grads` / :meth:`step` (mean over ``comm``).
     """
 
     def __init__(self, param_groups: list[dict[str, Any]], comm: Communicator,
-                 optimizer: type = torch.optim.AdamW, **defaults: Any):
+                 optimizer: type = torch.optim.AdamW, *, reduce: bool = False, **defaults: Any):
         self.comm = comm
+        self.reduce = reduce
+        self._reduced = False
         self.params: list[list[torch.Tensor]] = []
         inner_groups = []
         size = comm.size
@@ -1046,18 +1321,23 @@ class ShardedOptimizer:
         self.inner = optimizer(inner_groups, **defaults)
 
     @classmethod
-    def wrap(cls, optimizer: torch.optim.Optimizer, comm: Communicator) -> "ShardedOptimizer":
+    def wrap(cls, optimizer: torch.optim.Optimizer, comm: Communicator, *, reduce: bool = False
+             ) -> "ShardedOptimizer":
         """The same optimizer (class, groups, options), its state sharded over ``comm``."""
         if optimizer.state:
             raise ValueError("ShardedOptimizer.wrap needs a fresh optimizer (its state is already built); wrap "
                              "it before the first step, or load the state afterwards with load_state_dict")
         groups = [dict(g) for g in optimizer.param_groups]
-        return cls(groups, comm, type(optimizer))  # every group carries all its options
+        return cls(groups, comm, type(optimizer), reduce=reduce)  # every group carries all its options
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's groups (set ``lr`` here); their ``params`` are this rank's masters."""
         return self.inner.param_groups
+
+    def masters(self) -> list[torch.Tensor]:
+        """This rank's master block of each group (their ``.grad`` after :meth:`reduce_grads`)."""
+        return [g["params"][0] for g in self.inner.param_groups]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for ps in self.params:
@@ -1071,6 +1351,21 @@ class ShardedOptimizer:
         return _flat_block(ps, tensors, self.comm.rank * n, n, ps[0].dtype if ps else torch.float32)
 
     @torch.no_grad()
+    def reduce_grads(self) -> None:
+        """``reduce=True``: every group's gradient reduce-scattered (mean over ``comm``) into its master's
+        ``.grad`` (one ``ireduce_scatter`` per group, all posted, then waited). Once per step."""
+        if self._reduced:
+            return
+        reqs = []
+        for ps, master in zip(self.params, self.masters()):
+            n, p = master.numel(), self.comm.size
+            flat = _flat_block(ps, [q.grad for q in ps], 0, n * p, master.dtype)
+            reqs.append(self.comm.ireduce_scatter(flat, op="avg"))
+        for master, req in zip(self.masters(), reqs):
+            master.grad = _wait(req)
+        self._reduced = True
+
+    @torch.no_grad()
     def step(self) -> None:
         for ps, g in zip(self.params, self.inner.param_groups):
             master = g["params"][0]
@@ -1078,8 +1373,12 @@ class ShardedOptimizer:
             # The parameters are the truth (a resume or load_state_dict may have changed them since the last
             # step); copying this rank's block is exact, the values being the same on every rank.
             master.copy_(self._block(ps, list(ps), n))
-            master.grad = self._block(ps, [p.grad for p in ps], n)
+            if not self.reduce:
+                master.grad = self._block(ps, [p.grad for p in ps], n)
+        if self.reduce:
+            self.reduce_grads()
         self.inner.step()
+        self._reduced = False
         for ps, g in zip(self.params, self.inner.param_groups):
             full = self.comm.allgather(g["params"][0].detach())
             off = 0
@@ -1087,14 +1386,35 @@ class ShardedOptimizer:
                 p.copy_(full[off:off + p.numel()].view_as(p))
                 off += p.numel()
 
-    def state_dict(self) -> dict[str, Any]:
-        """The unsharded optimizer's state dict (collective over ``comm``)."""
+    def _gather_to(self, v: torch.Tensor, to: int | None, tag: int) -> torch.Tensor | None:
+        """Every rank's block ``v`` laid end to end: on every rank (``to=None``, one allgather) or on rank
+        ``to`` only (point to point), so the full state never sits on the other ranks."""
+        if to is None:
+            return self.comm.allgather(v.contiguous())
+        if self.comm.rank != to:
+            self.comm.send(v.contiguous(), to, tag=tag)
+            return None
+        parts = []
+        for q in range(self.comm.size):
+            parts.append(v if q == to else self.comm.recv(torch.empty_like(v), source=q, tag=tag))
+        return torch.cat(parts)
+
+    def state_dict(self, to: int | None = None) -> dict[str, Any] | None:
+        """The unsharded optimizer's state dict (collective over ``comm``): on every rank, or with ``to=`` on
+        that rank of ``comm`` only (the others return ``None``; a checkpoint writer needs it on one rank)."""
         sd = self.inner.state_dict()
-        state, idx, groups = {}, 0, []
+        state, idx, groups, tag = {}, 0, [], 0
         for k, (ps, g) in enumerate(zip(self.params, sd["param_groups"])):
             st = sd["state"].get(k, {})
-            full = {name: (self.comm.allgather(v.contiguous()) if isinstance(v, torch.Tensor) and v.dim() == 1
-                           else v) for name, v in st.items()}
+            full = {}
+            for name, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() == 1:
+                    full[name] = self._gather_to(v, to, tag)
+                    tag += 1
+                else:
+                    full[name] = v
+            if to is not None and self.comm.rank != to:
+                continue  # sent its blocks; the state is assembled on ``to`` only
             off = 0
             ids = []
             for p in ps:
@@ -1106,6 +1426,8 @@ class ShardedOptimizer:
                 ids.append(idx)
                 idx += 1
             groups.append({**g, "params": ids})
+        if to is not None and self.comm.rank != to:
+            return None
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:

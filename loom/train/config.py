@@ -390,9 +390,6 @@ class Config:
         _need(self.zero.stage == 0 or mesh.ep == 1,
               f"zero.stage = {self.zero.stage} with mesh.ep = {mesh.ep}: expert weights differ across ep ranks and "
               f"sharding the optimizer state over dp x ep is not wired yet; use zero.stage = 0 or mesh.ep = 1")
-        _need(self.zero.stage < 2 or self.train.device == "cpu",
-              f"zero.stage = {self.zero.stage} with train.device = {self.train.device!r}: ShardedDataParallel keeps "
-              f"its buckets in host memory; use train.device = 'cpu', or zero.stage = 1 on CUDA")
         if mesh.tp > 1:
             self._check_tp()
         if mesh.ep > 1:

@@ -283,6 +283,9 @@ class Trainer:
         if self.sdp is not None:  # materialising a meta model installs new parameter objects
             named = dict(self.model.named_parameters())
             self.params = [named[n] for n in self.param_names]
+        # ZeRO-1 as a reduce-scatter plus an allgather (DDP's bytes) where nothing else reduces over dp first:
+        # a dp compression hook or a pipeline's own dp reduction keep the allreduce and slice their block.
+        self._zero1_rs = cfg.zero.stage == 1 and self.hook is None and self.pp is None and self.ep is None
         self.opt = self._make_optimizer()
         self.start_step = 0
         self.resumed_from_nothing = False
@@ -342,7 +345,7 @@ class Trainer:
         try:
             sdp = ShardedDataParallel(module, self.mesh[tuple(z.axes)], stage=z.stage, bucket_mb=z.bucket_mb,
                                       reduce="sum", compress=self.policy, keep=keep, compute_dtype=self.dtype,
-                                      init=init)
+                                      init=init, device=self.device)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"zero.stage = {z.stage}: {exc}") from None
         sdp.scale = 1.0 / cfg.mesh.dp / (cfg.mesh.sp if "sp" in z.axes and not self._sp_share else 1)
@@ -367,7 +370,7 @@ class Trainer:
         out = []
         r = self.sdp.comm.rank
         for b in self.sdp.buckets:
-            mask = torch.zeros(b.padded, dtype=torch.bool, device=self.sdp.shards[len(out)].device)
+            mask = torch.zeros(b.padded, dtype=torch.bool, device=self.sdp.device)
             for p, off in zip(b.params, b.offsets):
                 mask[off:off + p.numel()] = p.ndim >= 2
             out.append(mask[r * b.shard:(r + 1) * b.shard])
@@ -415,7 +418,7 @@ class Trainer:
         if cfg.zero.stage == 1:
             from loom.parallel import ShardedOptimizer
 
-            opt = ShardedOptimizer.wrap(opt, self.mesh[cfg.zero.axes])
+            opt = ShardedOptimizer.wrap(opt, self.mesh[cfg.zero.axes], reduce=self._zero1_rs)
         return opt
 
     def _make_hybrid(self) -> HybridParallel:
@@ -553,7 +556,10 @@ class Trainer:
             if self.tp is not None:  # whole tensors in the stage file (collective over tp)
                 model = {n: self._gather(n, t) for n, t in model.items()}
             optim = None
-        sharded = self.opt.state_dict() if self.cfg.zero.stage == 1 else None  # collective over the zero axes
+        sharded = None
+        if self.cfg.zero.stage == 1:  # collective over the zero axes, assembled on the group's writer only
+            writer = self.opt.comm.allgather_object(self.dp_rank == 0 and self.sp_rank == 0)
+            sharded = self.opt.state_dict(to=writer.index(True) if True in writer else 0)
         if self.dp_rank == 0 and self.sp_rank == 0 and self.sdp is None:
             named = dict(self.model.named_parameters())
             model = {n: self._gather(n, named[n]) for n in self.param_names}
@@ -670,7 +676,9 @@ class Trainer:
         t0 = time.perf_counter()
         if self.sp is not None:
             self._flat_sync(self.sp, use_hook=False, op="sum" if self._sp_share else "avg")
-        if self.hybrid is None:
+        if self._zero1_rs:
+            self.opt.reduce_grads()  # mean over the zero axes into this rank's blocks (sp sums come first)
+        elif self.hybrid is None:
             self._flat_sync(self.rep, use_hook=True, expert=False)
             if self.ep is not None:
                 self._flat_sync(self.dp, use_hook=True, expert=True, scale=1.0 / self.ep.size)
@@ -720,6 +728,15 @@ class Trainer:
         else:
             sq = sum((g.double().pow(2).sum() for g in grads), zero)
             sq = self.sdp.comm.allreduce(sq.reshape(1), op="sum")
+        return self._clip_norm(sq, grads)
+
+    def _clip_blocks(self, grads: list[torch.Tensor], group: Communicator) -> float:
+        """Clip gradients held as blocks over ``group`` (each element on one rank of it) to the global norm."""
+        sq = sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=self.device))
+        return self._clip_norm(group.allreduce(sq.reshape(1), op="sum"), grads)
+
+    def _clip_norm(self, sq: torch.Tensor, grads: list[torch.Tensor]) -> float:
+        """Scale ``grads`` to ``optim.grad_clip`` given their group's summed squares ``sq`` (one element)."""
         if self.pp is not None:  # every stage's shards
             sq = self.pp.allreduce(sq, op="sum")
         norm = float(sq[0].sqrt())
@@ -754,6 +771,8 @@ class Trainer:
         """
         if self.sdp is not None:
             return self._sharded_clip()
+        if self._zero1_rs:
+            return self._clip_blocks([m.grad for m in self.opt.masters()], self.opt.comm)
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         sq_ex = torch.zeros((), dtype=torch.float64, device=self.device)
         sq_tp = torch.zeros((), dtype=torch.float64, device=self.device)

@@ -1,5 +1,6 @@
-"""ShardedDataParallel on one process (a group of one rank): every check of tests/mpi/check_zero.py, plus the
-pieces that need no peers (bucket layout, refusal of bad input, checkpoint files)."""
+"""ShardedDataParallel on one process (a group of one rank): every check of tests/mpi/check_zero.py and
+tests/mpi/check_zero_deep.py, plus the pieces that need no peers (bucket layout, refusal of bad input,
+checkpoint files)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,18 @@ _SPEC = importlib.util.spec_from_file_location("check_zero", Path(__file__).pare
 cz = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(cz)
 
-CHECKS = [k for k in vars(cz) if k.startswith("check_")]
+_DEEP = importlib.util.spec_from_file_location("check_zero_deep",
+                                              Path(__file__).parents[1] / "mpi" / "check_zero_deep.py")
+czd = importlib.util.module_from_spec(_DEEP)
+_DEEP.loader.exec_module(czd)
+
+CHECKS = [(cz, k) for k in vars(cz) if k.startswith("check_")] + [(czd, k) for k in vars(czd) if k.startswith("check_")]
 
 
-@pytest.mark.parametrize("name", CHECKS)
-def test_check_on_one_rank(name):
+@pytest.mark.parametrize("mod, name", CHECKS, ids=[n for _, n in CHECKS])
+def test_check_on_one_rank(mod, name):
     torch.set_num_threads(1)
-    getattr(cz, name)(world())
+    getattr(mod, name)(world())
 
 
 def test_buckets_follow_modules_and_pad():
@@ -59,12 +65,12 @@ def test_zero_config_refuses_bad_input(zero, match):
         config_from_dict({"zero": zero})
 
 
-def test_zero_stages_compose_with_pipelines_and_sp_but_not_cuda():
-    from loom.train.config import ConfigError, config_from_dict
+def test_zero_stages_compose_with_pipelines_sp_and_cuda():
+    from loom.train.config import config_from_dict
 
     assert config_from_dict({"zero": {"stage": 3}, "mesh": {"pp": 2}}).zero.stage == 3
-    with pytest.raises(ConfigError, match="zero.stage = 3 with train.device = 'cuda'.*use train.device = 'cpu'"):
-        config_from_dict({"zero": {"stage": 3}, "train": {"device": "cuda"}})
+    for stage in (1, 2, 3):  # the shards live where the parameters live
+        assert config_from_dict({"zero": {"stage": stage}, "train": {"device": "cuda"}}).zero.stage == stage
     assert config_from_dict({"zero": {"stage": 3, "axes": ["dp", "sp"]}, "mesh": {"sp": 2}}).zero.stage == 3
 
 

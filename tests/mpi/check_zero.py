@@ -405,8 +405,9 @@ def _train_cfg(*parts):
 
 
 def check_train_zero_stage1_matches_stage0_and_reshards_on_resume(comm):
-    """loom train with [zero] stage = 1 equals stage 0 on every mesh (1e-9), and a run resumed at dp = 1 from
-    its checkpoint continues the P-rank run (the optimizer state is saved unsharded and resharded)."""
+    """loom train with [zero] stage = 1 equals stage 0 on every mesh (1e-9) and on dp alone sends no more dp bytes
+    than stage 0 (a reduce-scatter and an allgather); a run resumed at dp = 1 from its checkpoint continues the
+    P-rank run (the optimizer state is saved unsharded and resharded)."""
     import shutil
 
     from loom.train.trainer import Trainer
@@ -421,6 +422,9 @@ def check_train_zero_stage1_matches_stage0_and_reshards_on_resume(comm):
             runs[stage] = (tr.run(), {n: p.detach().clone() for n, p in tr.model.named_parameters()})
         for a, b in zip(runs[0][0], runs[1][0]):
             assert abs(a["loss"] - b["loss"]) < 1e-9, (extra, a["loss"], b["loss"])
+        if comm.size > 1 and extra["mesh"] == {"dp": comm.size}:  # ZeRO-1 is a reduce-scatter + allgather:
+            b0, b1 = (r[0][-1]["bytes"]["dp"]["wire"] for r in (runs[0], runs[1]))  # DDP's bytes, not 1.5x
+            assert b1 <= 1.02 * b0, (b0, b1)
         for n, t in runs[0][1].items():
             if t.is_meta:  # under pp a rank materialises only its own stage; the other stages stay on meta
                 assert runs[1][1][n].is_meta, (extra, n)

@@ -354,5 +354,32 @@ def check_stage1_reduce_scatters_once_when_clipping(comm):
     assert zero_stats()["reduce_scatters"] == len(sdp.buckets), (zero_stats(), len(sdp.buckets))
 
 
+def check_sharded_optimizer_reduce_scatters_and_saves_to_one_rank(comm):
+    """``ShardedOptimizer(reduce=True)`` (ZeRO-1 over unreduced gradients, as ``loom train`` runs it) equals
+    torch's AdamW over the mean gradient in one process (3 steps, two groups); ``state_dict(to=0)`` is the
+    every-rank state dict on rank 0 and ``None`` elsewhere."""
+    from loom.parallel import ShardedOptimizer
+
+    seed, g = _seed(comm, 66)
+    data = _data(g, 3)
+    ref, _ = _reference(seed, data, comm.size, uses=_all_used, groups=_groups, opt_cls=torch.optim.AdamW)
+    model = _model(seed)
+    opt = ShardedOptimizer.wrap(torch.optim.AdamW(_groups(model), lr=0.05), comm, reduce=True)
+    with watchdog(comm):
+        for step, (x, y) in enumerate(data):
+            opt.zero_grad()
+            _loss(model(_rows(x, comm.rank, comm.size), _all_used(comm.rank, step)),
+                  _rows(y, comm.rank, comm.size)).backward()
+            opt.step()
+        _close(model.state_dict(), ref.state_dict(), f"ShardedOptimizer(reduce=True) at {comm.size} ranks")
+        full, mine = opt.state_dict(), opt.state_dict(to=0)
+    assert (mine is None) == (comm.rank != 0), comm.rank
+    if mine is not None:
+        assert mine["param_groups"] == full["param_groups"] and mine["state"].keys() == full["state"].keys()
+        for k, st in full["state"].items():
+            for name, v in st.items():
+                assert torch.equal(mine["state"][k][name], v), (k, name)
+
+
 if __name__ == "__main__":
     mpi_checks(globals())

@@ -65,7 +65,8 @@ at another size the layout they refer to is gone and they start from zero).
 
 Reductions are sums in the master dtype (a bf16 gradient is reduced in float32: MPI has no bf16 sum),
 scaled by ``1 / P`` (``reduce="avg"``) or not (``"sum"``). A parameter without a gradient counts as a zero
-gradient (as one process with ``zero_grad(set_to_none=False)``): a stateful optimizer still moves it.
+gradient (as one process with ``zero_grad(set_to_none=False)``): a stateful optimizer still moves it; with
+``missing_grad="skip"`` a bucket no rank produced a gradient for is skipped by the optimizer instead.
 Every rank of the group must run the same modules in the same order at stage 3 (as torch FSDP requires).
 """
 
@@ -206,7 +207,7 @@ class _Bucket:
     """One flat group of parameters and its per-step state."""
 
     __slots__ = ("index", "params", "names", "offsets", "numel", "padded", "shard", "start", "owners",
-                 "full", "req", "grad", "ready", "posted", "group")
+                 "full", "req", "grad", "ready", "posted", "group", "had")
 
     def __init__(self, index: int, named: list[tuple[str, nn.Parameter]], size: int):
         self.index = index
@@ -227,6 +228,7 @@ class _Bucket:
         self.ready = 0  # parameters whose gradient arrived in this backward
         self.posted = False  # reduce-scatter of this backward posted
         self.group = 0  # parameter group (optim_groups)
+        self.had = False  # a gradient of this bucket arrived on this rank this step
 
     def layout(self) -> dict[str, Any]:
         lay = {"names": self.names, "shapes": [list(p.shape) for p in self.params], "numel": self.numel}
@@ -465,6 +467,11 @@ class ShardedDataParallel(nn.Module):
             :meth:`optim_groups` gives the optimizer the shards group by group with their options.
         device: where a meta model is materialised (default ``"cpu"``); a real model's parameters say where
             they are. Buckets, shards, gradients and optimizer state live on that device.
+        missing_grad: stages 1-3: ``"zero"`` (default): a parameter without a gradient on every rank counts
+            as a zero gradient, so a stateful optimizer still moves it; ``"skip"``: a bucket for which no
+            rank produced any gradient this step keeps ``.grad = None`` on its shard, so the optimizer skips
+            it (no moment, step-count or decay update), which is torch's rule for the parameters of a bucket
+            used or unused together (e.g. a module's own bucket); one small allreduce of flags per step.
 
     The gradient reduction's factor is :attr:`scale` (``1 / P`` for ``"avg"``, ``1`` for ``"sum"``); a caller
     whose loss is not a plain mean over the group (a sequence-parallel share of the mean, summed over ``sp``
@@ -476,9 +483,14 @@ class ShardedDataParallel(nn.Module):
                  compute_dtype: torch.dtype | None = None, reduce: str = "avg", micro_batches: int = 1,
                  compress: Any = None, param_codec: str | None = None, keep: Sequence[nn.Module] = (),
                  init: Init | None = None, groups: Sequence[dict[str, Any]] | None = None,
-                 device: Any = None):
+                 device: Any = None, missing_grad: str = "zero"):
         super().__init__()
         _check_args(module, stage, bucket_mb, reduce, micro_batches)
+        if missing_grad not in ("zero", "skip"):
+            raise ValueError(f"missing_grad={missing_grad!r} must be 'zero' (a parameter without a gradient counts "
+                             f"as a zero gradient) or 'skip' (a bucket no rank produced a gradient for is skipped "
+                             f"by the optimizer, as torch skips a parameter whose .grad is None)")
+        self.missing_grad = missing_grad
         self._group_opts, group_of = _parse_groups(module, groups)  # by name: a meta build installs new tensors
         comm = _group(group, axes)
         self.module = module
@@ -759,8 +771,17 @@ class ShardedDataParallel(nn.Module):
             self._pending_rs.append((b.index, self._compressed_rs(b, grad)))
         self._deferred.clear()
         self._drain(0)
-        for sh in self.shards:
-            if sh.grad is None:  # no gradient reached it this step: zero, the same on every rank
+        skip = set()
+        if self.missing_grad == "skip":  # the buckets no rank produced a gradient for, agreed by every rank
+            had = torch.tensor([b.had for b in self.buckets], dtype=torch.int32)
+            had = self.comm.allreduce(had) if self.comm.size > 1 else had
+            skip = {i for i, v in enumerate(had.tolist()) if v == 0}
+        for b in self.buckets:
+            b.had = False
+        for i, sh in enumerate(self.shards):
+            if i in skip:
+                sh.grad = None
+            elif sh.grad is None:  # no gradient reached it this step: zero, the same on every rank
                 sh.grad = torch.zeros_like(sh)
 
     def _drain(self, limit: int | None) -> None:
@@ -774,6 +795,7 @@ class ShardedDataParallel(nn.Module):
     def _post_stage1(self) -> None:
         for b in self.buckets:
             grads = [p.grad for p in b.params]
+            b.had = b.had or any(g is not None for g in grads)
             if all(g is None for g in grads):
                 flat = torch.zeros(b.padded, dtype=self.master_dtype, device=self.device)
             else:
@@ -790,7 +812,7 @@ class ShardedDataParallel(nn.Module):
         if self.stage == 0:
             params = [p for b in self.buckets for p in b.params if p.grad is not None]
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        grads = [sh.grad for sh in self.shards]
+        grads = [sh.grad for sh in self.shards if sh.grad is not None]
         sq = sum((g.to(torch.float64).pow(2).sum() for g in grads),
                  torch.zeros((), dtype=torch.float64, device=self.device))
         total = self.comm.allreduce(sq.reshape(1)).sqrt()[0].to(self.master_dtype)
@@ -901,6 +923,7 @@ class ShardedDataParallel(nn.Module):
             # (a parameter it never used), after gathers this rank would not reach while blocked (issue 26).
             b.grad = torch.zeros(b.padded, dtype=self.master_dtype, device=self.device)
         off = b.offsets[i]
+        b.had = True
         b.grad[off:off + p.numel()].copy_(p.grad.reshape(-1))
         p.grad = None
         b.ready += 1

@@ -6,7 +6,8 @@ module's forward raises (naming the module and ``keep=``) and equals one process
 ``loss.backward(); opt.step()`` loop equals ``sdp.step(opt)`` and one process at stages 0-3; the compressed
 reduce-scatter stays within its codec's stated error bound of the exact one; parameter groups (weight-decay
 exemption, per-group lr) equal torch's AdamW over the same groups and reshard by parameter on load; stage 1
-reduce-scatters each bucket once per step when clipping.
+reduce-scatters each bucket once per step when clipping; ``missing_grad="skip"`` equals torch's skipping of
+parameters without a gradient.
 
 A rank that blocks forever would hang the launch: each check arms a watchdog (``faulthandler``) that prints
 every thread's stack and exits, so a hang fails within ``WATCHDOG_S`` rather than at the harness timeout."""
@@ -109,16 +110,18 @@ def _loss(out, y):
     return ((out - y) ** 2).mean()
 
 
-def _reference(seed, data, size, *, uses=_uses, groups=None, max_norm=None, via_head=False, opt_cls=None):
-    """One process: the mean of the virtual ranks' local losses; a missing gradient counts as zero."""
+def _reference(seed, data, size, *, uses=_uses, groups=None, max_norm=None, via_head=False, opt_cls=None,
+               skip_missing=False):
+    """One process: the mean of the virtual ranks' local losses; a missing gradient counts as zero (or, with
+    ``skip_missing``, stays None: torch's optimizers skip the parameter)."""
     model = _model(seed, head_first=via_head)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
-        p.grad = torch.zeros_like(p)
+        p.grad = None if skip_missing else torch.zeros_like(p)
     opt = (opt_cls or torch.optim.Adam)(groups(model) if groups else params, lr=0.05)
     losses = []
     for step, (x, y) in enumerate(data):
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=skip_missing)
         total = 0.0
         for r in range(size):
             xr, yr = _rows(x, r, size), _rows(y, r, size)
@@ -352,6 +355,34 @@ def check_stage1_reduce_scatters_once_when_clipping(comm):
         _loss(sdp(_rows(x, comm.rank, comm.size), _uses(comm.rank, 0)), _rows(y, comm.rank, comm.size)).backward()
         sdp.step(opt, max_norm=0.1)
     assert zero_stats()["reduce_scatters"] == len(sdp.buckets), (zero_stats(), len(sdp.buckets))
+
+
+def _uses_none_at_1(rank: int, step: int, depth: int = DEPTH) -> list[bool]:
+    """As ``_uses``, but at step 1 no rank uses an odd block's branch."""
+    return [u and not (step == 1 and i % 2) for i, u in enumerate(_uses(rank, step, depth))]
+
+
+def check_missing_grad_skip_equals_torch(comm):
+    """``missing_grad="skip"``: at step 1 no rank uses the odd blocks' branches (each its own bucket), and
+    torch's AdamW skips them (no moments, step count or decay): 4 steps at stages 1-3 equal one process whose
+    missing gradients stay None, to 1e-10; the default (zero gradients) differs from it there."""
+    seed, g = _seed(comm, 67)
+    data = _data(g, 4)
+    ref, _ = _reference(seed, data, comm.size, uses=_uses_none_at_1, opt_cls=torch.optim.AdamW, skip_missing=True)
+    with watchdog(comm):
+        for stage, missing in ((1, "skip"), (2, "skip"), (3, "skip"), (3, "zero")):
+            sdp = ShardedDataParallel(_model(seed), comm, stage=stage, bucket_mb=SMALL, missing_grad=missing)
+            opt = torch.optim.AdamW(sdp.parameters(), lr=0.05)
+            for step, (x, y) in enumerate(data):
+                _loss(sdp(_rows(x, comm.rank, comm.size), _uses_none_at_1(comm.rank, step)),
+                      _rows(y, comm.rank, comm.size)).backward()
+                sdp.step(opt, max_norm=10.0)
+            got = sdp.state_dict()
+            if missing == "skip":
+                _close(got, ref.state_dict(), f"missing_grad='skip', stage {stage}")
+            else:
+                err = float((got["blocks.1.branch.weight"] - ref.state_dict()["blocks.1.branch.weight"]).abs().max())
+                assert err > 1e-6, err
 
 
 def check_sharded_optimizer_reduce_scatters_and_saves_to_one_rank(comm):

@@ -43,6 +43,12 @@ CONFIGS: dict[str, tuple[int, dict[str, dict[str, Any]]]] = {
     "tp=2 megatron-sp": (2, {"mesh": {"tp": 2, "tp_sequence_parallel": True}}),
     "sp=4 fpdt offload": (4, {"mesh": {"sp": 4}, "sequence": _FPDT}),
     "dp=2 x sp=2 fpdt": (4, {"mesh": {"dp": 2, "sp": 2}, "sequence": _FPDT}),
+    # [zero] rows: stages 1-3 beside "dp=2" (stage 0), and ZeRO-3 over dp x sp under FPDT with offload
+    "dp=2 zero=1": (2, {"mesh": {"dp": 2}, "zero": {"stage": 1}}),
+    "dp=2 zero=2": (2, {"mesh": {"dp": 2}, "zero": {"stage": 2, "bucket_mb": 1}}),
+    "dp=2 zero=3": (2, {"mesh": {"dp": 2}, "zero": {"stage": 3, "bucket_mb": 1}}),
+    "dp=2 x sp=2 fpdt zero=3": (4, {"mesh": {"dp": 2, "sp": 2}, "sequence": _FPDT,
+                                    "zero": {"stage": 3, "axes": ["dp", "sp"], "bucket_mb": 1}}),
 }
 
 
@@ -85,7 +91,7 @@ def measure(cfg, comm, steps: int) -> int:
             tr.forward_backward(x, y)
             tr.sync_grads()
             tr.clip()
-            tr.opt.step()
+            tr.update()  # the optimizer step (ZeRO 2-3: and the gathers after it)
     peak = comm.allreduce_object(int(mem.peak), "max")
     comm.barrier()
     if comm.rank == 0:

@@ -1369,6 +1369,7 @@ class ShardedOptimizer:
                     p.grad = None
                 elif p.grad is not None:
                     p.grad.zero_()
+        self.inner.zero_grad(set_to_none=True)  # the masters' gradients, as any optimizer clears its params'
 
     def _block(self, ps: list[torch.Tensor], tensors: list[torch.Tensor | None], n: int) -> torch.Tensor:
         return _flat_block(ps, tensors, self.comm.rank * n, n, ps[0].dtype if ps else torch.float32)
@@ -1384,6 +1385,8 @@ class ShardedOptimizer:
             n, p = master.numel(), self.comm.size
             flat = _flat_block(ps, [q.grad for q in ps], 0, n * p, master.dtype)
             reqs.append(self.comm.ireduce_scatter(flat, op="avg"))
+            for q in ps:  # the flat copy travels; the full gradients are not needed again this step
+                q.grad = None
         for master, req in zip(self.masters(), reqs):
             master.grad = _wait(req)
         self._reduced = True

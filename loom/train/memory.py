@@ -6,9 +6,12 @@ The prediction follows what the code keeps alive, term by term, for the most loa
   them in the parameter dtype), for this rank's stage as ``HybridParallel`` splits it (min-max parameter
   count, :func:`loom.parallel.partition.balance`) and this rank's experts (``experts / ep``). ZeRO (a
   ``[zero]`` section with ``stage`` 0-3 and ``axes``) divides ``O`` (stage >= 1), ``G`` (>= 2) and ``W`` (3) by
-  the product ``Z`` of those axes' sizes, and adds its buffers: one gradient bucket of ``zero.bucket_mb``
-  before its reduce-scatter (stage >= 2); at stage 3 two gathered layers (the one computing and the one
-  prefetched), one layer's full gradient and, on the last stage, the LM head, which ``loom train`` keeps
+  the product ``Z`` of those axes' sizes (stage 1 keeps ``W / Z`` master blocks beside the weights, and
+  reduce-scatters a flat copy of the gradients, which are then freed), and adds its buffers: one gradient
+  bucket of ``zero.bucket_mb``
+  before its reduce-scatter (stage >= 2); at stage 3 two gathered buckets (the one computing and the one
+  prefetched; a bucket holds whole modules up to ``zero.bucket_mb``, at least a layer), one bucket's full
+  gradient and, on the last stage, the LM head, which ``loom train`` keeps
   gathered from the start of forward until its gradient is reduced when there is no pipeline (the loss reads
   its weight directly; a pipeline's last stage calls the head as a module, gathered like any other).
 * **activations** of one micro-batch of ``t = rows x seq_len / sp`` tokens on this rank, per block, from
@@ -235,6 +238,8 @@ def estimate(cfg: Config, zero: tuple[int, tuple[str, ...]] | None = None) -> li
         m = _ELEM[master] if zstage >= 2 and (master := getattr(getattr(cfg, "zero", None), "master_dtype", "")) else e
         if zstage >= 1:
             o = 2 * m * n // z
+        if zstage == 1:  # ShardedOptimizer's master blocks beside the full weights
+            w += e * n // z
         if zstage >= 2:
             g = m * n // z
             zbuf += min(int(getattr(getattr(cfg, "zero", None), "bucket_mb", cfg.compress.bucket_mb) * 2**20), m * n)
@@ -242,7 +247,10 @@ def estimate(cfg: Config, zero: tuple[int, tuple[str, ...]] | None = None) -> li
                 w += m * n // z
         if zstage >= 3:
             w = m * n // z
-            zbuf += 3 * layer + (e * units[-1] if last and cfg.mesh.pp == 1 else 0)
+            # gathered in buckets: one holds whole modules up to zero.bucket_mb (of master bytes), maybe several layers
+            cap = int(getattr(getattr(cfg, "zero", None), "bucket_mb", cfg.compress.bucket_mb) * 2**20)
+            gathered = min(max(layer, cap * e // m), e * n)
+            zbuf += min(3, -(-e * n // gathered)) * gathered + (e * units[-1] if last and cfg.mesh.pp == 1 else 0)
         saved, host, work = _block(cfg, d)
         loss_saved, loss_work = _loss(cfg, d, last)
         flight = _in_flight(cfg, s)
@@ -254,6 +262,8 @@ def estimate(cfg: Config, zero: tuple[int, tuple[str, ...]] | None = None) -> li
                         g + work)
         bucket = min(int(cfg.compress.bucket_mb * 2**20), g)
         sync = g + 2 * bucket
+        if zstage == 1 and cfg.mesh.pp == 1 and cfg.compress.policy == "none":
+            sync = g + e * n + e * n // z  # the flat gradient reduce-scattered, and this rank's block of it
         step = g + 3 * e * max(units[lo:hi])
         total = w + o + zbuf + max(start_bwd, sync, step)
         out.append(Estimate(stage=s, units=(lo, hi), weights=w, grads=g, optimizer=o, zero_buffers=zbuf,

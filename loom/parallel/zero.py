@@ -24,7 +24,8 @@ Plan per stage (one training step: forward, ``loss.backward()`` one or more time
   autograd engine callback) the buckets not yet posted (a parameter without a gradient counts as zeros,
   the same on every rank, so replicas never diverge) are posted too.
 * stage 3: parameters are sharded as well. Between uses a parameter is a one-element placeholder expanded to
-  its shape. A forward pre-hook on each module owning a bucket's parameters posts the bucket's
+  its shape, and computing with it raises (naming the module and ``keep=``) instead of reading zeros. A
+  forward pre-hook on each module owning a bucket's parameters posts the bucket's
   ``iallgather`` (and every earlier one not yet posted, so all ranks post them in bucket order), waits for
   it, binds the parameters to views of the gathered buffer and prefetches the next bucket; when the
   bucket's last owning module has run it is freed. Autograd's saved tensors that are views of a gathered
@@ -48,18 +49,28 @@ every rank computes the same values. Stages 0-2 keep every parameter whole and m
 
 Communication: gathers and reduce-scatters run on two duplicates of the group, so each keeps its own order.
 MPICH makes no asynchronous progress, so every hook tests the outstanding requests (:meth:`_progress`), and a
-reduce-scatter is consumed (added into the block's gradient, its buffers dropped) as soon as it completes;
-at most ``MAX_PENDING`` are outstanding, so their buffers stay bounded however slowly peers progress. Time
-spent blocked on a request is *exposed* communication, counted in :func:`zero_stats`.
+reduce-scatter is consumed (added into the block's gradient, its buffers dropped) as soon as it completes.
+No hook waits for a reduce-scatter: a peer that never used a parameter (a branch taken on some ranks only)
+posts that bucket's reduce-scatter only at the end of its backward, and before that it may wait for a gather
+this rank would post only after the wait; so the reduce-scatters of a backward are waited for after it
+(:meth:`sync_grads`), and their buffers are bounded by the peers' progress rather than by a count (stage 1,
+which posts outside backward, keeps at most ``MAX_PENDING`` outstanding). Time spent blocked on a request is
+*exposed* communication, counted in :func:`zero_stats`.
+
+Training loops: :meth:`step` (reduce, clip, update, gather), or the plain ``loss.backward();
+opt.step()``: torch's global optimizer step hooks call :meth:`sync_grads` before an optimizer over this
+wrapper's shards steps and gather the updated blocks (stages 1-2) after it.
 
 Compression (``compress=``, a :class:`loom.compress.CompressionPolicy` or preset name), ZeRO++ style: the
 gradient reduce-scatter uses the policy's ``dp`` codec (``hybrid``: int4) with its error feedback: each
 bucket's gradient plus the residual of the last step is encoded block by block for the other ranks (this
-rank's own block stays exact), one ``alltoallv`` of the bytes, each rank decodes and sums its block; what
+rank's own block stays exact), one non-blocking ``ialltoallv`` of the bytes (every block encodes to the
+codec's fixed wire size, so no counts are exchanged), each rank decodes and sums its block; what
 the encoding dropped is this rank's new residual. Stage-3 parameter gathers use ``param_codec`` (default
 blockwise int8 when compressing): each rank encodes its block once, one ``allgatherv`` of the bytes, every
 rank decodes every block, its own included, so the gathered weights are the same on every rank while the
-fp32 master stays exact. Compressed collectives are blocking (they run at the post point). The residuals
+fp32 master stays exact. The compressed gathers are blocking (they run at the post point, in the gathers'
+common order); a gradient codec without a fixed wire size runs its reduce-scatters after backward. The residuals
 live with the shard and are saved in its checkpoint file (restored when loaded at the same group size;
 at another size the layout they refer to is gone and they start from zero).
 

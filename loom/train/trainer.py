@@ -285,7 +285,8 @@ class Trainer:
             self.params = [named[n] for n in self.param_names]
         # ZeRO-1 as a reduce-scatter plus an allgather (DDP's bytes) where nothing else reduces over dp first:
         # a dp compression hook or a pipeline's own dp reduction keep the allreduce and slice their block.
-        self._zero1_rs = cfg.zero.stage == 1 and self.hook is None and self.pp is None and self.ep is None
+        self._zero1_rs = (cfg.zero.stage == 1 and self.hook is None and self.pp is None and self.ep is None
+                          and getattr(self, "tp", None) is None)
         self.opt = self._make_optimizer()
         self.start_step = 0
         self.resumed_from_nothing = False

@@ -413,11 +413,17 @@ def workspace(kind: str, batch: int, heads: int, kv_heads: int, lq: int, lk: int
     ``torch``: two ``[B, h, t, t]`` tiles in the accumulation dtype (the scores, turned into probabilities in
     place, and their gradient; ``t = min(TILE, L)``). ``cuda-efficient``: the block's out laid out again for
     the backward kernel, and under GQA K/V repeated to every query head for a causal or masked block, and
-    their gradients. The flash kernels keep no score matrix: 0.
+    their gradients. ``cuda-flash``: FlashAttention-2's backward keeps an fp32 dq accumulator (rows rounded to
+    128, head_dim to 32 or 64) and, under GQA, dk/dv for every query head before it sums them to the kv heads
+    (``mha_bwd`` in pytorch's flash_api.cpp). ``cpu-flash`` keeps no score matrix: 0.
     """
     acc = 8 if elem == 8 else 4
     if kind == "torch":
         return 2 * acc * batch * heads * min(TILE, lq) * min(TILE, lk)
+    if kind == "cuda-flash":
+        rows = -(-lq // 128) * 128
+        dr = -(-head_dim // 32) * 32 if head_dim <= 128 else -(-head_dim // 64) * 64
+        return 4 * batch * heads * rows * dr + (2 * elem * batch * heads * lk * head_dim if heads != kv_heads else 0)
     if kind == "cuda-efficient":
         return elem * batch * heads * head_dim * (lq + (4 * lk if heads != kv_heads else 0))
     return 0

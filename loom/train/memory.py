@@ -152,7 +152,7 @@ def attention_kernel(cfg: Config) -> str:
 
 def _kernel_work(cfg: Config, d: dict[str, int]) -> int:
     """The block kernel's own working set in one FPDT block's backward (q block ``[rows, heads/sp, seq/u, D]``
-    against one kv block): a few score tiles for the tiled torch kernel, none for flash kernels."""
+    against one kv block): a few score tiles for the tiled torch kernel, linear buffers for the CUDA SDPA kernels."""
     from ..parallel.blocks import workspace
 
     m, p = cfg.model, cfg.mesh.sp

@@ -80,3 +80,35 @@ def test_zero_config_with_experts_is_refused_and_axes_parse():
     with pytest.raises(ConfigError, match="mesh.ep"):
         config_from_dict({"zero": {"stage": 1}, "mesh": {"ep": 2}, "model": {"ffn": "moe", "experts": 4}})
     assert config_from_dict({"zero": {"stage": 1, "axes": "dp,sp"}}).zero.axes == ["dp", "sp"]
+
+
+def test_groups_and_missing_grad_refuse_bad_input():
+    model = cz._model(0)
+    with pytest.raises(TypeError, match="list of dicts with a 'params' entry"):
+        ShardedDataParallel(model, world(), stage=3, groups={"params": list(model.parameters())})
+    with pytest.raises(ValueError, match="more than one group"):
+        ShardedDataParallel(model, world(), stage=3, groups=[{"params": [model.inp.weight]},
+                                                             {"params": [model.inp.weight]}])
+    with pytest.raises(ValueError, match="not a trainable parameter"):
+        ShardedDataParallel(model, world(), stage=3, groups=[{"params": [torch.zeros(3)]}])
+    with pytest.raises(ValueError, match="missing_grad='none'"):
+        ShardedDataParallel(model, world(), stage=2, missing_grad="none")
+
+
+def test_unlisted_parameters_form_a_last_group_and_buckets_keep_groups_apart():
+    model = cz._model(0)
+    vectors = [p for p in model.parameters() if p.dim() == 1 and p.requires_grad]
+    sdp = ShardedDataParallel(model, world(), stage=2, bucket_mb=64, groups=[{"params": vectors, "lr": 0.5}])
+    groups = sdp.optim_groups()
+    assert [g.get("lr") for g in groups] == [0.5, None] and len(sdp.buckets) == 2  # one bucket per group
+    ids = {id(p) for p in vectors}
+    for b in sdp.buckets:
+        assert len({id(p) in ids for p in b.params}) == 1, b.names
+
+
+def test_remove_gives_stage3_parameters_back_their_class():
+    model = cz._model(0)
+    sdp = ShardedDataParallel(model, world(), stage=3, bucket_mb=0.0015)
+    assert type(model.head.weight).__name__ == "_ShardedParameter"
+    sdp.remove()
+    assert type(model.head.weight) is torch.nn.Parameter

@@ -50,12 +50,12 @@ from ..parallel.tensor import (
     TPLink,
     VocabParallelEmbedding,
     copy_to_tp_region,
-    enter_tp_region,
     gather_from_tp_region,
+    gathered_linears,
     split_heads,
     vocab_parallel_cross_entropy,
 )
-from .llama import Attention, FeedForward, Llama, RMSNorm, chunked_map
+from .llama import Attention, FeedForward, Llama, RMSNorm, chunked_map, rope
 
 __all__ = ["parallelize_llama", "TensorParallelLlama", "validate_tensor_parallel"]
 
@@ -77,12 +77,21 @@ def validate_tensor_parallel(cfg: Any, tp: int) -> None:
 
 class _TPAttention(Attention):
     """:class:`~loom.models.llama.Attention` with this rank's heads: the normed input is copied to the tp
-    region once for q, k and v (one allreduce of its gradient), ``wo`` sums the heads' partial outputs."""
+    region once for q, k and v (one allreduce of its gradient), ``wo`` sums the heads' partial outputs. Under
+    Megatron-SP the input's tokens are gathered once for q, k and v and gathered again in backward
+    (:func:`~loom.parallel.tensor.gathered_linears`) rather than saved."""
 
     tp: TPLink
 
     def qkv(self, y: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return super().qkv(enter_tp_region(y, self.tp), pos)
+        if not self.tp.sequence_parallel:  # the projections as modules (ZeRO-3 gathers weights in their hooks)
+            return super().qkv(copy_to_tp_region(y, self.tp), pos)
+        c = self.cfg
+        q, k, v = gathered_linears(y, self.tp, self.wq.weight, self.wk.weight, self.wv.weight)
+        b, s, _ = q.shape  # the whole sequence under Megatron-SP (y holds this rank's tokens)
+        q = rope(q.view(b, s, self.heads, c.head_dim), pos, c.rope_theta)
+        k = rope(k.view(b, s, self.kv_heads, c.head_dim), pos, c.rope_theta)
+        return torch.cat([q.flatten(2), k.flatten(2), v], dim=-1)
 
 
 class _SequenceParallelNorm(RMSNorm):

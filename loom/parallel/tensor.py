@@ -27,9 +27,11 @@ sequence_parallel=True)``): between the tp regions the activations are split alo
 instead of replicated, so norms, residuals and dropout hold ``1/tp`` of them. The region's entry becomes an
 all-gather of tokens (:func:`gather_from_sequence_region`; its backward a reduce-scatter) and its exit a
 reduce-scatter (:func:`reduce_scatter_to_sequence_region`; backward an all-gather): the same bytes as the
-two allreduces, which are a reduce-scatter and an all-gather each. Parameters used on a token slice (the
-norms) then get partial gradients, summed over tp by the caller (``loom.models.parallelize`` passes their
-weights through :func:`copy_to_tp_region`). Token counts must divide by tp.
+two allreduces, which are a reduce-scatter and an all-gather each. The column-parallel layers
+(:func:`gathered_linears`) gather their input again in backward instead of saving the gathered copy: one more
+all-gather per region entry, for activation memory. Parameters used on a token slice (the norms) then get
+partial gradients, summed over tp by the caller (``loom.models.parallelize`` passes their weights through
+:func:`copy_to_tp_region`). Token counts must divide by tp.
 
 Compression: the activation allreduces (:func:`copy_to_tp_region` backward, :func:`reduce_from_tp_region`
 forward) and gathers go through :func:`loom.compress.allreduce` / :func:`loom.compress.allgather` when the layer
@@ -61,7 +63,7 @@ __all__ = [
     "shard_range", "split_heads", "copy_to_tp_region", "reduce_from_tp_region", "gather_from_tp_region",
     "scatter_to_tp_region", "ColumnParallelLinear", "RowParallelLinear", "ParallelFeedForward",
     "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "TPLink", "split_dims", "enter_tp_region",
-    "exit_tp_region", "gather_from_sequence_region", "reduce_scatter_to_sequence_region",
+    "exit_tp_region", "gather_from_sequence_region", "reduce_scatter_to_sequence_region", "gathered_linears",
 ]
 
 
@@ -251,6 +253,53 @@ class _ReduceScatterTokens(torch.autograd.Function):
         return ctx.link.gather_tokens(g), None
 
 
+class _GatheredLinears(torch.autograd.Function):
+    """``gather_tokens(x) @ w.T`` for several weights, keeping only the token slice ``x`` for backward.
+
+    Megatron-SP's column-parallel input (Korthikanti et al. 2022, Sec. 4.2.2): the all-gathered tokens are
+    not saved but gathered again in backward, so the activation memory the split norms save is not spent on
+    the gathered copy. Backward: re-gather ``x``; ``dW = g^T x_full`` per weight; ``dx_full = sum g W``,
+    reduce-scattered over tokens.
+    """
+
+    @staticmethod
+    def forward(ctx, x, link, *weights):
+        ctx.link = link
+        ctx.save_for_backward(x, *weights)
+        full = link.gather_tokens(x)
+        return tuple(F.linear(full, w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        full = ctx.link.gather_tokens(x)
+        flat = full.reshape(-1, full.shape[-1])
+        dx = None
+        dws = []
+        for g, w in zip(grads, weights):
+            if g is None:
+                dws.append(None)
+                continue
+            gd = g.reshape(-1, g.shape[-1])
+            dws.append(gd.t() @ flat if ctx.needs_input_grad[2 + len(dws)] else None)
+            part = g @ w
+            dx = part if dx is None else dx + part
+        if dx is None:
+            dx = torch.zeros_like(full)
+        return (ctx.link.reduce_scatter_tokens(dx), None, *dws)
+
+
+def gathered_linears(x: torch.Tensor, tp: "TPLink | Communicator", *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Column-parallel projections of one input entering a tp region: ``enter_tp_region(x) @ w.T`` for each
+    weight. With sequence parallelism the gathered tokens are re-gathered in backward instead of saved
+    (:class:`_GatheredLinears`); otherwise the input is copied once (:func:`copy_to_tp_region`)."""
+    link = _link(tp)
+    if link.sequence_parallel and link.size > 1:
+        return _GatheredLinears.apply(x, link, *weights)
+    x = copy_to_tp_region(x, link)
+    return tuple(F.linear(x, w) for w in weights)
+
+
 def gather_from_sequence_region(x: torch.Tensor, tp: "TPLink | Communicator") -> torch.Tensor:
     """All-gather of the token slices (dim -2) forward; reduce-scatter of the gradient backward."""
     return _GatherTokens.apply(x, _link(tp))
@@ -337,6 +386,9 @@ class ColumnParallelLinear(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.copy_input and self.bias is None:
+            (y,) = gathered_linears(x, self.tp, self.weight)
+            return gather_from_tp_region(y, self.tp, self.out_features) if self.gather_output else y
         if self.copy_input:
             x = enter_tp_region(x, self.tp)
         y = F.linear(x, self.weight, self.bias)
@@ -431,6 +483,14 @@ class ParallelFeedForward(nn.Module):
         return m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Megatron-SP: one gather for gate and up, re-gathered in backward. Otherwise the submodules are called
+        # (ZeRO-3 gathers a module's weights in its forward hooks).
+        if self.tp.sequence_parallel and self.w1.bias is None and (self.w3 is None or self.w3.bias is None):
+            if self.w3 is not None:
+                gate, up = gathered_linears(x, self.tp, self.w1.weight, self.w3.weight)
+                return self.w2(F.silu(gate) * up)
+            (h,) = gathered_linears(x, self.tp, self.w1.weight)
+            return self.w2(F.gelu(h))
         x = enter_tp_region(x, self.tp)
         if self.w3 is not None:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -416,6 +416,9 @@ class Config:
         for what, n in (("model.heads", m.heads), ("model.kv_heads", kv)):
             _need(n % tp == 0, f"{what} = {n} is not divisible by mesh.tp = {tp}: each tp rank holds whole query "
                                f"and key/value heads; choose mesh.tp dividing both {m.heads} and {kv}")
+        _need(not mesh.tp_sequence_parallel or self.zero.stage < 3,
+              "mesh.tp_sequence_parallel with zero.stage = 3: Megatron-SP projects with the gathered weights "
+              "outside their modules' hooks, where ZeRO-3 gathers them; use zero.stage <= 2 or plain tp")
         _need(not mesh.tp_sequence_parallel or self.data.seq_len % tp == 0,
               f"data.seq_len = {self.data.seq_len} is not divisible by mesh.tp = {tp} with "
               f"mesh.tp_sequence_parallel: the tokens are split evenly over tp; use data.seq_len = "

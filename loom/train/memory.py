@@ -38,8 +38,8 @@ The prediction follows what the code keeps alive, term by term, for the most loa
   - tensor parallelism (``mesh.tp = T``; not FPDT): what lives inside the tp regions (q/k/v, attention
     output, ``wo``'s input, the FFN intermediates, their backward working set and the vocabulary-split
     logits) divides by ``T``; the two norms' inputs and outputs (``4 h``) stay whole, or under Megatron-SP
-    (``mesh.tp_sequence_parallel``) divide by ``T`` while the two all-gathered norm outputs (``2 h``), which
-    the column-parallel layers save, stay whole (``loom bench memory`` has ``tp=2`` configurations).
+    (``mesh.tp_sequence_parallel``, whose column-parallel layers gather their input again in backward
+    instead of saving it) divide by ``T`` too (``loom bench memory`` has ``tp=2`` configurations).
 
 Peak = ``W + O + max(activations at the start of backward + the head's gradient, G + gradient-sync
 buckets, G + the optimizer's per-parameter temporaries)``: gradients grow while saved activations shrink,
@@ -168,8 +168,8 @@ def _block(cfg: Config, d: dict[str, int]) -> tuple[int, int, int]:
     plain = e * t * (9 * h + 2 * kv + _ffn_saved(cfg, d))
     work = e * t * (3 * h + 2 * d["F"])  # gradients of the widest intermediates while backpropagating
     tp = getattr(cfg.mesh, "tp", 1)
-    if tp > 1:  # inside the tp regions: 1/tp; the norms' 4h whole, or 1/tp plus the 2h gathered (Megatron-SP)
-        whole = 4 * h // tp + 2 * h if cfg.mesh.tp_sequence_parallel else 4 * h
+    if tp > 1:  # inside the tp regions: 1/tp; the norms' 4h whole, or 1/tp under Megatron-SP
+        whole = 4 * h // tp if cfg.mesh.tp_sequence_parallel else 4 * h
         plain = e * t * (whole + (5 * h + 2 * kv + _ffn_saved(cfg, d)) // tp)
         work = e * t * (3 * h + 2 * d["F"] // tp)
     s = cfg.sequence
@@ -372,8 +372,11 @@ def _traffic_lines(cfg: Config, stage_params: int) -> list[str]:
         lines.append(f"    pp  activations + their grads between stages: {_fmt(2 * b_loc * s_loc * m.hidden * elem)}")
     if mesh.tp > 1:  # per block 2 allreduces forward (attention, FFN) and 2 backward; embedding fwd, head bwd
         n = b_loc * s_loc * m.hidden * elem
+        regather = ""
+        if mesh.tp_sequence_parallel:  # Megatron-SP: each region entry (2 per block, the head) gathers again
+            regather = f" + re-gathers ({2 * m.layers + 1}) {_fmt((2 * m.layers + 1) * n * (mesh.tp - 1) / mesh.tp)}"
         lines.append(f"    tp  activation allreduces ({4 * m.layers + 2} of [tokens, hidden]) 2n(P-1)/P: "
-                     f"{_fmt((4 * m.layers + 2) * 2 * n * (mesh.tp - 1) / mesh.tp)}"
+                     f"{_fmt((4 * m.layers + 2) * 2 * n * (mesh.tp - 1) / mesh.tp)}{regather}"
                      + ("" if cfg.compress.policy == "none" else f" before compression ({cfg.compress.policy})"))
     if mesh.size == 1:
         lines.append("    (one rank: no communication)")

@@ -146,13 +146,11 @@ def test_tp_units_are_the_split_models_parameters(tp):
 
 
 def test_tp_divides_the_activations_inside_its_regions():
-    """The dry-run's activations under tp: the FFN, attention and logits terms divide by tp, the norms' do not.
-    Megatron-SP divides the norms' too but keeps the two gathered norm outputs (saved by the column layers)
-    whole: even at tp = 2, a saving from tp = 4."""
+    """The dry-run's activations under tp: the FFN, attention and logits terms divide by tp, the norms' do not;
+    under Megatron-SP (the gathered inputs re-gathered in backward, not saved) the norms' divide too."""
     base = dict(model={"heads": 4, "kv_heads": 4, "hidden": 64, "vocab": 512}, data={"seq_len": 256, "batch": 4})
     one = peak(_cfg(**base)).activations
     for tp in (2, 4):
         plain = peak(_cfg(**base, mesh={"tp": tp})).activations
         sp = peak(_cfg(**base, mesh={"tp": tp, "tp_sequence_parallel": True})).activations
-        assert one / tp < plain < one, (tp, one, plain)
-        assert sp == plain if tp == 2 else sp < plain, (tp, plain, sp)
+        assert one / tp < plain < one and sp < plain, (tp, one, plain, sp)

@@ -48,14 +48,21 @@ live during construction is the shards, the replicated state and about one bucke
 every rank computes the same values. Stages 0-2 keep every parameter whole and materialise it whole.
 
 Communication: gathers and reduce-scatters run on two duplicates of the group, so each keeps its own order.
-MPICH makes no asynchronous progress, so every hook tests the outstanding requests (:meth:`_progress`), and a
+MPICH makes no asynchronous progress, so posted reduce-scatters move only when tested (``progress=``, chosen
+as :class:`loom.parallel.data.GradReducer` chooses, by :func:`loom.parallel.data.default_progress`):
+``"hooks"``: every hook tests the outstanding requests (:meth:`_progress`, no thread, progress at hook times
+only); ``"thread"``: a :class:`loom.comm.ProgressThread` posts each reduce-scatter and tests it while backward
+computes (a core while one is in flight); gathers are tested from hooks in both modes. A
 reduce-scatter is consumed (added into the block's gradient, its buffers dropped) as soon as it completes.
 No hook waits for a reduce-scatter: a peer that never used a parameter (a branch taken on some ranks only)
 posts that bucket's reduce-scatter only at the end of its backward, and before that it may wait for a gather
 this rank would post only after the wait; so the reduce-scatters of a backward are waited for after it
 (:meth:`sync_grads`), and their buffers are bounded by the peers' progress rather than by a count (stage 1,
 which posts outside backward, keeps at most ``MAX_PENDING`` outstanding). Time spent blocked on a request is
-*exposed* communication, counted in :func:`zero_stats`.
+*exposed* communication, counted in :func:`zero_stats`, which also holds, as
+:func:`loom.parallel.data.dp_stats` does, the reduce-scatter time hidden behind backward (``overlapped_comm_s``:
+posted in backward, not yet seen complete when the step's :meth:`sync_grads` began) and the mechanism counts
+(``buckets``, ``posted_in_backward``, ``tests_in_backward``); :attr:`ShardedDataParallel.last` has the last step's.
 
 Training loops: :meth:`step` (reduce, clip, update, gather), or the plain ``loss.backward();
 opt.step()``: torch's global optimizer step hooks call :meth:`sync_grads` before an optimizer over this
@@ -95,21 +102,24 @@ import torch
 from torch import nn
 
 from .. import stats as _stats
-from ..comm import Communicator, Mesh, Request
-from .data import GradReducer
+from ..comm import Communicator, Mesh, ProgressThread, Request, Ticket
+from .data import PROGRESS_MODES, GradReducer, _union, default_progress
 from .meta import Init, check_initialisable, is_meta, materialize
 
 __all__ = ["ShardedDataParallel", "ShardedOptimizer", "zero_stats", "reset_zero_stats", "MANIFEST"]
 
 MAX_PENDING = 1  # outstanding gradient reduce-scatters (each holds a bucket's padded gradient)
 # The counters live in the one stats registry (loom.stats, kind "time", scope "zero"); zero_stats() is a view.
-_ZERO_COUNTERS = ("exposed_comm_s", "gathers", "gather_waits", "reduce_scatters")
+_ZERO_COUNTERS = ("exposed_comm_s", "gathers", "gather_waits", "reduce_scatters", "overlapped_comm_s", "buckets",
+                  "posted_in_backward", "tests_in_backward")
 MANIFEST = "manifest.json"
 
 
 def zero_stats() -> dict[str, float]:
     """Counters of every :class:`ShardedDataParallel` in this process: seconds blocked on communication
-    (``exposed_comm_s``), parameter gathers posted, gathers not complete when needed, reduce-scatters."""
+    (``exposed_comm_s``), parameter gathers posted, gathers not complete when needed, reduce-scatters, and the
+    reduce-scatters' overlap with backward as in :func:`loom.parallel.data.dp_stats` (``overlapped_comm_s``,
+    ``buckets``, ``posted_in_backward``, ``tests_in_backward``)."""
     live = _stats.counters("time", "zero")
     return {k: live.get(k, 0) for k in _ZERO_COUNTERS}
 
@@ -153,14 +163,49 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _wait(req: Request) -> Any:
+def _done(req: "Request | Ticket | _Then") -> bool:
+    """Whether ``req`` completed; a request is tested (moving it), a progress thread's ticket only looked at."""
+    return req.done if isinstance(req, Ticket) else req.test()
+
+
+def _wait(req: "Request | Ticket | _Then") -> Any:
     """Wait for ``req``, counting the time blocked as exposed communication."""
-    if req.test():
+    if _done(req):
         return req.wait()
     t0 = time.perf_counter()
     out = req.wait()
     _stats.add("time", "zero", exposed_comm_s=time.perf_counter() - t0)
     return out
+
+
+class _RS:
+    """One posted gradient reduce-scatter and its accounting (posting time, first seen complete, tests)."""
+
+    __slots__ = ("index", "req", "posted", "seen", "tests", "in_backward")
+
+    def __init__(self, index: int, req: "Request | Ticket | _Then", in_backward: bool):
+        self.index, self.req, self.in_backward = index, req, in_backward
+        self.posted, self.seen, self.tests = time.perf_counter(), None, 0
+
+    def test(self) -> bool:
+        """Test once (hooks mode); a ticket's tests are the progress thread's."""
+        if self.seen is None:
+            if not isinstance(self.req, Ticket):
+                self.tests += 1
+            if _done(self.req):
+                self.seen = time.perf_counter()
+        return self.seen is not None
+
+    @property
+    def tested(self) -> int:
+        return self.req.tests if isinstance(self.req, Ticket) else self.tests
+
+    def interval(self, end: float) -> tuple[float, float]:
+        """In flight from posting until seen complete, cut at ``end``; a ticket's times are the thread's."""
+        a, b = self.posted, self.seen
+        if isinstance(self.req, Ticket):
+            a, b = self.req.posted_at or end, self.req.done_at
+        return a, min(b if b is not None else end, end)
 
 
 # What a freed stage-3 parameter still answers: its metadata, hooks, identity, and ``detach()`` (a module's own
@@ -200,11 +245,11 @@ class _Then:
 
     __slots__ = ("req", "fn", "done", "result")
 
-    def __init__(self, req: Request, fn: Callable[[Any], Any]):
+    def __init__(self, req: "Request | Ticket", fn: Callable[[Any], Any]):
         self.req, self.fn, self.done, self.result = req, fn, False, None
 
     def test(self) -> bool:
-        if not self.done and self.req.test():
+        if not self.done and _done(self.req):
             self.result, self.done = self.fn(self.req.wait()), True
         return self.done
 
@@ -494,9 +539,14 @@ class ShardedDataParallel(nn.Module):
                  compute_dtype: torch.dtype | None = None, reduce: str = "avg", micro_batches: int = 1,
                  compress: Any = None, param_codec: str | None = None, keep: Sequence[nn.Module] = (),
                  init: Init | None = None, groups: Sequence[dict[str, Any]] | None = None,
-                 device: Any = None, missing_grad: str = "zero"):
+                 device: Any = None, missing_grad: str = "zero", progress: str = "auto"):
         super().__init__()
         _check_args(module, stage, bucket_mb, reduce, micro_batches)
+        if progress not in PROGRESS_MODES:
+            raise ValueError(f"progress={progress!r} is not one of {', '.join(PROGRESS_MODES)}")
+        if progress == "thread" and not ProgressThread.available():
+            raise ValueError("progress='thread' needs MPI at MPI_THREAD_MULTIPLE (mpi4py's default level; was "
+                             "mpi4py.rc.thread_level changed?); use progress='hooks'")
         if missing_grad not in ("zero", "skip"):
             raise ValueError(f"missing_grad={missing_grad!r} must be 'zero' (a parameter without a gradient counts "
                              f"as a zero gradient) or 'skip' (a bucket no rank produced a gradient for is skipped "
@@ -518,13 +568,22 @@ class ShardedDataParallel(nn.Module):
         # parameters live; loom.comm stages device buffers through the host unless the MPI is CUDA-aware.
         self.device = next((p.device for p in trainable if not p.is_meta), torch.device(device or "cpu"))
         self.compute_dtype = compute_dtype or self.master_dtype
-        self._pending_rs: list[tuple[int, Request]] = []
+        # How posted reduce-scatters move during backward (module docstring); nothing travels on one rank.
+        self.progress = default_progress() if progress == "auto" else progress
+        if comm.size == 1:
+            self.progress = "hooks"
+        self._worker: ProgressThread | None = None
+        self._pending_rs: list[_RS] = []
+        self._step_rs: list[_RS] = []  # this step's reduce-scatters, for the accounting in sync_grads
+        self._bwd_tests = 0  # tests of outstanding reduce-scatters from hooks during backward (hooks mode)
+        self._at_bwd_end: dict[str, int] = {}  # `live` when this step's first backward ended
+        self.last: dict[str, float] = {}
         self._deferred: list[tuple[_Bucket, torch.Tensor]] = []  # compressed reduce-scatters run after backward
         self._hooks: list[Any] = []
         if stage == 0:
             if compute_dtype not in (None, self.master_dtype):
                 raise ValueError("compute_dtype needs stage >= 1 (the fp32 master copy lives in the shard)")
-            self.reducer = GradReducer(trainable, comm, bucket_mb=bucket_mb)
+            self.reducer = GradReducer(trainable, comm, bucket_mb=bucket_mb, progress=progress)
             self.reducer.start(micro_batches)
             for p in trainable:  # a missing gradient counts as zero, as in the flat shard of stages 1-3
                 p.grad = torch.zeros_like(p)
@@ -695,9 +754,20 @@ class ShardedDataParallel(nn.Module):
             return acc
 
         if wire is None:
-            return Request.completed(decode(comm.alltoallv(send, counts)), what="compressed reduce-scatter")
+            return _Then(self._post(lambda: Request.completed(comm.alltoallv(send, counts),
+                                                              what="compressed reduce-scatter")), decode)
         rc = [0 if j == r else wire for j in range(comm.size)]
-        return _Then(comm.ialltoallv(send, counts, rc), decode)
+        return _Then(self._post(lambda: comm.ialltoallv(send, counts, rc)), decode)
+
+    def _post(self, post: Callable[[], Request]) -> "Request | Ticket":
+        """Post a collective on the reduce-scatter communicator: here (``"hooks"``), or on the progress thread,
+        which then tests it while backward computes (``"thread"``; every post goes there, so one thread issues
+        them in order)."""
+        if self.progress != "thread":
+            return post()
+        if self._worker is None:
+            self._worker = ProgressThread(name=f"loom-zero-progress-{self.comm.name}")
+        return self._worker.submit(post)
 
     def _ef_state(self) -> dict[int, torch.Tensor] | None:
         if self.error_feedback is None:
@@ -779,9 +849,12 @@ class ShardedDataParallel(nn.Module):
         if self.stage == 1:
             self._post_stage1()
         for b, grad in self._deferred:
-            self._pending_rs.append((b.index, self._compressed_rs(b, grad)))
+            self._pending_rs.append(_RS(b.index, self._compressed_rs(b, grad), False))
         self._deferred.clear()
+        self._bwd_tests = self.live["tests"]  # the progress thread's tests before the wait
+        t0 = time.perf_counter()
         self._drain(0)
+        self._account(t0, time.perf_counter())
         skip = set()
         if self.missing_grad == "skip":  # the buckets no rank produced a gradient for, agreed by every rank
             had = torch.tensor([b.had for b in self.buckets], dtype=torch.int32)
@@ -795,13 +868,38 @@ class ShardedDataParallel(nn.Module):
             elif sh.grad is None:  # no gradient reached it this step: zero, the same on every rank
                 sh.grad = torch.zeros_like(sh)
 
+    def _account(self, t0: float, t1: float) -> None:
+        """This step's reduce-scatter accounting (:attr:`last`, :func:`zero_stats`); ``t0``-``t1``: blocked in
+        :meth:`sync_grads` waiting for them."""
+        rs, self._step_rs = self._step_rs, []
+        inb = [x for x in rs if x.in_backward]
+        self.last = {"exposed_s": t1 - t0, "overlapped_s": _union([x.interval(t0) for x in inb]),
+                     "buckets": len(rs), "posted_in_backward": len(inb), "tests_in_backward": self._bwd_tests,
+                     "first_tests": self._at_bwd_end.get("first_tests", 0),
+                     "first_done": self._at_bwd_end.get("first_done", 0)}
+        _stats.add("time", "zero", overlapped_comm_s=self.last["overlapped_s"], buckets=len(rs),
+                   posted_in_backward=len(inb), tests_in_backward=self._bwd_tests)
+        self._bwd_tests, self._at_bwd_end = 0, {}
+
+    @property
+    def live(self) -> dict[str, int]:
+        """This step's reduce-scatters so far (mechanism counts, no timing): posted from gradient hooks, tests
+        of outstanding ones during backward (hooks or progress thread), and the first posted one's tests and
+        whether it was seen complete."""
+        rs = self._step_rs
+        first = rs[0] if rs and rs[0].in_backward else None
+        tickets = sum(x.tested for x in rs if isinstance(x.req, Ticket))
+        done = first is not None and (first.seen is not None or isinstance(first.req, Ticket) and first.req.done)
+        return {"posted": sum(x.in_backward for x in rs), "tests": self._bwd_tests + tickets,
+                "first_tests": first.tested if first is not None else 0, "first_done": int(done)}
+
     def _drain(self, limit: int | None) -> None:
         """Consume completed reduce-scatters in posting order; wait until at most ``limit`` are outstanding
         (``None``: never wait, for hooks, which run while peers may still be in their backward)."""
         pending = self._pending_rs
-        while pending and (limit is not None and len(pending) > limit or pending[0][1].test()):
-            i, req = pending.pop(0)
-            self._add_grad(i, _wait(req))
+        while pending and (limit is not None and len(pending) > limit or pending[0].test()):
+            x = pending.pop(0)
+            self._add_grad(x.index, _wait(x.req))
 
     def _post_stage1(self) -> None:
         for b in self.buckets:
@@ -811,7 +909,9 @@ class ShardedDataParallel(nn.Module):
                 flat = torch.zeros(b.padded, dtype=self.master_dtype, device=self.device)
             else:
                 flat = self._padded_flat(b, grads, self.master_dtype)
-            self._pending_rs.append((b.index, self._rs.ireduce_scatter(flat)))
+            x = _RS(b.index, self._post(lambda flat=flat: self._rs.ireduce_scatter(flat)), False)
+            self._pending_rs.append(x)
+            self._step_rs.append(x)
             _stats.add("time", "zero", reduce_scatters=1)
             for p in b.params:
                 p.grad = None
@@ -897,6 +997,9 @@ class ShardedDataParallel(nn.Module):
         self._step_ids = set()
         if self.stage == 0:
             self.reducer.remove()
+        elif self._worker is not None:
+            self._worker.close()
+            self._worker = None
         for b in self.buckets:
             for p in b.params:
                 if type(p) is _ShardedParameter:
@@ -908,8 +1011,10 @@ class ShardedDataParallel(nn.Module):
         for b in self.buckets:
             if b.req is not None:
                 b.req.test()
-        for _, req in self._pending_rs:
-            req.test()
+        for x in self._pending_rs:
+            if self._bwd_open and not isinstance(x.req, Ticket):
+                self._bwd_tests += 1
+            x.test()
         self._drain(None)
 
     # ------------------------------------------------------------------ gradients (stages 2-3)
@@ -944,7 +1049,7 @@ class ShardedDataParallel(nn.Module):
             self._post_ready()
         self._progress()
 
-    def _post_rs(self, b: _Bucket) -> None:
+    def _post_rs(self, b: _Bucket, in_hook: bool = False) -> None:
         grad = b.grad if b.grad is not None else torch.zeros(b.padded, dtype=self.master_dtype, device=self.device)
         b.grad = None
         if self.grad_codec is not None:
@@ -954,8 +1059,10 @@ class ShardedDataParallel(nn.Module):
                 return
             req = self._compressed_rs(b, grad)
         else:
-            req = self._rs.ireduce_scatter(grad)
-        self._pending_rs.append((b.index, req))
+            req = self._post(lambda: self._rs.ireduce_scatter(grad))
+        x = _RS(b.index, req, in_hook)
+        self._pending_rs.append(x)
+        self._step_rs.append(x)
         _stats.add("time", "zero", reduce_scatters=1)
         b.posted = True
 
@@ -964,11 +1071,13 @@ class ShardedDataParallel(nn.Module):
             b = self.buckets[self._rs_next]
             if b.ready < len(b.params):
                 return
-            self._post_rs(b)
+            self._post_rs(b, in_hook=True)
             self._rs_next -= 1
 
     def _backward_end(self) -> None:
         """End of one ``backward()``: post what is left (missing gradients are zeros), close the gathers."""
+        if not self._at_bwd_end:
+            self._at_bwd_end = self.live
         while self._rs_next >= 0:
             self._post_rs(self.buckets[self._rs_next])
             self._rs_next -= 1

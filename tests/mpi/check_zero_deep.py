@@ -7,7 +7,7 @@ module's forward raises (naming the module and ``keep=``) and equals one process
 reduce-scatter stays within its codec's stated error bound of the exact one; parameter groups (weight-decay
 exemption, per-group lr) equal torch's AdamW over the same groups and reshard by parameter on load; stage 1
 reduce-scatters each bucket once per step when clipping; ``missing_grad="skip"`` equals torch's skipping of
-parameters without a gradient.
+parameters without a gradient; posted reduce-scatters are tested during backward (hooks or progress thread).
 
 A rank that blocks forever would hang the launch: each check arms a watchdog (``faulthandler``) that prints
 every thread's stack and exits, so a hang fails within ``WATCHDOG_S`` rather than at the harness timeout."""
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import tempfile
+import time
 
 import torch
 from torch import nn
@@ -159,8 +160,8 @@ def check_deep_uneven_branches_stages_2_3(comm):
     data = _data(g, 3)
     ref, ref_losses = _reference(seed, data, comm.size, max_norm=0.5)
     with watchdog(comm):
-        for stage in (2, 3):
-            sdp = ShardedDataParallel(_model(seed), comm, stage=stage, bucket_mb=SMALL)
+        for stage, mode in ((2, "auto"), (3, "auto"), (3, "thread")):  # thread: reduce-scatters posted elsewhere
+            sdp = ShardedDataParallel(_model(seed), comm, stage=stage, bucket_mb=SMALL, progress=mode)
             assert len(sdp.buckets) >= 2 * DEPTH, len(sdp.buckets)
             opt = torch.optim.Adam(sdp.parameters(), lr=0.05)
             for step, (x, y) in enumerate(data):
@@ -169,8 +170,9 @@ def check_deep_uneven_branches_stages_2_3(comm):
                 loss.backward()
                 sdp.step(opt, max_norm=0.5)
                 got = comm.allreduce(loss.detach().reshape(1), op="avg").item()
-                assert abs(got - ref_losses[step]) < TOL, (stage, step, got, ref_losses[step])
-            _close(sdp.state_dict(), ref.state_dict(), f"stage {stage} at {comm.size} ranks")
+                assert abs(got - ref_losses[step]) < TOL, (stage, mode, step, got, ref_losses[step])
+            _close(sdp.state_dict(), ref.state_dict(), f"stage {stage} progress={mode} at {comm.size} ranks")
+            sdp.remove()
         sdp = ShardedDataParallel(_model(seed).float(), comm, stage=3, bucket_mb=SMALL, compress="hybrid")
         opt = torch.optim.Adam(sdp.parameters(), lr=0.05)
         for step, (x, y) in enumerate(data):
@@ -410,6 +412,44 @@ def check_sharded_optimizer_reduce_scatters_and_saves_to_one_rank(comm):
         for k, st in full["state"].items():
             for name, v in st.items():
                 assert torch.equal(mine["state"][k][name], v), (k, name)
+
+
+def check_reduce_scatters_progress_during_backward(comm):
+    """The mechanism, not a timing, at stages 2 and 3 in both progress modes: the first bucket's reduce-scatter
+    is posted from a gradient hook and tested (or seen complete) before backward ends: by later hooks
+    (``"hooks"``), or by the progress thread without any call from the training loop (``"thread"``); the step's
+    accounting reaches ``last`` and ``zero_stats()``; 2 Adam steps still equal one process."""
+    if comm.size == 1:
+        return
+    seed, g = _seed(comm, 66)
+    data = _data(g, 2)
+    ref, _ = _reference(seed, data, comm.size, uses=_all_used)
+    with watchdog(comm):
+        for stage in (2, 3):
+            for mode in ("hooks", "thread"):
+                sdp = ShardedDataParallel(_model(seed), comm, stage=stage, bucket_mb=SMALL, progress=mode)
+                opt = torch.optim.Adam(sdp.parameters(), lr=0.05)
+                for step, (x, y) in enumerate(data):
+                    s0 = zero_stats()
+                    _loss(sdp(_rows(x, comm.rank, comm.size), _all_used(comm.rank, step)),
+                          _rows(y, comm.rank, comm.size)).backward()
+                    if mode == "thread":
+                        deadline = time.monotonic() + 120  # a hang guard, not a timing: tested unprompted
+                        while not (sdp.live["first_tests"] or sdp.live["first_done"]) and time.monotonic() < deadline:
+                            time.sleep(0.01)
+                        live = sdp.live
+                        assert live["first_tests"] >= 1 or live["first_done"], (stage, mode, live)
+                    sdp.step(opt)
+                    last, s1 = sdp.last, zero_stats()
+                    assert last["posted_in_backward"] >= 1 and last["tests_in_backward"] >= 1, (stage, mode, last)
+                    if mode == "hooks":  # tested again by a hook after the one that posted it, or seen complete
+                        assert last["first_tests"] >= 2 or last["first_done"], (stage, mode, last)
+                    assert last["buckets"] == len(sdp.buckets), (last, len(sdp.buckets))
+                    assert last["exposed_s"] >= 0 and last["overlapped_s"] >= 0, last
+                    for k in ("posted_in_backward", "tests_in_backward", "buckets"):
+                        assert s1[k] - s0[k] == last[k], (k, s0, s1, last)
+                _close(sdp.state_dict(), ref.state_dict(), f"stage {stage} progress={mode} at {comm.size} ranks")
+                sdp.remove()
 
 
 if __name__ == "__main__":

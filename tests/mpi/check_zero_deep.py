@@ -263,10 +263,10 @@ def _local_flat(model: Deep, sdp: ShardedDataParallel, x, y, uses) -> list[torch
 
 
 def check_compressed_reduce_scatter_within_codec_bound(comm):
-    """The compressed reduce-scatter (int8 and int4, no error feedback) against the exact one, after one
-    backward at stages 2 and 3: every element of this rank's reduced block within ``scale`` x the sum over the
-    other ranks of the codec's stated bound on their encoded block (``Codec.error_bound``: ``max|B| / 254``,
-    ``max|B| / 14``), and the error is not zero (the codec really ran)."""
+    """The compressed reduce-scatter (int8 and int4, no error feedback; int8 also posted by the progress thread)
+    against the exact one, after one backward at stages 2 and 3: every element of this rank's reduced block
+    within ``scale`` x the sum over the other ranks of the codec's stated bound on their encoded block
+    (``Codec.error_bound``: ``max|B| / 254``, ``max|B| / 14``), and the error is not zero (the codec really ran)."""
     seed, g = _seed(comm, 63)
     x, y = _data(g, 1)[0]
     xs, ys = _rows(x, comm.rank, comm.size), _rows(y, comm.rank, comm.size)
@@ -277,11 +277,11 @@ def check_compressed_reduce_scatter_within_codec_bound(comm):
             _loss(exact(xs, uses), ys).backward()
             exact.sync_grads()
             local = _local_flat(_model(seed), exact, xs, ys, uses)
-            for name in ("int8", "int4"):
+            for name, mode in (("int8", "auto"), ("int4", "auto"), ("int8", "thread")):
                 codec = get_codec(name)
                 policy = CompressionPolicy(dp=name, error_feedback=False, min_bytes=0)
                 sdp = ShardedDataParallel(_model(seed), comm, stage=stage, bucket_mb=SMALL, compress=policy,
-                                          param_codec="none" if stage == 3 else None)
+                                          param_codec="none" if stage == 3 else None, progress=mode)
                 _loss(sdp(xs, uses), ys).backward()
                 sdp.sync_grads()
                 worst = 0.0
@@ -292,7 +292,7 @@ def check_compressed_reduce_scatter_within_codec_bound(comm):
                     bound = comm.reduce_scatter(bound) * sdp.scale
                     err = (sdp.shards[b.index].grad - exact.shards[b.index].grad).abs()
                     assert bool((err <= bound * (1 + 1e-6) + 1e-12).all()), (
-                        f"stage {stage}, {name}, bucket {b.index}: error {float(err.max()):.3g} beyond the "
+                        f"stage {stage}, {name}, {mode}, bucket {b.index}: error {float(err.max()):.3g} beyond the "
                         f"codec's bound {float(bound.max()):.3g}")
                     worst = max(worst, float(err.max()))
                 if comm.size > 1:

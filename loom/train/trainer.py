@@ -868,7 +868,7 @@ class Trainer:
             t0 = time.perf_counter()
             before, saved0, off0 = _wire_bytes(), _saved_bytes(), _offload_bytes()
             sp0 = COMM_TIME.get("sp", 0.0) + COMM_TIME.get("tp", 0.0)
-            zero0, dp0 = zero_stats()["exposed_comm_s"], dp_stats()
+            zero0, dp0 = zero_stats(), dp_stats()
             lr = lr_at(step, cfg)
             for g in self.opt.param_groups:
                 g["lr"] = lr
@@ -881,10 +881,12 @@ class Trainer:
             loss, gnorm = _host_floats(loss, gnorm)  # the step's one read of device values (waits for it)
             step_s = time.perf_counter() - t0
             after, saved1, off1 = _wire_bytes(), _saved_bytes(), _offload_bytes()
-            zero_s = zero_stats()["exposed_comm_s"] - zero0  # ZeRO: time blocked on gathers and reduce-scatters
+            zero1 = zero_stats()
+            zero_s = zero1["exposed_comm_s"] - zero0["exposed_comm_s"]  # ZeRO: blocked on gathers, reduce-scatters
             dp1 = dp_stats()  # data parallel reducers (this one's, HybridParallel's): held up / hidden by backward
             dp_s = dp1["exposed_comm_s"] - dp0["exposed_comm_s"]
-            overlapped_s = dp1["overlapped_comm_s"] - dp0["overlapped_comm_s"]
+            overlapped_s = (dp1["overlapped_comm_s"] - dp0["overlapped_comm_s"]  # and ZeRO's reduce-scatters
+                            + zero1["overlapped_comm_s"] - zero0["overlapped_comm_s"])
             tpsp_s = COMM_TIME.get("sp", 0.0) + COMM_TIME.get("tp", 0.0) - sp0
             comm_s = sync_s + zero_s + dp_s + tpsp_s  # before eval (not the step's traffic)
             done = step + 1
@@ -906,8 +908,8 @@ class Trainer:
             rec = {
                 "kind": "step", "step": done, "loss": loss_avg, "eval_loss": eval_loss, "lr": lr, "grad_norm": gnorm,
                 "tokens": done * tokens, "tokens_per_s": tokens / step_s, "step_time": step_s,
-                # comm: exposed (the step waited for it); overlapped: dp reductions in flight while backward ran,
-                # hidden inside compute and not part of the sum
+                # comm: exposed (the step waited for it); overlapped: dp reductions and ZeRO reduce-scatters in
+                # flight while backward ran, hidden inside compute and not part of the sum
                 "time": {"compute": max(0.0, step_s - comm_s), "comm": comm_s, "offload": 0.0, "zero": zero_s,
                          "dp": dp_s, "overlapped": overlapped_s},
                 "bytes": by_axis, "offload_bytes": off1 - off0,

@@ -478,7 +478,7 @@ def check_train_zero_stages_2_3_match_one_rank(comm):
     """loom train at [zero] stage 2 and 3 (small buckets) on dp, dp x sp with FPDT chunks and offload (sp in
     the group or summed after it), dp x pp and pp x sp (FPDT) with two micro-batches equals the one-rank run:
     losses, held-out losses and every parameter after 4 AdamW steps with warm-up, weight decay and clipping,
-    fp64, to 1e-9."""
+    fp64, to 1e-9; on plain dp the step record counts the reduce-scatters' overlap with backward."""
     import shutil
 
     root = comm.bcast_object(tempfile.mkdtemp(prefix="loom-zero23-") if comm.rank == 0 else None)
@@ -501,6 +501,10 @@ def check_train_zero_stages_2_3_match_one_rank(comm):
                 assert err < 1e-9, (extra, stage, n, err)
             if tr.sdp.comm.size > 1:  # the ZeRO group's traffic is counted on its axis
                 assert set(recs[-1]["bytes"]) & {"dp", "dp+sp"}, recs[-1]["bytes"]
+            if set(extra["mesh"]) == {"dp"}:  # reduce-scatters posted in backward; the record shows their overlap
+                t = recs[-1]["time"]
+                assert tr.sdp.last["posted_in_backward"] >= 1, (stage, tr.sdp.last)
+                assert t["overlapped"] > 0 and t["comm"] >= t["zero"] >= 0, (stage, t)
     comm.barrier()
     if comm.rank == 0:
         shutil.rmtree(root, ignore_errors=True)

@@ -201,14 +201,19 @@ def run(
             raise _Stop
 
     previous = _install(on_signal)
+    relay = None if capture else _Relay()
     try:
         proc = subprocess.Popen(
-            cmd, env=full_env, start_new_session=True,
-            stdout=subprocess.PIPE if capture else None, stderr=subprocess.PIPE if capture else None, text=True,
+            cmd, env=full_env, start_new_session=True, stdout=subprocess.PIPE if capture else None,
+            stderr=subprocess.PIPE if capture else relay.write_end, text=True,
         )
+        if relay is not None:
+            relay.start()
         try:
             out, err = proc.communicate(timeout=timeout)
         except _Stop:
+            if relay is not None:
+                relay.mute()
             out, err = _stop(proc, caught, armed)
             raise Interrupted(caught[0], subprocess.CompletedProcess(cmd, proc.returncode, out, err)) from None
         except subprocess.TimeoutExpired:
@@ -218,7 +223,52 @@ def run(
             raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
     finally:
         _restore(previous)
+        if relay is not None:
+            relay.close()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+class _Relay:
+    """The job's stderr, copied to ours as it comes, until :meth:`mute`: once this process was signalled, what
+    the job writes is the launcher's account of ranks that left with 128 + signal (Open MPI's prterun prints a
+    banner for it), which the one interrupt line already says. A pipe of our own, not ``stderr=PIPE``, so that
+    ``communicate`` keeps only waiting."""
+
+    def __init__(self):
+        self._read, self.write_end = os.pipe()
+        self._muted = threading.Event()
+        self._thread = threading.Thread(target=self._copy, daemon=True, name="loom-stderr")
+
+    def start(self) -> None:
+        os.close(self.write_end)  # the job holds the only write end: end of file when it is gone
+        self.write_end = -1
+        self._thread.start()
+
+    def mute(self) -> None:
+        self._muted.set()
+
+    def _copy(self) -> None:
+        target = getattr(sys.stderr, "buffer", None)
+        while chunk := os.read(self._read, 65536):
+            if self._muted.is_set():
+                continue
+            try:
+                if target is not None:
+                    target.write(chunk)
+                else:
+                    sys.stderr.write(chunk.decode(errors="replace"))
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        if self.write_end >= 0:  # the launcher never started
+            os.close(self.write_end)
+            self.write_end = -1
+        if self._thread.ident is not None:
+            self._thread.join(timeout=GRACE_S)  # all the job wrote reaches the terminal before run() returns
+        if not self._thread.is_alive():  # else a leftover holds the pipe: the daemon thread keeps its end
+            os.close(self._read)
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

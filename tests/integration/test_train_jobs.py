@@ -156,11 +156,15 @@ def test_signal_stops_the_job_with_one_line_and_no_traceback(tmp_path, how, sig)
     out = tmp_path / "run"
     argv = [sys.executable, "-m", "loom.cli", "train", "--config", TINY, f"--train.out={out}", *LONG]
     cmd = [*argv[:4], "--ranks", "2", *argv[4:]] if how == "ranks" else launch.mpiexec_argv(2, argv)
-    err = _stop(_start(cmd, out, tmp_path), sig, out, tmp_path)
+    # Open MPI's prterun takes a plain mpiexec's Ctrl-C itself: it kills the ranks, drops what they were still
+    # writing and exits 1. Nothing is left and nothing is a traceback; the line and the code are its own.
+    prterun = how == "mpiexec" and launch.is_openmpi(launch.mpiexec())
+    err = _stop(_start(cmd, out, tmp_path), sig, out, tmp_path, code=1 if prterun else None)
     name = signal.Signals(sig).name
     ours = [ln for ln in err.splitlines() if ln.startswith("loom ")]
     tail = "stopped its 2-rank job" if how == "ranks" else "stopped"
-    assert ours == [f"loom train: interrupted by {name}; {tail}"], err
+    line = f"loom train: interrupted by {name}; {tail}"
+    assert ours in ([], [line]) if prterun else ours == [line], err
     assert "Traceback" not in err + (tmp_path / "out").read_text(), err
     step = ckpt.latest(out / "checkpoints")
     assert ckpt.load(ckpt.stage_path(out / "checkpoints", step))["step"] == step

@@ -261,6 +261,18 @@ def _tile_mask(causal: bool, docs, q0: int, q1: int, k0: int, k1: int, device) -
     return None
 
 
+def _tile_scores(qt, k, v, causal: bool, scale: float, docs, q0: int, q1: int, k0: int, k1: int):
+    """One key tile of the tiled kernel: ``(k tile, v tile, masked scores)`` in ``qt``'s accumulation dtype, the
+    scores ``[B, hk, g, q1-q0, k1-k0]`` with the causal/document mask already at ``-inf``."""
+    kt = k[:, :, None, k0:k1].to(qt.dtype)
+    vt = v[:, :, None, k0:k1].to(qt.dtype)
+    s = torch.matmul(qt, kt.transpose(-1, -2)).mul_(scale)
+    mask = _tile_mask(causal, docs, q0, q1, k0, k1, qt.device)
+    if mask is not None:
+        s.masked_fill_(mask, float("-inf"))
+    return kt, vt, s
+
+
 def _torch_forward(q, k, v, causal: bool, scale: float, docs):
     acc = acc_dtype(q.dtype)
     b, h, lq, d = q.shape
@@ -277,12 +289,7 @@ def _torch_forward(q, k, v, causal: bool, scale: float, docs):
         o = torch.zeros(b, hk, g, q1 - q0, d, dtype=acc, device=q.device)
         for k0 in range(0, min(lk, q1) if causal else lk, TILE):
             k1 = min(lk, k0 + TILE)
-            kt = k[:, :, None, k0:k1].to(acc)
-            vt = v[:, :, None, k0:k1].to(acc)
-            s = torch.matmul(qt, kt.transpose(-1, -2)).mul_(scale)
-            mask = _tile_mask(causal, docs, q0, q1, k0, k1, q.device)
-            if mask is not None:
-                s.masked_fill_(mask, float("-inf"))
+            kt, vt, s = _tile_scores(qt, k, v, causal, scale, docs, q0, q1, k0, k1)
             m_new = torch.maximum(m, s.amax(-1))
             safe = m_new.masked_fill(torch.isinf(m_new), 0.0)
             p = s.sub_(safe[..., None]).exp_()
@@ -317,12 +324,7 @@ def _torch_backward(do, q, k, v, out, lse, causal: bool, scale: float, docs):
         lt = lg[:, :, :, q0:q1, None]
         for k0 in range(0, min(lk, q1) if causal else lk, TILE):
             k1 = min(lk, k0 + TILE)
-            kt = k[:, :, None, k0:k1].to(acc)
-            vt = v[:, :, None, k0:k1].to(acc)
-            s = torch.matmul(qt, kt.transpose(-1, -2)).mul_(scale)
-            mask = _tile_mask(causal, docs, q0, q1, k0, k1, q.device)
-            if mask is not None:
-                s.masked_fill_(mask, float("-inf"))
+            kt, vt, s = _tile_scores(qt, k, v, causal, scale, docs, q0, q1, k0, k1)
             p = s.sub_(lt).exp_()
             dv[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), dot).sum(2)
             ds = torch.matmul(dot, vt.transpose(-1, -2)).sub_(delta).mul_(p)

@@ -11,25 +11,9 @@ import pytest
 import torch
 
 from loom.parallel import blocks
+from tests.attention import sdpa_reference
 
 TOL = 1e-10
-
-
-def _ref(q, k, v, causal, docs, scale):
-    """SDPA with autograd: out [B,h,Lq,D] and lse [B,h,Lq] (rows with no key: out 0, lse -inf)."""
-    g = q.shape[1] // k.shape[1]
-    kr, vr = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = (q @ kr.transpose(-1, -2)) * scale
-    lq, lk = q.shape[2], k.shape[2]
-    keep = torch.ones(q.shape[0], lq, lk, dtype=torch.bool)
-    if causal:
-        keep &= torch.ones(lq, lk, dtype=torch.bool).tril()
-    if docs is not None:
-        keep &= docs[0][:, :, None] == docs[1][:, None, :]
-    s = s.masked_fill(~keep[:, None], float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0)[..., None])
-    return p @ vr, lse
 
 
 def _data(g, b, h, hk, lq, lk, d, docs: bool):
@@ -52,7 +36,7 @@ def _check(kernel, g, b, h, hk, lq, lk, d, causal, docs, kv_parts, tile=None):
     """One q block against ``kv_parts`` kv blocks merged through the log-sum-exp, forward and backward."""
     q, k, v, dd = _data(g, b, h, hk, lq, lk, d, docs)
     scale = 0.37
-    ref, ref_lse = _ref(q, k, v, causal, dd, scale)
+    ref, ref_lse = sdpa_reference(q, k, v, causal, dd, scale)
     go = torch.randn(ref.shape, generator=g, dtype=torch.float64)
     want = torch.autograd.grad(ref, (q, k, v), go)
     parts = _blocks_of(lk, kv_parts) if not causal else [(0, lk)]

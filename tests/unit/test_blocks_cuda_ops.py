@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from loom.parallel import blocks
+from tests.attention import sdpa_reference
 
 TOL = 1e-10
 _real = torch.ops.aten
@@ -106,7 +107,9 @@ def _lse_dtype(q):
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _check_qkv(a, same_heads):
+def _bind_qkv(name, args, kwargs, same_heads):
+    """``_bind`` and the checks every emulated op makes of q, k and v: ``(args by name, outputs, q, k, v)``."""
+    a, n = _bind(name, args, kwargs)
     q, k, v = a["query"], a["key"], a["value"]
     assert q.dim() == k.dim() == v.dim() == 4
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "last dimension must be contiguous"
@@ -115,7 +118,13 @@ def _check_qkv(a, same_heads):
         assert q.shape[1] == k.shape[1] == v.shape[1], "memory-efficient attention: equal q and kv head counts"
     else:
         assert q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1]
-    return q, k, v
+    return a, n, q, k, v
+
+
+def _outputs(res, n):
+    """``res``, which must hold as many outputs as the real op's schema returns (``n``)."""
+    assert len(res) == n
+    return res
 
 
 def _check_bias(bias, q, k):
@@ -130,8 +139,7 @@ def _check_bias(bias, q, k):
 
 
 def _eff_fwd(*args, **kwargs):
-    a, n = _bind("_scaled_dot_product_efficient_attention", args, kwargs)
-    q, k, v = _check_qkv(a, same_heads=True)
+    a, n, q, k, v = _bind_qkv("_scaled_dot_product_efficient_attention", args, kwargs, same_heads=True)
     assert a["dropout_p"] == 0.0 and a["compute_log_sumexp"] is True
     _check_bias(a["attn_bias"], q, k)
     out, lse = _fwd(q, k, v, a["scale"], a["is_causal"], a["attn_bias"], square_causal=False)
@@ -139,13 +147,11 @@ def _eff_fwd(*args, **kwargs):
     pad = torch.full((*lse.shape[:-1], -(-lq // 32) * 32 - lq), float("nan"), dtype=lse.dtype)
     res = (_bhld(out), torch.cat([lse.to(_lse_dtype(q)), pad.to(_lse_dtype(q))], -1),
            torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64))
-    assert len(res) == n
-    return res
+    return _outputs(res, n)
 
 
 def _eff_bwd(*args, **kwargs):
-    a, n = _bind("_scaled_dot_product_efficient_attention_backward", args, kwargs)
-    q, k, v = _check_qkv(a, same_heads=True)
+    a, n, q, k, v = _bind_qkv("_scaled_dot_product_efficient_attention_backward", args, kwargs, same_heads=True)
     do, out, lse = a["grad_out_"], a["out"], a["logsumexp"]
     b, h, lq, d = q.shape
     assert a["dropout_p"] == 0.0 and list(a["grad_input_mask"])[:3] == [True, True, True]
@@ -160,26 +166,22 @@ def _eff_bwd(*args, **kwargs):
     _check_bias(a["attn_bias"], q, k)
     dq, dk, dv = _bwd(do, q, k, v, out, lse[..., :lq], a["scale"], a["is_causal"], a["attn_bias"], False)
     res = (_bhld(dq), _bhld(dk), _bhld(dv), None)
-    assert len(res) == n
-    return res
+    return _outputs(res, n)
 
 
 def _flash_fwd(*args, **kwargs):
-    a, n = _bind("_scaled_dot_product_flash_attention", args, kwargs)
-    q, k, v = _check_qkv(a, same_heads=False)
+    a, n, q, k, v = _bind_qkv("_scaled_dot_product_flash_attention", args, kwargs, same_heads=False)
     assert a["dropout_p"] == 0.0 and a["return_debug_mask"] is False
     d = q.shape[-1]
     assert d % 8 == 0 and d <= 256
     out, lse = _fwd(q, k, v, a["scale"], a["is_causal"], None, square_causal=True)
     res = (_bhld(out), lse.to(_lse_dtype(q)).contiguous(), None, None, q.shape[2], k.shape[2],
            torch.zeros(2, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64), torch.empty(0, dtype=q.dtype))
-    assert len(res) == n
-    return res
+    return _outputs(res, n)
 
 
 def _flash_bwd(*args, **kwargs):
-    a, n = _bind("_scaled_dot_product_flash_attention_backward", args, kwargs)
-    q, k, v = _check_qkv(a, same_heads=False)
+    a, n, q, k, v = _bind_qkv("_scaled_dot_product_flash_attention_backward", args, kwargs, same_heads=False)
     do, out, lse = a["grad_out"], a["out"], a["logsumexp"]
     b, h, lq, d = q.shape
     assert a["cum_seq_q"] is None and a["cum_seq_k"] is None, "dense blocks: undefined cumulative lengths"
@@ -191,8 +193,7 @@ def _flash_bwd(*args, **kwargs):
     assert lse.dtype == _lse_dtype(q) and lse.is_contiguous() and tuple(lse.shape) == (b, h, lq), lse.shape
     res = _bwd(do, q, k, v, out, lse, a["scale"], a["is_causal"], None, True)
     res = tuple(_bhld(t) for t in res)
-    assert len(res) == n
-    return res
+    return _outputs(res, n)
 
 
 _EMULATED = types.SimpleNamespace(
@@ -220,21 +221,6 @@ def cuda_kind(monkeypatch):
     return use
 
 
-def _ref(q, k, v, causal, docs, scale):
-    g = q.shape[1] // k.shape[1]
-    s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * scale
-    lq, lk = q.shape[2], k.shape[2]
-    keep = torch.ones(q.shape[0], lq, lk, dtype=torch.bool)
-    if causal:
-        keep &= torch.ones(lq, lk, dtype=torch.bool).tril()
-    if docs is not None:
-        keep &= docs[0][:, :, None] == docs[1][:, None, :]
-    s = s.masked_fill(~keep[:, None], float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.masked_fill(torch.isinf(lse), 0)[..., None])
-    return p @ v.repeat_interleave(g, 1), lse
-
-
 CASES = list(itertools.product(("cuda-flash", "cuda-efficient"), (True, False), ((4, 4), (4, 2), (4, 1)),
                                (False, True)))
 
@@ -257,7 +243,7 @@ def test_cuda_block_kernels_are_exact_on_emulated_ops(kind, causal, heads, docs,
         if docs:
             ids = torch.cumsum(torch.randint(0, 3, (b, max(lq, lk)), generator=g) == 0, 1)
             dd = (ids[:, :lq], ids[:, :lk])
-        ref, ref_lse = _ref(q, k, v, causal, dd, scale)
+        ref, ref_lse = sdpa_reference(q, k, v, causal, dd, scale)
         go = torch.randn(ref.shape, generator=g, dtype=torch.float64)
         want = torch.autograd.grad(ref, (q, k, v), go)
         cuts = sorted({0, lk, *(lk * i // parts for i in range(1, parts))}) if not causal else [0, lk]
@@ -299,7 +285,7 @@ def test_fpdt_pipeline_on_emulated_cuda_ops(kind, offload, cuda_kind):
         go = torch.randn(2, 12, 4, 8, generator=g, dtype=torch.float64)
         doc = torch.cumsum(torch.randint(0, 4, (2, 12), generator=g) == 0, 1) if packed else None
         dd = None if doc is None else (doc, doc)
-        ref, _ = _ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, dd, 1 / math.sqrt(8))
+        ref, _ = sdpa_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, dd, 1 / math.sqrt(8))
         ref = ref.transpose(1, 2)
         want = torch.autograd.grad(ref, (q, k, v), go)
         out = fpdt_attention(q, k, v, world(), chunks=3, causal=causal, offload=offload, doc_ids=doc)

@@ -12,13 +12,12 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import tempfile
 
 import torch
 
 from loom.testing import mpi_checks
-from loom.train.config import config_from_dict
 from loom.train.trainer import Trainer
+from tests.jobs import SharedDir, tiny_hf_llama, train_config
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -51,34 +50,19 @@ def _meshes(comm) -> list[tuple[str, dict, float]]:
            ("dp hybrid compression", {"mesh": {"dp": p}, "compress": {"policy": "hybrid", "min_kb": 0}},
             COMPRESSED_RTOL),
            ("dp zero 1", {"mesh": {"dp": p}, "zero": {"stage": 1}}, LOSS_RTOL)]
-    try:
-        from transformers import LlamaConfig
-    except ImportError:
+    path = tiny_hf_llama(comm, _dir(comm, "llama.json"))
+    if path is None:
         return out
-    path = _dir(comm, "llama.json")
-    if comm.rank == 0:
-        LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=8, max_position_embeddings=128).to_json_file(path)
-    comm.barrier()
     out.append(("hf llama sp", {"model": {"hf_config": path}, "mesh": {"sp": p}}, LOSS_RTOL))
     return out
 
 
 def _cfg(device: str, *parts: dict):
-    data: dict = {}
-    for part in (BASE, *parts, {"train": {"device": device}}):
-        for sec, vals in part.items():
-            data.setdefault(sec, {}).update(vals)
-    return config_from_dict(data)
+    return train_config(BASE, *parts, {"train": {"device": device}})
 
 
-_ROOT: list[str] = []
-
-
-def _dir(comm, name: str) -> str:
-    if not _ROOT:
-        _ROOT.append(comm.bcast_object(tempfile.mkdtemp(prefix="loom-gpu-") if comm.rank == 0 else None))
-    return os.path.join(_ROOT[0], name)
+_ROOT = SharedDir("loom-gpu-")
+_dir = _ROOT.path
 
 
 def _close(a: float, b: float, rtol: float) -> bool:
@@ -144,9 +128,7 @@ def check_cuda_checkpoint_loads_on_cpu(comm):
 
 
 def check_cleanup(comm):
-    comm.barrier()
-    if comm.rank == 0 and _ROOT:
-        shutil.rmtree(_ROOT[0], ignore_errors=True)
+    _ROOT.remove(comm)
 
 
 if __name__ == "__main__":

@@ -12,19 +12,10 @@ import sys
 
 import pytest
 
-from loom.comm import launch
 from loom.testing import ROOT
+from tests.jobs import train_job
 
 pytestmark = pytest.mark.mpi
-
-TINY = str(ROOT / "configs" / "train-tiny.toml")
-
-
-def _train(n: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return launch.run(n, [sys.executable, "-m", "loom.cli", "train", "--config", TINY, *args], timeout=timeout,
-                      env=env, capture=True)
-
 
 def _losses(out) -> list[float]:
     return [json.loads(ln)["loss"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
@@ -34,16 +25,16 @@ def test_tp2_job_matches_one_rank_and_resumes_at_tp1(tmp_path):
     """fp32, 4 steps: every step's loss within 1e-5 relative of the one-rank job (the tp sums are reordered
     fp32 sums); the tp = 2 checkpoint resumes at tp = 1 and generates."""
     args = ["--train.eval_every=0", "--train.progress=lines", "--train.plots=false", "--checkpoint.every=4"]
-    one = _train(1, f"--train.out={tmp_path / 'one'}", "--train.steps=4", *args)
+    one = train_job(1, f"--train.out={tmp_path / 'one'}", "--train.steps=4", *args)
     assert one.returncode == 0, one.stdout + one.stderr
     out = tmp_path / "tp"
-    two = _train(2, f"--train.out={out}", "--mesh.tp=2", "--train.steps=4", *args)
+    two = train_job(2, f"--train.out={out}", "--mesh.tp=2", "--train.steps=4", *args)
     assert two.returncode == 0, two.stdout + two.stderr
     ref, got = _losses(tmp_path / "one"), _losses(out)
     assert len(ref) == len(got) == 4
     for a, b in zip(got, ref):
         assert abs(a - b) <= 1e-5 * abs(b), (got, ref)
-    again = _train(1, f"--train.out={out}", "--train.steps=6", "--resume", *args)
+    again = train_job(1, f"--train.out={out}", "--train.steps=6", "--resume", *args)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "at step 4" in again.stdout, again.stdout
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -58,7 +49,7 @@ def test_tp2_job_matches_one_rank_and_resumes_at_tp1(tmp_path):
     (["--zero.stage=3", "--zero.axes=dp,sp"], ["mesh.tp = 2 with zero.stage = 3", "ZeRO shards over dp only"]),
 ])
 def test_tp_refusals_exit_2(tmp_path, overrides, words):
-    proc = _train(2, f"--train.out={tmp_path}", "--mesh.tp=2", *overrides, timeout=120)
+    proc = train_job(2, f"--train.out={tmp_path}", "--mesh.tp=2", *overrides, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     for w in words:
         assert w in proc.stderr, (w, proc.stderr)

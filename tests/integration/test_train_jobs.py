@@ -19,17 +19,9 @@ import pytest
 from loom.comm import launch
 from loom.testing import ROOT
 from loom.train import checkpoint as ckpt
+from tests.jobs import TINY, train_job
 
 pytestmark = pytest.mark.mpi
-
-TINY = str(ROOT / "configs" / "train-tiny.toml")
-
-
-def _train(n: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return launch.run(n, [sys.executable, "-m", "loom.cli", "train", "--config", TINY, *args], timeout=timeout,
-                      env=env, capture=True)
-
 
 @pytest.mark.parametrize("override, words", [
     ("--model.hiden=64", ["unknown key model.hiden", "valid keys in [model]: layers, hidden"]),
@@ -38,7 +30,7 @@ def _train(n: int, *args: str, timeout: float = 120) -> subprocess.CompletedProc
 ])
 def test_bad_config_exits_2_on_every_rank(tmp_path, override, words):
     extra = ["--mesh.sp=2"] if "seq_len" in override else []
-    proc = _train(2, f"--train.out={tmp_path}", *extra, override)
+    proc = train_job(2, f"--train.out={tmp_path}", *extra, override, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     # Once per job: rank 0 prints, the other rank exits 2 in silence (the launcher's exit code is the ranks').
     assert proc.stderr.count("loom train: error: ") == 1, proc.stderr
@@ -143,7 +135,7 @@ def test_ctrl_c_stops_a_ranks_job_a_busy_directory_is_refused_and_a_dead_runs_lo
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (out / ckpt.LOCK).write_text(json.dumps({"host": holder["host"], "pid": dead.pid, "started": None}))
-    res = _train(2, f"--train.out={out}", *LONG, "--resume", f"--train.steps={step + 2}", timeout=300)
+    res = train_job(2, f"--train.out={out}", *LONG, "--resume", f"--train.steps={step + 2}", timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"took over the lock of a run that is gone (pid {dead.pid}" in res.stdout, res.stdout
     assert f"resumed from {out / 'checkpoints'} at step {step}" in res.stdout, res.stdout

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import tempfile
 
 from loom.testing import device_check, mpi_checks
-from loom.train.config import config_from_dict
 from loom.train.trainer import Trainer
+from tests.jobs import SharedDir, tiny_hf_llama, train_config
 
 BASE = {
     "model": {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2},
@@ -36,16 +34,8 @@ NAIVE = {"compress": {"policy": "naive", "min_kb": 0, "bucket_mb": 0.05}}
 
 def _hf(comm, root: str) -> list[dict]:
     """A tiny transformers Llama (from a config: nothing downloaded) under sp, when transformers is installed."""
-    try:
-        from transformers import LlamaConfig
-    except ImportError:
-        return []
-    path = os.path.join(root, "llama.json")
-    if comm.rank == 0:
-        LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=8, max_position_embeddings=128).to_json_file(path)
-    comm.barrier()
-    return [{"model": {"hf_config": path}}]
+    path = tiny_hf_llama(comm, os.path.join(root, "llama.json"))
+    return [] if path is None else [{"model": {"hf_config": path}}]
 
 
 def _meshes(comm, root: str) -> list[dict]:
@@ -67,29 +57,20 @@ def _meshes(comm, root: str) -> list[dict]:
             {"mesh": {"dp": p}, "zero": {"stage": 1}}]
 
 
-def _cfg(*parts: dict):
-    data: dict = {}
-    for part in parts:
-        for sec, vals in part.items():
-            data.setdefault(sec, {}).update(vals)
-    return config_from_dict(data)
-
-
 def _run(comm, extra: dict, out: str, *, checked: bool, resume: bool = False, until: int | None = None):
-    tr = Trainer(_cfg(BASE, extra), comm, out=out, quiet=True, resume=resume)
+    tr = Trainer(train_config(BASE, extra), comm, out=out, quiet=True, resume=resume)
     if not checked:
         return tr.run(until)
     with device_check():
         return tr.run(until)
 
 
-_ROOT: list[str] = []
+_ROOT = SharedDir("loom-devices-")
 
 
 def check_train_steps_make_tensors_on_their_device(comm):
-    _ROOT.append(comm.bcast_object(tempfile.mkdtemp(prefix="loom-devices-") if comm.rank == 0 else None))
-    for i, extra in enumerate(_meshes(comm, _ROOT[0])):
-        out = os.path.join(_ROOT[0], f"run{i}")
+    for i, extra in enumerate(_meshes(comm, _ROOT.path(comm))):
+        out = _ROOT.path(comm, f"run{i}")
         plain = _run(comm, extra, out + "-plain", checked=False)
         # Interrupted after step 1, then resumed inside the check: the load path runs under it too.
         _run(comm, extra, out, checked=True, until=1)
@@ -100,9 +81,7 @@ def check_train_steps_make_tensors_on_their_device(comm):
 
 
 def check_cleanup(comm):
-    comm.barrier()
-    if comm.rank == 0 and _ROOT:
-        shutil.rmtree(_ROOT[0], ignore_errors=True)
+    _ROOT.remove(comm)
 
 
 if __name__ == "__main__":

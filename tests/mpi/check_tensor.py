@@ -36,6 +36,7 @@ from loom.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from loom.testing import mpi_checks, seeded
+from tests.jobs import SharedDir, train_config
 
 TOL = 1e-9
 B, S = 2, 12  # S divides by tp = 1-4 (sequence parallelism splits it)
@@ -335,29 +336,8 @@ TRAIN = {
     "optim": {"warmup": 2, "lr": 1e-2, "grad_clip": 0.5},
     "checkpoint": {"every": 0},
 }
-_DIR: list[str] = []
-
-
-def _train_cfg(*parts: dict):
-    from loom.train.config import config_from_dict
-
-    data: dict = {}
-    for part in parts:
-        for sec, vals in part.items():
-            if sec == "mesh_schedule":
-                data.setdefault("mesh", {})["schedule"] = vals
-                continue
-            data.setdefault(sec, {}).update(vals)
-    return config_from_dict(data)
-
-
-def _tmp(comm, name: str) -> str:
-    import os
-    import tempfile
-
-    if not _DIR:
-        _DIR.append(comm.bcast_object(tempfile.mkdtemp(prefix="loom-tp-") if comm.rank == 0 else None))
-    return os.path.join(_DIR[0], name)
+_DIR = SharedDir("loom-tp-")
+_tmp = _DIR.path
 
 
 def _train_meshes(p: int) -> list[dict]:
@@ -390,9 +370,9 @@ def check_train_tp_matches_one_rank(comm):
     for extra in _train_meshes(comm.size):
         solo = comm.split(comm.rank, 0, name="solo")
         keep = {k: v for k, v in extra.items() if k not in ("mesh", "zero", "mesh_schedule")}
-        ref = Trainer(_train_cfg(TRAIN, keep), solo, out=_tmp(comm, f"ref{comm.rank}"), quiet=True)
+        ref = Trainer(train_config(TRAIN, keep), solo, out=_tmp(comm, f"ref{comm.rank}"), quiet=True)
         ref_recs = ref.run()
-        tr = Trainer(_train_cfg(TRAIN, extra), comm, out=_tmp(comm, "tp"), quiet=True)
+        tr = Trainer(train_config(TRAIN, extra), comm, out=_tmp(comm, "tp"), quiet=True)
         assert tr.model.tp.sequence_parallel == extra["mesh"].get("tp_sequence_parallel", False)
         recs = tr.run()
         assert any(q["grad_norm"] > 0.5 for q in ref_recs), "no step clipped: the tp norm is not tested"
@@ -423,11 +403,11 @@ def check_train_tp_resume_is_bit_exact(comm):
         return
     for k, mesh in enumerate(meshes[-1:] if comm.size < 4 else [meshes[3], meshes[-1]]):
         extra = {**mesh, "train": {"dtype": "float32"}, "checkpoint": {"every": 2}}
-        full = Trainer(_train_cfg(TRAIN, extra), comm, out=_tmp(comm, f"full{k}"), quiet=True)
+        full = Trainer(train_config(TRAIN, extra), comm, out=_tmp(comm, f"full{k}"), quiet=True)
         full.run()
-        cut = Trainer(_train_cfg(TRAIN, extra), comm, out=_tmp(comm, f"cut{k}"), quiet=True)
+        cut = Trainer(train_config(TRAIN, extra), comm, out=_tmp(comm, f"cut{k}"), quiet=True)
         cut.run(until=2)
-        again = Trainer(_train_cfg(TRAIN, extra), comm, out=_tmp(comm, f"cut{k}"), quiet=True, resume=True)
+        again = Trainer(train_config(TRAIN, extra), comm, out=_tmp(comm, f"cut{k}"), quiet=True, resume=True)
         assert again.start_step == 2
         again.run()
         a, b = full.full_parameters(), again.full_parameters()
@@ -444,9 +424,9 @@ def check_train_tp_compressed_loss_within_1_percent(comm):
     if comm.size not in (2, 3):
         return
     extra = {**meshes[0], "train": {"dtype": "float32"}}
-    plain = Trainer(_train_cfg(TRAIN, extra), comm, out=_tmp(comm, "plain"), quiet=True).run()
+    plain = Trainer(train_config(TRAIN, extra), comm, out=_tmp(comm, "plain"), quiet=True).run()
     comp = {**extra, "compress": {"policy": "hybrid", "min_kb": 0}}
-    recs = Trainer(_train_cfg(TRAIN, comp), comm, out=_tmp(comm, "bf16"), quiet=True).run()
+    recs = Trainer(train_config(TRAIN, comp), comm, out=_tmp(comm, "bf16"), quiet=True).run()
     for r, q in zip(recs, plain, strict=True):
         assert abs(r["loss"] - q["loss"]) <= 0.01 * abs(q["loss"]), (r["step"], r["loss"], q["loss"])
     b = recs[-1]["bytes"]["tp"]

@@ -8,15 +8,13 @@ and 1e-9 absolute on parameters (only summation order differs). Resume is compar
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import tempfile
 
 import torch
 
 from loom.testing import mpi_checks
-from loom.train.config import config_from_dict
 from loom.train.trainer import Trainer
+from tests.jobs import SharedDir
+from tests.jobs import train_config as _cfg
 
 BASE = {
     "model": {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2},
@@ -49,25 +47,8 @@ MESHES = {
         {**MOE, "mesh": {"ep": 4}, "multipath": {"enabled": True, "topology": "testbed", "min_bytes": 0}}],
 }
 
-_DIR: list[str] = []
-
-
-def _cfg(*parts: dict):
-    data: dict = {}
-    for part in parts:
-        for sec, vals in part.items():
-            if sec == "mesh_schedule":
-                data.setdefault("mesh", {})["schedule"] = vals
-                continue
-            data.setdefault(sec, {}).update(vals)
-    return config_from_dict(data)
-
-
-def _tmp(comm, name: str) -> str:
-    if not _DIR:
-        root = tempfile.mkdtemp(prefix="loom-train-") if comm.rank == 0 else None
-        _DIR.append(comm.bcast_object(root))
-    return os.path.join(_DIR[0], name)
+_DIR = SharedDir("loom-train-")
+_tmp = _DIR.path
 
 
 def _params(tr: Trainer) -> dict[str, torch.Tensor]:
@@ -201,9 +182,7 @@ def check_resume_equals_uninterrupted_compressed(comm):
 
 
 def check_cleanup(comm):
-    comm.barrier()
-    if comm.rank == 0 and _DIR:
-        shutil.rmtree(_DIR[0], ignore_errors=True)
+    _DIR.remove(comm)
 
 
 if __name__ == "__main__":

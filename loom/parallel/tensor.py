@@ -186,25 +186,30 @@ def _link(tp: "TPLink | Communicator") -> TPLink:
     return tp if isinstance(tp, TPLink) else TPLink(tp)
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, link):
-        ctx.link = link
-        return x.view_as(x)
+def _conjugate(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd Function over a tp link whose backward is the conjugate collective of its forward
+    (Megatron's f/g pairs: identity / allreduce, token all-gather / reduce-scatter)."""
 
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.link.allreduce(g), None
+    class Pair(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, link):
+            ctx.link = link
+            return forward(link, x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return backward(ctx.link, g), None
+
+    Pair.__name__ = Pair.__qualname__ = name
+    return Pair
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, link):
-        return link.allreduce(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
+_CopyToTP = _conjugate("_CopyToTP", lambda link, x: x.view_as(x), lambda link, g: link.allreduce(g))
+_ReduceFromTP = _conjugate("_ReduceFromTP", lambda link, x: link.allreduce(x), lambda link, g: g)
+_GatherTokens = _conjugate("_GatherTokens", lambda link, x: link.gather_tokens(x),
+                           lambda link, g: link.reduce_scatter_tokens(g))
+_ReduceScatterTokens = _conjugate("_ReduceScatterTokens", lambda link, x: link.reduce_scatter_tokens(x),
+                                  lambda link, g: link.gather_tokens(g))
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -229,28 +234,6 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return ctx.link.gather_last(g, ctx.full), None
-
-
-class _GatherTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, link):
-        ctx.link = link
-        return link.gather_tokens(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.link.reduce_scatter_tokens(g), None
-
-
-class _ReduceScatterTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, link):
-        ctx.link = link
-        return link.reduce_scatter_tokens(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.link.gather_tokens(g), None
 
 
 class _GatheredLinears(torch.autograd.Function):

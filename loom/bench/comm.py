@@ -1,6 +1,7 @@
 """OSU-style communication benchmarks for ``loom.comm``, each with raw mpi4py as the peer in the same run.
 
 ``loom bench latency|bw|bibw|allreduce|allgather|alltoall|alltoallv [--ranks N] [--vs raw] [--buffer torch]``
+``loom bench allreduce --device cuda``: the same allreduce on device tensors against host tensors, in one run.
 
 The raw peer is what a user writes by hand: mpi4py's uppercase calls on the same buffers (numpy arrays, or
 torch tensors handed over through DLPack). This module is the only place outside ``loom.comm`` that calls
@@ -19,7 +20,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import torch
 
-from ..comm import Communicator, wait_all, world
+from ..comm import Communicator, local_device, wait_all, world
 from . import omb
 
 __all__ = ["latency", "bw", "bibw", "allreduce", "allgather", "alltoall", "alltoallv", "tour"]
@@ -39,8 +40,11 @@ def _buf(kind: str, nbytes: int, dtype=np.uint8, fill: float = 1) -> Any:
     return torch.from_numpy(a) if kind == "torch" else a
 
 
-def _setup(name: str, desc: str, argv: list[str], **kw) -> tuple[argparse.Namespace, Communicator]:
+def _setup(name: str, desc: str, argv: list[str], *, extra: Callable | None = None,
+           **kw) -> tuple[argparse.Namespace, Communicator]:
     p = omb.parser(name, desc, **kw)
+    if extra is not None:
+        extra(p)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     return args, world()
@@ -61,20 +65,24 @@ def _run_pair(size: int, args, comm: Communicator, mk_loom: Callable,
 
 
 def _table(title: str, column: str, args, comm: Communicator, mk_loom: Callable, mk_raw: Callable, sizes: list[int],
-           value: Callable[[int, float], float], *, average: bool = False, **meta: Any) -> int:
+           value: Callable[[int, float], float], *, average: bool = False, peer: tuple[str, str] | None = None,
+           **meta: Any) -> int:
     """Print one benchmark's table, loom against raw mpi4py (``--vs raw``) interleaved.
 
     ``mk_loom(size)``/``mk_raw(size)`` build the call to time; ``value(size, seconds)`` turns a mean time into
     the column's unit, and ``loom/raw`` is the ratio of the two values. ``average``: the mean over ranks, as OMB
-    reports collectives (a ping-pong reports rank 0's time).
+    reports collectives (a ping-pong reports rank 0's time). ``peer``: another peer than raw mpi4py, as
+    ``(name, ratio column)``; ``mk_raw`` then builds its call and it is always measured.
     """
     unit = column[column.index("("):]
-    cols = ["Size", column] + ([f"raw mpi4py {unit}", "loom/raw"] if args.vs == "raw" else [])
+    name, ratio = peer or ("raw mpi4py", "loom/raw")
+    measured = peer is not None or args.vs == "raw"
+    cols = ["Size", column] + ([f"{name} {unit}", ratio] if measured else [])
     table = omb.Table(title, cols, rank=comm.rank,
-                      meta={"ranks": comm.size, "buffer": args.buffer, "peer": args.vs, **meta})
+                      meta={"ranks": comm.size, "buffer": args.buffer, "peer": name if peer else args.vs, **meta})
     table.header()
     for size in sizes:
-        times = _run_pair(size, args, comm, mk_loom, mk_raw if args.vs == "raw" else None)
+        times = _run_pair(size, args, comm, mk_loom, mk_raw if measured else None)
         if average:
             times = tuple(None if t is None else comm.allreduce_object(t, "sum") / comm.size for t in times)
         vl, vr = (None if t is None else value(size, t) for t in times)
@@ -200,9 +208,58 @@ def _collective_table(title: str, args, comm: Communicator, min_size: int, nbyte
                   omb.sizes(max(args.min_size, min_size), args.max_size), lambda size, t: t * 1e6, average=True)
 
 
+def _device_table(title: str, args, comm: Communicator, min_size: int, op: Callable) -> int:
+    """The latency table of one loom collective on ``--device`` tensors against the same call on host tensors.
+
+    Both sides are torch float32 tensors filled alike; the device side waits for the device at the end of each
+    call (a staged collective may return with its copies still queued), so its time is the whole round trip.
+    """
+    try:
+        device = local_device(args.device)
+    except ValueError as e:
+        print(f"loom bench: --device {args.device}: {e}", file=sys.stderr)
+        return 2
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def maker(dev: torch.device, wait: Callable) -> Callable:
+        def make(size: int) -> Callable:
+            x = _buf("torch", size, np.float32).to(dev)
+            out = torch.empty_like(x)
+            call = op(x, out, size)
+
+            def f():
+                call()
+                wait()
+            return f
+        return make
+
+    host = torch.device("cpu")
+    return _table(title, f"{device.type} Latency (us)", args, comm, maker(device, sync), maker(host, lambda: None),
+                  omb.sizes(max(args.min_size, min_size), args.max_size), lambda size, t: t * 1e6, average=True,
+                  peer=("host Latency", f"{device.type}/host"), device=str(device), buffer="torch")
+
+
+def _device_name(text: str) -> str:
+    import re
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda or cuda:N")
+    return text
+
+
+def _add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", type=_device_name, default=None, metavar="DEV",
+                   help="time the collective on this device's tensors ('cuda', 'cuda:N', 'cpu') against host "
+                        "tensors in the same run (ratio DEV/host); replaces the --vs peer")
+
+
 def allreduce(argv: list[str]) -> int:
     """osu_allreduce: float32 sum over all ranks; average latency over ranks (compressed: ``loom bench compress``)."""
-    args, comm = _setup("allreduce", "allreduce latency (float32 sum)", argv, min_size=4, max_size=1 << 22)
+    args, comm = _setup("allreduce", "allreduce latency (float32 sum)", argv, min_size=4, max_size=1 << 22,
+                        extra=_add_device)
+    if args.device is not None:
+        return _device_table("Allreduce Latency Test", args, comm, 4,
+                             lambda x, out, size: lambda: comm.allreduce(x, out=out))
     MPI = _raw()
     raw = MPI.COMM_WORLD
     return _collective_table("Allreduce Latency Test", args, comm, 4, lambda size: (size, size),

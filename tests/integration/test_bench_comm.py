@@ -24,3 +24,24 @@ def test_bench_table_against_raw(tmp_path, bench, column):
         loom, raw = row[column], row[f"raw mpi4py {unit}"]
         assert loom > 0 and raw > 0
         assert row["loom/raw"] == pytest.approx(loom / raw)
+
+
+def test_allreduce_device_against_host(tmp_path):
+    """``--device cpu`` runs the device-vs-host table end to end (on a GPU machine: ``--device cuda``)."""
+    doc, _ = run_bench(tmp_path, "allreduce", "--device", "cpu", "--vs", "none", *QUICK)
+    assert doc["columns"] == ["Size", "cpu Latency (us)", "host Latency (us)", "cpu/host"]
+    assert doc["meta"]["device"] == "cpu" and doc["meta"]["peer"] == "host Latency"
+    assert doc["rows"] and doc["rows"][-1]["Size"] == 16
+    for row in doc["rows"]:
+        dev, host = row["cpu Latency (us)"], row["host Latency (us)"]
+        assert dev > 0 and host > 0
+        assert row["cpu/host"] == pytest.approx(dev / host)
+
+
+def test_allreduce_device_rejects_an_unknown_device(capsys):
+    from loom.bench import comm
+
+    with pytest.raises(SystemExit) as e:
+        comm.allreduce(["--device", "gpu"])
+    assert e.value.code == 2
+    assert "'gpu' is not a device; use cpu, cuda or cuda:N" in capsys.readouterr().err

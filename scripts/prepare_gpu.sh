@@ -2,31 +2,56 @@
 # Ready a bare GPU machine for `make test-gpu` without a package registry.
 #
 # The machine's own python3 already has a CUDA torch; what loom still needs (MPICH, mpi4py, zstandard, pytest)
-# travels as wheels in ./wheels, made beforehand on a machine that can reach the registry, for the GPU
-# machine's Python version (what `python3 -V` prints there; 3.12 below):
+# travels as wheels in ./wheels, made beforehand on a machine that can reach the registry:
 #
-#     pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#         --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-#         -d wheels mpich mpi4py zstandard pytest pytest-timeout
+#     scripts/prepare_gpu.sh --download          # wheels for Python 3.10-3.13 (about 45 MiB, no torch)
+#     PYVERS=3.12 scripts/prepare_gpu.sh --download   # only the GPU machine's version (`python3 -V` there)
 #
-# (`wheels/` is git-ignored; add any other module the import check below reports missing.) Then, on the GPU
-# machine, from the checkout:
+# (`wheels/` is git-ignored; add any other module the import check below reports missing to PACKAGES.) Then,
+# on the GPU machine, from the checkout:
 #
 #     scripts/prepare_gpu.sh            # or: make prepare-gpu
 #     source .gpu-env                   # PYTHONPATH and LOOM_MPIEXEC for this shell
 #     make test-gpu
 #
-# Environment: PY (default python3), WHEELS (default ./wheels).
+# scripts/gpu_session.sh does all of it and the GPU benchmarks in one command.
+# Environment: PY (default python3), WHEELS (default ./wheels), PYVERS (--download's Python versions).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 WHEELS=${WHEELS:-wheels}
+PACKAGES="mpich mpi4py zstandard pytest pytest-timeout"
+
+if [ "${1:-}" = "--download" ]; then
+    # Binary wheels only, for manylinux x86_64 and each Python version the GPU machine may have. No torch: the
+    # GPU machine has its own, and none of these depend on it (the size check below would catch one that did).
+    DL_PY=${DL_PY:-$(test -x .venv/bin/python && echo .venv/bin/python || echo python3)}
+    for v in ${PYVERS:-3.10 3.11 3.12 3.13}; do
+        "$DL_PY" -m pip download --quiet --only-binary=:all: --python-version "$v" --implementation cp \
+            --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+            -d "$WHEELS" $PACKAGES
+    done
+    if ls "$WHEELS" | grep -qi '^torch-\|^nvidia'; then
+        echo "prepare_gpu: a torch or nvidia wheel was pulled in; remove it from $WHEELS (the GPU machine has torch)" >&2
+        exit 1
+    fi
+    size=$(du -sm "$WHEELS" | cut -f1)
+    ls -1 "$WHEELS"
+    echo "prepare_gpu: $WHEELS/ holds ${size} MiB; the device tool carries at most 64 MiB with the working tree"
+    if [ "$size" -gt 56 ]; then
+        echo "prepare_gpu: too large to carry; download for fewer versions (PYVERS=3.12)" >&2
+        exit 1
+    fi
+    exit 0
+fi
 
 "$PY" -c 'import torch; assert torch.cuda.is_available(), "torch sees no CUDA device"; print("torch", torch.__version__, "CUDA", torch.version.cuda, torch.cuda.get_device_name(0))'
 
 if [ -d "$WHEELS" ]; then
     # Only what is carried: whatever the python already has stays as it is (its torch above all).
-    "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" mpich mpi4py zstandard pytest pytest-timeout
+    # PIP_BREAK_SYSTEM_PACKAGES: a distribution's python refuses installs otherwise (PEP 668); older pips ignore it.
+    # shellcheck disable=SC2086
+    PIP_BREAK_SYSTEM_PACKAGES=1 "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" $PACKAGES
 else
     echo "prepare_gpu: no $WHEELS/ folder; assuming mpich, mpi4py, zstandard and pytest are installed" >&2
 fi

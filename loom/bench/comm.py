@@ -211,8 +211,9 @@ def _collective_table(title: str, args, comm: Communicator, min_size: int, nbyte
 def _device_table(title: str, args, comm: Communicator, min_size: int, op: Callable) -> int:
     """The latency table of one loom collective on ``--device`` tensors against the same call on host tensors.
 
-    Both sides are torch float32 tensors filled alike; the device side waits for the device at the end of each
-    call (a staged collective may return with its copies still queued), so its time is the whole round trip.
+    Both sides are torch tensors of ``--dtype`` filled alike (``size`` bytes of float32, so a bf16 row moves
+    half the bytes); the device side waits for the device at the end of each call (a staged collective may
+    return with its copies still queued), so its time is the whole round trip.
     """
     try:
         device = local_device(args.device)
@@ -223,7 +224,7 @@ def _device_table(title: str, args, comm: Communicator, min_size: int, op: Calla
 
     def maker(dev: torch.device, wait: Callable) -> Callable:
         def make(size: int) -> Callable:
-            x = _buf("torch", size, np.float32).to(dev)
+            x = _buf("torch", size, np.float32).to(dev, getattr(torch, args.dtype))
             out = torch.empty_like(x)
             call = op(x, out, size)
 
@@ -236,7 +237,7 @@ def _device_table(title: str, args, comm: Communicator, min_size: int, op: Calla
     host = torch.device("cpu")
     return _table(title, f"{device.type} Latency (us)", args, comm, maker(device, sync), maker(host, lambda: None),
                   omb.sizes(max(args.min_size, min_size), args.max_size), lambda size, t: t * 1e6, average=True,
-                  peer=("host Latency", f"{device.type}/host"), device=str(device), buffer="torch")
+                  peer=("host Latency", f"{device.type}/host"), device=str(device), buffer="torch", dtype=args.dtype)
 
 
 def _device_name(text: str) -> str:
@@ -251,6 +252,11 @@ def _add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=_device_name, default=None, metavar="DEV",
                    help="time the collective on this device's tensors ('cuda', 'cuda:N', 'cpu') against host "
                         "tensors in the same run (ratio DEV/host); replaces the --vs peer")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="element type with --device (Size stays the float32 bytes)")
+    p.checks.append(lambda a: f"--dtype {a.dtype} needs --device (the host buffers of the raw comparison are "
+                              f"numpy float32); add --device cpu or cuda" if a.dtype != "float32" and a.device is None
+                    else None)
 
 
 def allreduce(argv: list[str]) -> int:

@@ -26,11 +26,13 @@ def test_bench_table_against_raw(tmp_path, bench, column):
         assert row["loom/raw"] == pytest.approx(loom / raw)
 
 
-def test_allreduce_device_against_host(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_allreduce_device_against_host(tmp_path, dtype):
     """``--device cpu`` runs the device-vs-host table end to end (on a GPU machine: ``--device cuda``)."""
-    doc, _ = run_bench(tmp_path, "allreduce", "--device", "cpu", "--vs", "none", *QUICK)
+    doc, _ = run_bench(tmp_path, "allreduce", "--device", "cpu", "--dtype", dtype, "--vs", "none", *QUICK)
     assert doc["columns"] == ["Size", "cpu Latency (us)", "host Latency (us)", "cpu/host"]
     assert doc["meta"]["device"] == "cpu" and doc["meta"]["peer"] == "host Latency"
+    assert doc["meta"]["dtype"] == dtype
     assert doc["rows"] and doc["rows"][-1]["Size"] == 16
     for row in doc["rows"]:
         dev, host = row["cpu Latency (us)"], row["host Latency (us)"]
@@ -45,3 +47,7 @@ def test_allreduce_device_rejects_an_unknown_device(capsys):
         comm.allreduce(["--device", "gpu"])
     assert e.value.code == 2
     assert "'gpu' is not a device; use cpu, cuda or cuda:N" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        comm.allreduce(["--dtype", "bfloat16"])
+    assert e.value.code == 2
+    assert "--dtype bfloat16 needs --device" in capsys.readouterr().err

@@ -16,7 +16,7 @@
 # Environment: OUT, TOTAL (seconds for the whole session), PY (default python3), and <STEP>_S to change one
 # step's limit (e.g. TEST_GPU_S=300; the step name upper-cased with - as _).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 
 OUT=${OUT:-gpu-out}
 TOTAL=${TOTAL:-540}
@@ -105,9 +105,11 @@ step prepare 120 env PY="$PY" bash scripts/prepare_gpu.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export GPU_PY=$PY
 step versions 30 "$PY" -c "$VERSIONS"
-# The GPU tier (tests/gpu, what `make test-gpu` runs), with a per-test bound so one hang cannot take it all.
-step test-gpu 240 "$PY" -m pytest -q -p no:cacheprovider -rfEs --durations=0 --timeout 200 \
-    --junitxml="$OUT/test-gpu.xml" tests/gpu
+# The GPU tier (tests/gpu, what `make test-gpu` runs) in two steps, FPDT's CUDA kernels first (never run on a
+# GPU before, and quick), each test bounded so that one hang cannot take the step.
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rfEs --durations=0 --timeout 180)
+step test-fpdt 150 "${PYTEST[@]}" --junitxml="$OUT/test-fpdt.xml" tests/gpu/test_fpdt_cuda.py
+step test-gpu 240 "${PYTEST[@]}" --junitxml="$OUT/test-gpu.xml" --ignore=tests/gpu/test_fpdt_cuda.py tests/gpu
 # 64 MiB allreduce of CUDA tensors against host tensors through the (not CUDA-aware) MPI, in one run; before
 # the longer benchmarks because it takes about half a minute.
 step allreduce-cuda 60 "${LOOM[@]}" bench allreduce --ranks 2 --device cuda -m 1M -M 64M --rounds 3 \
@@ -127,6 +129,9 @@ step zero-r2 90 "${LOOM[@]}" bench zero --ranks 2 --rounds 2 --json "$OUT/zero-r
 step zero-r4 90 "${LOOM[@]}" bench zero --ranks 4 --rounds 2 --json "$OUT/zero-r4.json"
 step parallel-r4 90 "${LOOM[@]}" bench parallel --ranks 4 --json "$OUT/parallel-r4.json"
 
-[ "$DRY" = 1 ] && exit 0
+if [ "$DRY" = 1 ]; then
+    echo "(limits are upper bounds; a step starts only with ${MIN_S}s or more of TOTAL=${TOTAL}s left)"
+    exit 0
+fi
 echo "== summary ($((SECONDS - START))s of ${TOTAL}s; exit 124 = timed out)"
 column -t "$SUMMARY" 2>/dev/null || cat "$SUMMARY"

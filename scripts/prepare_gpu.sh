@@ -20,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 WHEELS=${WHEELS:-wheels}
-PACKAGES="mpich mpi4py zstandard pytest pytest-timeout"
+PACKAGES=(mpich mpi4py zstandard pytest pytest-timeout)
 
 if [ "${1:-}" = "--download" ]; then
     # Binary wheels only, for manylinux x86_64 and each Python version the GPU machine may have. No torch: the
@@ -29,9 +29,9 @@ if [ "${1:-}" = "--download" ]; then
     for v in ${PYVERS:-3.10 3.11 3.12 3.13}; do
         "$DL_PY" -m pip download --quiet --only-binary=:all: --python-version "$v" --implementation cp \
             --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-            -d "$WHEELS" $PACKAGES
+            -d "$WHEELS" "${PACKAGES[@]}"
     done
-    if ls "$WHEELS" | grep -qi '^torch-\|^nvidia'; then
+    if compgen -G "$WHEELS/torch-*" > /dev/null || compgen -G "$WHEELS/nvidia*" > /dev/null; then
         echo "prepare_gpu: a torch or nvidia wheel was pulled in; remove it from $WHEELS (the GPU machine has torch)" >&2
         exit 1
     fi
@@ -50,8 +50,9 @@ fi
 if [ -d "$WHEELS" ]; then
     # Only what is carried: whatever the python already has stays as it is (its torch above all).
     # PIP_BREAK_SYSTEM_PACKAGES: a distribution's python refuses installs otherwise (PEP 668); older pips ignore it.
-    # shellcheck disable=SC2086
-    PIP_BREAK_SYSTEM_PACKAGES=1 "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" $PACKAGES
+    # A python without pip gets the one it ships (ensurepip needs no network).
+    "$PY" -m pip --version > /dev/null 2>&1 || "$PY" -m ensurepip --user
+    PIP_BREAK_SYSTEM_PACKAGES=1 "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" "${PACKAGES[@]}"
 else
     echo "prepare_gpu: no $WHEELS/ folder; assuming mpich, mpi4py, zstandard and pytest are installed" >&2
 fi

@@ -65,6 +65,8 @@ SMALL: dict[str, list[str]] = {
     "bench seqlen": ["--max-seq", "512", "--repeats", "1", "--no-breakdown"],
     "bench hybrid": ["--width", "64", "--depth", "4", "--iterations", "1", "--warmup", "1", "--rounds", "1"],
     "bench compress-train": ["--steps", "3", "--tail", "2", "--policies", "none,hybrid"],
+    "bench parallel": ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--seq-len", "32",
+                       "--batch", "2", "-i", "1", "-x", "1"],
     "bench moe": ["--tokens", "64", "--dim", "64", "--rounds", "1", "--iterations", "1", "--warmup", "1"],
     "bench dask": [*_OMB_SMALL, "--array", "400", "--chunk", "100", "--rows", "4000", "--partitions", "2",
                    "--app-rounds", "1", "--tasks", "20", "--cycles", "1"],

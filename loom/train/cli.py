@@ -117,12 +117,17 @@ def claim(cfg: Config, *, resume: bool, overwrite: bool, dry_run: bool = False) 
     return None
 
 
-def hold(cfg: Config, comm, *, overwrite: bool) -> Path | None:
-    """Rank 0 takes the run directory's lock (and clears it on ``overwrite``) before anything is written; every
-    rank learns the outcome, so a refused job exits 2 on every rank. Returns the lock (rank 0) or ``None``."""
+def hold(cfg: Config, comm, *, resume: bool, overwrite: bool) -> Path | None:
+    """Rank 0 applies the run-directory rules (:func:`claim`), takes the directory's lock (and clears it on
+    ``overwrite``) before anything is written; every rank learns the outcome, so a refused job exits 2 on every
+    rank. Returns the lock (rank 0) or ``None``.
+
+    Only rank 0 looks at the directory: a rank that checked it on its own could find the lock, or the files,
+    that rank 0 of its own job had written meanwhile, and leave alone while its peers wait for it."""
     lock = err = None
     if comm.rank == 0:
         try:
+            claim(cfg, resume=resume, overwrite=overwrite)
             lock, stale = ckpt.lock_run_dir(cfg.train.out)
             if stale:
                 print(f"loom train: took over the lock of a run that is gone (pid {stale.get('pid')} on "
@@ -160,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         if size is not None:
             cfg.validate_world(size)
         problems = preflight(cfg) if args.dry_run else []
-        # Every rank checks the directory; once MPI is up, rank 0 takes its lock (and clears it on --overwrite)
-        # before the trainer's first collective, and nothing is written until after that.
-        occupied = claim(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=args.dry_run)
+        # A dry run only reports what the directory holds. A run's directory is checked and locked by rank 0
+        # once MPI is up (hold), before the trainer's first collective, and nothing is written until after that.
+        occupied = claim(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=True) if args.dry_run else None
     except ConfigError as exc:
         return _error(str(exc))
     if args.dry_run:
@@ -182,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
 
     comm = world()
     try:
-        lock = hold(cfg, comm, overwrite=args.overwrite)
+        lock = hold(cfg, comm, resume=args.resume, overwrite=args.overwrite)
     except ConfigError as exc:
         return _error(str(exc))
     try:  # the lock is released however the run ends (an interrupt unwinds through here)

@@ -63,15 +63,38 @@ def relaunch(ranks: int, argv: list[str]) -> int:
 
 
 _caught: list[int] = []
+_armed = [True]  # whether the next signal raises: only the first does, unless a finalizer swallowed it
 _said = threading.Lock()  # taken by whichever thread writes the one interrupt line
 
 
 def _on_signal(signum, frame):
     """SIGTERM (and, on a rank, SIGINT): the first unwinds the command as Ctrl-C does; later ones (a terminal's
     Ctrl-C reaches a rank both from the terminal and through the launcher) are noted, not raised again."""
+    from .comm import launch
+
     _caught.append(signum)
-    if len(_caught) == 1:
+    launch.note_stop(signum)
+    if _armed[0]:
+        _armed[0] = False
         raise KeyboardInterrupt
+
+
+def _unraisable(previous):
+    """``sys.unraisablehook`` while a command runs: a signal handler runs wherever the main thread is, and when
+    that is a finalizer (``__del__``, a weakref callback) Python only reports the ``KeyboardInterrupt`` and
+    carries on, so the command would go on running while its peers stop. Such a lost interrupt is raised again,
+    in silence, from a moment later (``_thread.interrupt_main`` from a timer thread: called here, the handler
+    would run inside this hook and be lost the same way); one that lands in a finalizer again comes back here."""
+    import _thread
+
+    def hook(args):
+        if _caught and args.exc_type is not None and issubclass(args.exc_type, KeyboardInterrupt):
+            _armed[0] = True
+            threading.Timer(0.01, _thread.interrupt_main, args=(_caught[0],)).start()
+            return
+        previous(args)
+
+    return hook
 
 
 def _say(name: str, signum: int) -> None:
@@ -102,13 +125,17 @@ def _run(name: str, module_name: str, rest: list[str]) -> int:
 
     global _said
     previous: dict[int, object] = {}
-    wake = None
+    wake = unraisable = None
     _caught.clear()
+    launch.note_stop(None)
+    _armed[0] = True
     _said = threading.Lock()
     if threading.current_thread() is threading.main_thread():
         inside = launch.inside_job()
         for sig in (signal.SIGTERM, signal.SIGINT) if inside else (signal.SIGTERM,):
             previous[sig] = signal.signal(sig, _on_signal)
+        unraisable = sys.unraisablehook
+        sys.unraisablehook = _unraisable(unraisable)
         if inside and settings.launch_rank() == 0 and not settings.get("launched"):
             import socket
 
@@ -119,10 +146,20 @@ def _run(name: str, module_name: str, rest: list[str]) -> int:
     try:
         return int(_module(module_name).main(rest) or 0)
     except KeyboardInterrupt as exc:  # a job the command launched itself reports its signal (launch.Interrupted)
+        _armed[0] = False  # a lost interrupt raised again late must not cut the unwinding short
         return _interrupted(name, getattr(exc, "signum", None) or (_caught[0] if _caught else signal.SIGINT))
+    except BaseException:
+        _armed[0] = False
+        if not _caught:
+            raise
+        # What fails once the job is being stopped (a collective whose peer has already left) is the signal's
+        # doing, not a bug to report with a traceback and MPI_Abort.
+        return _interrupted(name, _caught[0])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        if unraisable is not None:
+            sys.unraisablehook = unraisable
         if wake is not None:
             signal.set_wakeup_fd(wake[0])
             wake[2].close()  # the watcher sees the end of its socket and returns

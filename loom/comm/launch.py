@@ -42,7 +42,7 @@ from .. import settings
 __all__ = [
     "mpiexec", "mpiexec_argv", "run", "flavor", "library_flavor", "is_openmpi", "check_pairing",
     "inside_job", "rank_pids", "Death", "DeathParser", "pid_alive", "start_time",
-    "signal_verified", "survivor_flags", "descendants", "Interrupted", "GRACE_S",
+    "signal_verified", "survivor_flags", "descendants", "Interrupted", "GRACE_S", "note_stop", "stopping",
 ]
 
 MPICH, OPENMPI, UNKNOWN = "mpich", "openmpi", "unknown"
@@ -168,6 +168,25 @@ class Interrupted(KeyboardInterrupt):
 
 class _Stop(Exception):
     pass
+
+
+_stopping: list[int] = []
+
+
+def note_stop(signum: int | None) -> None:
+    """Record that this rank has been told to stop (SIGINT or SIGTERM, by the command that handles it): what
+    fails after it, such as a collective whose peer has already left, is the stop's doing, so the abort hooks of
+    :mod:`loom.comm.safety` end the rank with ``128 + signum`` and no traceback. None forgets it (a command
+    that starts)."""
+    if signum is None:
+        _stopping.clear()
+    else:
+        _stopping.append(signum)
+
+
+def stopping() -> int | None:
+    """The signal this rank was told to stop by (:func:`note_stop`), or None."""
+    return _stopping[0] if _stopping else None
 
 
 def run(

@@ -23,6 +23,7 @@ off the hot path pays nothing.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import threading
 import time
@@ -33,6 +34,7 @@ from asyncio import CancelledError as _CancelledError
 
 from mpi4py import MPI
 
+from . import launch
 from .errors import CollectiveMismatchError
 from .. import settings
 
@@ -47,6 +49,14 @@ ABORT_GRACE_S = 0.5  # between writing the traceback and MPI_Abort (see _abort_h
 
 
 def _abort_hook(exc_type, exc, tb, where: str = "") -> None:
+    signum = launch.stopping()
+    if signum is not None:  # the rank was told to stop and its peers are leaving: nothing to report or abort
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(128 + signum)
     rank = MPI.COMM_WORLD.Get_rank()
     lines = traceback.format_exception(exc_type, exc, tb)
     sys.stderr.write("".join(f"[rank {rank}] {ln}" for chunk in lines for ln in chunk.splitlines(True)))
@@ -62,6 +72,8 @@ def _abort_hook(exc_type, exc, tb, where: str = "") -> None:
 
 def _thread_abort_hook(args) -> None:
     if issubclass(args.exc_type, SystemExit):  # threading's own hook ignores it too
+        return
+    if launch.stopping() is not None:  # the main thread is unwinding the stop; it ends the rank
         return
     name = args.thread.name if args.thread is not None else "?"
     _abort_hook(args.exc_type, args.exc_value, args.exc_traceback, f" in thread {name!r}")

@@ -111,3 +111,55 @@ def test_an_explicit_mesh_is_not_filled(monkeypatch, tmp_path):
     assert rc == 2 and "= 1 ranks but the job has 2" in err, err
     rc, _, err = _loom(["train", "--dry-run", f"--train.out={tmp_path}", "--mesh.sp=4"])
     assert rc == 2 and "which mesh.pp=1 x mesh.sp=4 x mesh.ep=1 = 4 does not divide" in err, err
+
+
+# A rank's command stopped by a signal: whatever the signal's KeyboardInterrupt meets on its way, the rank ends with
+# 128 + signal and no traceback. Each case is a command module run by cli._run in a process of its own (a rank of
+# a loom launch: LOOM_LAUNCHED=1, so the launcher's line is not printed here).
+_STOP_CASES = '''
+import signal, threading, time
+
+
+class _Late:
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)  # the signal lands in a finalizer, where Python only reports it
+
+
+def main(rest):
+    case = rest[0]
+    if case == "finalizer":
+        _Late()
+        end = time.monotonic() + 30  # never reached with the interrupt raised again; the test then fails
+        while time.monotonic() < end:
+            pass
+        return 0
+    try:
+        signal.raise_signal(signal.SIGINT)
+    except KeyboardInterrupt:
+        if case == "converted":  # a collective whose peer left raises MPI's error while the rank unwinds
+            raise RuntimeError("a peer left mid-collective") from None
+        from loom.comm import safety
+
+        safety._install_abort_hooks()  # what a multi-rank job has: an error in a thread aborts the job
+        t = threading.Thread(target=lambda: 1 / 0, name="worker")
+        t.start()
+        t.join()
+        raise
+    return 0
+'''
+
+
+@pytest.mark.parametrize("case", ["finalizer", "converted", "thread"])
+def test_a_stopped_rank_ends_with_the_signal_and_no_traceback(tmp_path, case):
+    import os
+    import subprocess
+    import sys
+
+    from loom.testing import ROOT
+
+    (tmp_path / "stopcase.py").write_text(_STOP_CASES)
+    env = {**os.environ, "LOOM_LAUNCHED": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    code = "import sys; from loom import cli; sys.exit(cli._run('train', 'stopcase', sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", code, case], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 130, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr

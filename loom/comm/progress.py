@@ -29,6 +29,7 @@ back-off cap (2 ms) as the fallback. Items without ``bell`` keep the back-off ab
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import threading
@@ -461,9 +462,10 @@ class Ticket:
         tests: how many times the thread tested the task's request before it completed.
     """
 
-    __slots__ = ("_event", "result", "error", "posted_at", "done_at", "tests")
+    __slots__ = ("_event", "result", "error", "posted_at", "done_at", "tests", "stream")
 
-    def __init__(self) -> None:
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream  # the submitter's current CUDA stream (None without CUDA): the task runs on it
         self._event = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
@@ -504,6 +506,12 @@ class ProgressThread:
     request once per pass and yields the GIL (``time.sleep(0)``; mpi4py releases it inside ``MPI_Test``), so
     while anything is in flight it keeps one core busy, and when nothing is it sleeps on a condition.
 
+    Streams: a task and its request's completion run with the *submitting* thread's current CUDA stream made
+    current on the thread (captured at :meth:`submit`). loom.comm orders its staging copies after "the caller's
+    stream" and makes "the caller's stream" wait for the copies that bring results back; on the thread that is
+    otherwise the thread's own default stream, so a submitter computing on another stream would have its tensor
+    read before its kernels wrote it, and would read a result before the copy that brings it back.
+
     Ordering: one thread issues every task, so the collectives submitted by one caller on one communicator are
     posted in submission order, which is the same on every rank when the caller's order is. Needs
     ``MPI_THREAD_MULTIPLE`` (mpi4py's default; :meth:`available` says): the submitting thread keeps calling
@@ -525,7 +533,7 @@ class ProgressThread:
 
     def submit(self, task: Callable[[], Any]) -> Ticket:
         """Run ``task`` on the thread after every task submitted before it; its ticket."""
-        ticket = Ticket()
+        ticket = Ticket(_caller_stream())
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"progress thread {self.name!r} is closed; make a new one")
@@ -558,7 +566,8 @@ class ProgressThread:
                 fn, ticket = task
                 ticket.posted_at = time.perf_counter()
                 try:
-                    res = fn()
+                    with _on_stream(ticket.stream):
+                        res = fn()
                 except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
                     ticket._set(error=exc)
                     continue
@@ -572,7 +581,8 @@ class ProgressThread:
             for req, ticket in inflight:
                 ticket.tests += 1
                 try:
-                    done = req.test()
+                    with _on_stream(ticket.stream):  # the completion copies results back for the submitter
+                        done = req.test()
                 except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
                     ticket._set(error=exc)
                     continue
@@ -582,3 +592,19 @@ class ProgressThread:
                     still.append((req, ticket))
             inflight = still
             time.sleep(0)  # yield the GIL to the computing thread
+
+
+def _caller_stream() -> Any:
+    """The calling thread's current CUDA stream, or ``None`` where CUDA is not in use (torch not imported, or
+    CUDA not initialised: no tensor of this process is on a GPU)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_stream()
+
+
+def _on_stream(stream: Any):
+    """A context making ``stream`` current on this thread (and its device), or nothing for ``None``."""
+    if stream is None:
+        return contextlib.nullcontext()
+    return sys.modules["torch"].cuda.stream(stream)

@@ -50,3 +50,51 @@ def test_wait_times_out_with_a_comm_error():
     gate.set()
     t.wait(timeout=60)
     worker.close()
+
+
+def test_task_and_completion_run_on_the_submitters_cuda_stream(monkeypatch):
+    """CUDA stand-ins: the stream current on each thread is thread-local, as torch's is. A task (and the
+    completion of the request it posts, where loom.comm copies a staged result back) must see the submitter's
+    stream, not the thread's default one: loom.comm orders its staging copies after "the current stream"."""
+    import contextlib
+    import threading
+
+    local = threading.local()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: getattr(local, "s", "default"))
+
+    @contextlib.contextmanager
+    def stream(s):
+        was = getattr(local, "s", "default")
+        local.s = s
+        try:
+            yield
+        finally:
+            local.s = was
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    seen: list[str] = []
+
+    class _Req:  # a posted request that completes on its second test, its completion reading the stream
+        def __init__(self):
+            self.n = 0
+
+        def test(self):
+            self.n += 1
+            if self.n >= 2:
+                seen.append(("finish", torch.cuda.current_stream()))
+                return True
+            return False
+
+        def wait(self):
+            return "result"
+
+    from loom.comm import progress
+
+    monkeypatch.setattr(progress, "Request", _Req)  # the thread's isinstance() check: this is a request
+    worker = ProgressThread(name="test-streams")
+    with stream("compute"):
+        t = worker.submit(lambda: seen.append(("post", torch.cuda.current_stream())) or _Req())
+    assert t.wait(timeout=60) == "result"
+    worker.close()
+    assert seen == [("post", "compute"), ("finish", "compute")], seen

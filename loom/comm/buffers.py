@@ -39,6 +39,13 @@ __all__ = [
     "reduction_dtype",
     "empty_like_shape",
     "cuda_aware",
+    "stage_out",
+    "stage_in",
+    "side_empty",
+    "host_empty",
+    "use_after",
+    "copy_done",
+    "wait_copy",
 ]
 
 Buffer = torch.Tensor | np.ndarray
@@ -238,6 +245,91 @@ def to_device(host: torch.Tensor, device: torch.device, out: torch.Tensor | None
     if id(host) in _PENDING:  # a pooled buffer: not handed out again before this copy has read it
         _PENDING[id(host)] = ev
     return dev
+
+
+def stage_out(x: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+    """``x`` copied into a host tensor (``out``, or a pooled pinned one) without blocking the host: ``(host,
+    event)``. On CUDA the copy is queued on the device's side stream after the work queued on the caller's
+    stream (the kernels that produce ``x``) and ``event`` marks its end: MPI may read ``host`` once
+    :func:`copy_done` says so (or after :func:`wait_copy`). A host ``x`` is copied at once (``event`` is
+    ``None``), so the same code runs on a CPU-only machine, a copy where staging would copy.
+    """
+    x = x.detach()
+    if not x.is_cuda:
+        host = torch.empty(x.shape, dtype=x.dtype, device="cpu") if out is None else out
+        host.copy_(x)
+        return host, None
+    host = pinned_empty(tuple(x.shape), x.dtype) if out is None else out
+    side = _side_stream(x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):
+        host.copy_(x, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(side)
+    x.record_stream(side)  # its memory is not handed out again before the copy has read it
+    return host, ev
+
+
+def copy_done(event: Any) -> bool:
+    """Whether a copy queued by :func:`stage_out` / :func:`stage_in` has finished (never blocks)."""
+    return event is None or bool(event.query())
+
+
+def wait_copy(event: Any) -> None:
+    """Block the host until a :func:`stage_out` copy has finished (MPI reads its host buffer next)."""
+    if event is not None:
+        event.synchronize()
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host tensor to stage data of ``device`` through: pooled pinned memory for a CUDA device (asynchronous
+    copies need it), plain host memory otherwise."""
+    if torch.device(device).type == "cuda":
+        return pinned_empty(tuple(shape), dtype)
+    return torch.empty(shape, dtype=dtype, device="cpu")
+
+
+def side_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor on ``device`` that :func:`stage_in` may fill with ``fresh=True``: on CUDA it is allocated on
+    the host -> device side stream, so its memory was last used (and freed) in that stream's order, and the copy
+    into it need not wait for the caller's stream; :func:`use_after` then records the caller's uses."""
+    if torch.device(device).type != "cuda":
+        return torch.empty(shape, dtype=dtype, device=device)
+    with torch.cuda.stream(_side_stream(torch.device(device), 1)):
+        return torch.empty(shape, dtype=dtype, device=device)
+
+
+def stage_in(host: torch.Tensor, out: torch.Tensor, *, fresh: bool = False) -> Any:
+    """Copy ``host`` into the device tensor ``out`` on the side stream and return the copy's event, without making
+    any stream wait for it: the consumer calls :func:`use_after` where it first reads ``out``, so a prefetched
+    copy overlaps the kernels queued meanwhile instead of ordering them all after it. ``fresh``: ``out`` came
+    from :func:`side_empty` (nothing on the caller's stream uses it), so the copy does not wait for the caller's
+    queued work either; otherwise it does (``out`` may still be read there). A pooled ``host`` is not handed out
+    again before the copy has read it. A host ``out`` is filled at once (event ``None``)."""
+    if not out.is_cuda:
+        out.copy_(host)
+        return None
+    side = _side_stream(out.device, 1)
+    if not fresh:
+        side.wait_stream(torch.cuda.current_stream(out.device))
+    with torch.cuda.stream(side):
+        out.copy_(host, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(side)
+    if not fresh:
+        out.record_stream(side)
+    if id(host) in _PENDING:
+        _PENDING[id(host)] = ev
+    return ev
+
+
+def use_after(event: Any, out: torch.Tensor) -> None:
+    """The caller's stream waits, on the device, for a :func:`stage_in` copy into ``out`` (no host sync), and
+    ``out``'s memory is not reused before the work the caller queues from here on is done."""
+    if event is not None:
+        cur = torch.cuda.current_stream(out.device)
+        cur.wait_event(event)
+        out.record_stream(cur)
 
 
 def staged_allreduce(mpi_comm: Any, x: torch.Tensor, mop: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -128,3 +128,95 @@ def test_dask_frames_on_host_take_no_cuda_path():
 
     arr, flag = frames.frame_array(memoryview(b"abc"))
     assert flag == frames.HOST and isinstance(arr, np.ndarray) and arr.tobytes() == b"abc"
+
+
+class _LogStream:
+    """A CUDA stream stand-in that logs what is asked of it (``log`` shared by every stream and event)."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append((self.name, "waits for", other.name))
+
+    def wait_event(self, ev):
+        self.log.append((self.name, "waits for event", ev.name))
+
+    def synchronize(self):
+        self.log.append(("host waits for", self.name))
+
+
+def _fake_streams(monkeypatch):
+    import contextlib
+
+    log: list = []
+    streams = {0: _LogStream("d2h", log), 1: _LogStream("h2d", log)}
+    caller = _LogStream("compute", log)
+
+    class Event:
+        def __init__(self):
+            self.name = None
+
+        def record(self, stream):
+            self.name = f"end of {stream.name}"
+            log.append(("record", stream.name))
+
+        def synchronize(self):
+            log.append(("host waits for event", self.name))
+
+        def query(self):
+            return False
+
+    monkeypatch.setattr(buffers, "_side_stream", lambda device, which=0: streams[which])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: caller)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    return log
+
+
+def _cuda_tensor(log, name):
+    t = mock.MagicMock(spec=torch.Tensor)
+    t.is_cuda = True
+    t.device = torch.device("cuda", 0)
+    t.detach.return_value = t
+    t.copy_.side_effect = lambda src, non_blocking=False: log.append(("copy into", name, non_blocking))
+    t.record_stream.side_effect = lambda s: log.append((name, "kept for", s.name))
+    return t
+
+
+def test_staged_copies_never_block_the_host_and_order_streams_on_the_device(monkeypatch):
+    """ZeRO's staging (loom.comm.buffers.stage_out/stage_in/use_after): a gradient's copy to the host waits for
+    the compute stream on the device and returns at once (its event says when MPI may read it); a result's copy
+    back does not make the compute stream wait until the consumer asks (use_after), so a prefetched bucket's copy
+    overlaps the kernels queued meanwhile; a buffer from side_empty is filled without waiting for compute."""
+    log = _fake_streams(monkeypatch)
+    grad, host = _cuda_tensor(log, "grad"), mock.MagicMock(spec=torch.Tensor)
+    host.copy_.side_effect = lambda src, non_blocking=False: log.append(("copy into", "host", non_blocking))
+    got, ev = buffers.stage_out(grad, out=host)
+    assert got is host and ev.name == "end of d2h"
+    assert log == [("d2h", "waits for", "compute"), ("copy into", "host", True), ("record", "d2h"),
+                   ("grad", "kept for", "d2h")], log
+    assert not buffers.copy_done(ev) and buffers.copy_done(None)
+    log.clear()
+    full = _cuda_tensor(log, "full")
+    ev = buffers.stage_in(torch.zeros(4), full, fresh=True)
+    assert log == [("copy into", "full", True), ("record", "h2d")], log  # no wait on compute, compute not made to wait
+    log.clear()
+    buffers.use_after(ev, full)
+    assert log == [("compute", "waits for event", "end of h2d"), ("full", "kept for", "compute")], log
+    log.clear()
+    buffers.stage_in(torch.zeros(4), full)  # a buffer the compute stream may still read: the copy waits for it
+    assert log[0] == ("h2d", "waits for", "compute") and ("full", "kept for", "h2d") in log, log
+    assert not any(e[0].startswith("host waits") for e in log), log
+
+
+def test_staged_copies_on_the_host_are_plain_copies():
+    x = torch.arange(6.0)
+    host, ev = buffers.stage_out(x)
+    assert ev is None and torch.equal(host, x) and host.data_ptr() != x.data_ptr()
+    out = torch.zeros(6)
+    assert buffers.stage_in(host, out) is None and torch.equal(out, x)
+    buffers.use_after(None, out)
+    buffers.wait_copy(None)
+    assert buffers.side_empty((3,), torch.float64, torch.device("cpu")).dtype == torch.float64
+    assert buffers.host_empty((2,), torch.float32, torch.device("cpu")).shape == (2,)

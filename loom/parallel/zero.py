@@ -64,6 +64,32 @@ which posts outside backward, keeps at most ``MAX_PENDING`` outstanding). Time s
 posted in backward, not yet seen complete when the step's :meth:`sync_grads` began) and the mechanism counts
 (``buckets``, ``posted_in_backward``, ``tests_in_backward``); :attr:`ShardedDataParallel.last` has the last step's.
 
+Devices. Buckets, shards, gradients, placeholders and (through the shards) the optimizer state live on the
+parameters' device. With a CUDA-aware MPI every collective is handed device tensors (loom.comm waits for the
+caller's stream before MPI touches them). Otherwise (``HOST_STAGING``, by default where the parameters are on
+CUDA and the MPI is not CUDA-aware) the engine stages through host memory itself, so that no hook blocks the
+host on a device copy and a prefetched bucket crosses the bus while compute runs:
+
+* gradients (stages 1-3): a bucket's flat gradient is copied to a pooled pinned host buffer on the device->host
+  side stream, after the compute stream (:func:`loom.comm.buffers.stage_out`); the ``ireduce_scatter`` (or the
+  compressed ``ialltoallv`` of the encoded bytes) of the host buffer is posted once that copy's event has
+  completed, looked at from the next hooks without waiting, strictly in staging order (the same order on
+  every rank), and waited for in :meth:`sync_grads`. The reduced host block goes back on the host->device side
+  stream into a buffer allocated there, and the compute stream waits for that copy on the device before the
+  block is added into the shard's gradient (no host sync);
+* parameters: a host mirror of the shards in the compute dtype (pinned) is copied again after a shard changes
+  (an optimizer step, a load): all buckets' copies queued on one stream, one host wait per step. Stage 3
+  gathers the mirror block with ``iallgather`` into a pinned host buffer; when the gather is seen complete (a
+  hook's test, the prefetch of the next bucket included) its host->device copy is queued on the side stream
+  into the bucket's buffer, allocated on that stream so the copy waits for nothing on the compute stream, and
+  the compute stream waits for the copy's event only where the bucket is bound (:func:`loom.comm.buffers.use_after`),
+  so the copy of bucket ``i+1`` overlaps bucket ``i``'s compute. Stages 1-2 gather every bucket after the step
+  the same way and copy each into the buffer the parameters view (that copy waits for the compute stream's
+  reads of the old values);
+* progress thread: a task and its request's completion run with the submitting thread's CUDA stream current
+  (:class:`loom.comm.ProgressThread`); on the staged path the thread sees host buffers only, and results go
+  to the device on the training thread.
+
 Training loops: :meth:`step` (reduce, clip, update, gather), or the plain ``loss.backward();
 opt.step()``: torch's global optimizer step hooks call :meth:`sync_grads` before an optimizer over this
 wrapper's shards steps and gather the updated blocks (stages 1-2) after it.
@@ -103,6 +129,7 @@ from torch import nn
 
 from .. import stats as _stats
 from ..comm import Communicator, Mesh, ProgressThread, Request, Ticket
+from ..comm import buffers as _b
 from .data import PROGRESS_MODES, GradReducer, _union, default_progress
 from .meta import Init, check_initialisable, is_meta, materialize
 
@@ -113,6 +140,11 @@ MAX_PENDING = 1  # outstanding gradient reduce-scatters (each holds a bucket's p
 _ZERO_COUNTERS = ("exposed_comm_s", "gathers", "gather_waits", "reduce_scatters", "overlapped_comm_s", "buckets",
                   "posted_in_backward", "tests_in_backward")
 MANIFEST = "manifest.json"
+HOST_STAGING: bool | None = None
+"""Whether :class:`ShardedDataParallel` stages its buffers through host memory itself (module docstring,
+"Devices"). ``None``: where the parameters are on CUDA and the MPI is not CUDA-aware. ``True`` takes the staged
+path on the CPU too (the copies, their order and the host mirror of the shards then run on a CPU-only machine:
+``tests/mpi/check_zero_deep.py``); read when an engine is built."""
 
 
 def zero_stats() -> dict[str, float]:
@@ -240,6 +272,16 @@ class _ShardedParameter(nn.Parameter):
             return func(*args, **kwargs)
 
 
+class _Out:
+    """A gradient on its way to the host (staged path): posted by :meth:`ShardedDataParallel._flush_staging` once
+    its copy is done, strictly in staging order, so every rank posts the same collectives in the same order."""
+
+    __slots__ = ("index", "host", "ev", "post", "in_hook")
+
+    def __init__(self, index: int, host: torch.Tensor, ev: Any, post: Callable[[torch.Tensor], Any], in_hook: bool):
+        self.index, self.host, self.ev, self.post, self.in_hook = index, host, ev, post, in_hook
+
+
 class _Then:
     """A request whose result is ``fn(result of req)``, computed once when ``req`` completes."""
 
@@ -263,7 +305,7 @@ class _Bucket:
     """One flat group of parameters and its per-step state."""
 
     __slots__ = ("index", "params", "names", "offsets", "numel", "padded", "shard", "start", "owners",
-                 "full", "req", "grad", "ready", "posted", "group", "had")
+                 "full", "req", "grad", "ready", "posted", "group", "had", "host", "ev", "bound")
 
     def __init__(self, index: int, named: list[tuple[str, nn.Parameter]], size: int):
         self.index = index
@@ -285,6 +327,9 @@ class _Bucket:
         self.posted = False  # reduce-scatter of this backward posted
         self.group = 0  # parameter group (optim_groups)
         self.had = False  # a gradient of this bucket arrived on this rank this step
+        self.host: torch.Tensor | None = None  # staged gather: the host buffer MPI gathers into
+        self.ev: Any = None  # staged gather: the event of its host -> device copy into ``full``
+        self.bound = False  # the parameters are views of ``full``
 
     def layout(self) -> dict[str, Any]:
         lay = {"names": self.names, "shapes": [list(p.shape) for p in self.params], "numel": self.numel}
@@ -568,6 +613,11 @@ class ShardedDataParallel(nn.Module):
         # parameters live; loom.comm stages device buffers through the host unless the MPI is CUDA-aware.
         self.device = next((p.device for p in trainable if not p.is_meta), torch.device(device or "cpu"))
         self.compute_dtype = compute_dtype or self.master_dtype
+        self._staged = (HOST_STAGING if HOST_STAGING is not None
+                        else self.device.type == "cuda" and not _b.cuda_aware())
+        self._staging: list[_Out] = []  # gradients being copied to the host, not yet posted (staged path)
+        self._mirror: list[torch.Tensor] | None = None  # host copy of the shards in the compute dtype (staged)
+        self._mirror_key: tuple[int, ...] | None = None  # the shards' versions it was copied at
         # How posted reduce-scatters move during backward (module docstring); nothing travels on one rank.
         self.progress = default_progress() if progress == "auto" else progress
         if comm.size == 1:
@@ -672,6 +722,8 @@ class ShardedDataParallel(nn.Module):
         return self.shards[b.index].data
 
     def _add_grad(self, i: int, g: torch.Tensor) -> None:
+        if self._staged:
+            g = self._on_device(g)
         sh = self.shards[i]
         if sh.grad is None:
             sh.grad = g.mul_(self.scale) if self.scale != 1.0 else g
@@ -689,6 +741,60 @@ class ShardedDataParallel(nn.Module):
         for p, off in zip(b.params, b.offsets):
             p.data = full[off:off + p.numel()].view(p.shape)
             p._loom_freed = None
+        b.bound = True
+
+    # ------------------------------------------------------------------ host staging (module docstring, "Devices")
+    def _fresh_mirror(self, b: _Bucket | None = None) -> None:
+        """The host mirror of the shards (compute dtype), copied again when a shard changed since (after an
+        optimizer step or a load; ``b``: look at that bucket's shard only, all being stepped together). All
+        buckets' copies are queued on one side stream and waited for once (copies on one stream finish in order),
+        so a step costs one host wait here, not one per gathered bucket."""
+        key = self._mirror_key
+        if key is not None and (self.shards[b.index]._version == key[b.index] if b is not None
+                                else key == tuple(sh._version for sh in self.shards)):
+            return
+        if self._mirror is None:
+            self._mirror = [_b.host_empty((bk.shard,), self.compute_dtype, self.device) for bk in self.buckets]
+        ev = None
+        for bk in self.buckets:
+            _, ev = _b.stage_out(self._master(bk).to(self.compute_dtype), out=self._mirror[bk.index])
+        _b.wait_copy(ev)
+        self._mirror_key = tuple(sh._version for sh in self.shards)
+
+    def _stale_mirror(self) -> None:
+        """The shards were written through ``.data`` (loads), which their version counters do not see."""
+        self._mirror_key = None
+
+    def _on_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host result on this engine's device, the caller's stream ordered after the copy (no host wait)."""
+        dev = _b.side_empty(tuple(host.shape), host.dtype, self.device)
+        _b.use_after(_b.stage_in(host, dev, fresh=True), dev)
+        return dev
+
+    def _track(self, x: "_RS") -> None:
+        self._pending_rs.append(x)
+        self._step_rs.append(x)
+        _stats.add("time", "zero", reduce_scatters=1)
+
+    def _queue_rs(self, index: int, flat: torch.Tensor, in_hook: bool, post: Callable[[torch.Tensor], Any]) -> None:
+        """Staged path: queue ``flat``'s copy to the host and post ``post(host)`` once it is there (from a later
+        hook, or :meth:`sync_grads`), so no hook blocks the host on a device copy."""
+        host, ev = _b.stage_out(flat)
+        self._staging.append(_Out(index, host, ev, post, in_hook))
+        self._flush_staging(block=False)
+
+    def _flush_staging(self, block: bool, keep: int = 0) -> None:
+        """Post the staged gradients whose copies are done, in staging order (``block``: wait for the copies),
+        leaving the last ``keep`` queued."""
+        q = self._staging
+        while len(q) > keep:
+            o = q[0]
+            if block:
+                _b.wait_copy(o.ev)
+            elif not _b.copy_done(o.ev):
+                return
+            q.pop(0)
+            self._track(_RS(o.index, o.post(o.host), o.in_hook and self._bwd_open))
 
     # ------------------------------------------------------------------ compression
     def _setup_compression(self, compress: Any, param_codec: str | None) -> None:
@@ -715,12 +821,13 @@ class ShardedDataParallel(nn.Module):
         if self.stage == 3 and (param_codec or self.grad_codec is not None):
             self.param_codec = get_codec(param_codec or "int8")
 
-    def _compressed_rs(self, b: _Bucket, grad: torch.Tensor) -> "Request | _Then":
+    def _compressed_rs(self, b: _Bucket, grad: torch.Tensor, in_hook: bool = False) -> "Request | _Then | None":
         """This rank's block of the sum of ``grad`` over the group, other ranks' blocks sent encoded: one
         non-blocking ``ialltoallv`` of the bytes (every block encodes to the codec's fixed wire size, so the
         receive counts are known without asking), decoded and summed when it completes. A codec without a
         fixed size (zstd) needs its counts exchanged first, a blocking collective: then it runs at once,
-        and :meth:`_post_rs` keeps it out of backward."""
+        and :meth:`_post_rs` keeps it out of backward. On the staged path the encoded bytes are queued for the host
+        (:meth:`_queue_rs`; ``None`` is returned) and the received bytes come back to the device to be decoded."""
         codec, ef, comm = self.grad_codec, self.error_feedback, self._rs
         y = ef.apply(b.index, grad) if ef is not None else grad
         r, n = comm.rank, b.shard
@@ -746,6 +853,8 @@ class ShardedDataParallel(nn.Module):
 
         def decode(got):
             recv, rc = got
+            if recv.device != own.device:  # staged: received on the host
+                recv = self._on_device(recv)
             acc, off = own, 0
             for j, c in enumerate(rc):
                 if j != r:
@@ -757,6 +866,10 @@ class ShardedDataParallel(nn.Module):
             return _Then(self._post(lambda: Request.completed(comm.alltoallv(send, counts),
                                                               what="compressed reduce-scatter")), decode)
         rc = [0 if j == r else wire for j in range(comm.size)]
+        if self._staged:
+            self._queue_rs(b.index, send, in_hook,
+                           lambda h: _Then(self._post(lambda: comm.ialltoallv(h, counts, rc)), decode))
+            return None
         return _Then(self._post(lambda: comm.ialltoallv(send, counts, rc)), decode)
 
     def _post(self, post: Callable[[], Request]) -> "Request | Ticket":
@@ -849,15 +962,16 @@ class ShardedDataParallel(nn.Module):
         if self.stage == 1:
             self._post_stage1()
         for b, grad in self._deferred:
-            self._pending_rs.append(_RS(b.index, self._compressed_rs(b, grad), False))
+            self._pending_rs.append(_RS(b.index, self._compressed_rs(b, grad), False))  # no fixed size: not staged
         self._deferred.clear()
         self._bwd_tests = self.live["tests"]  # the progress thread's tests before the wait
         t0 = time.perf_counter()
+        self._flush_staging(block=True)
         self._drain(0)
         self._account(t0, time.perf_counter())
         skip = set()
         if self.missing_grad == "skip":  # the buckets no rank produced a gradient for, agreed by every rank
-            had = torch.tensor([b.had for b in self.buckets], dtype=torch.int32)
+            had = torch.tensor([b.had for b in self.buckets], dtype=torch.int32, device="cpu")
             had = self.comm.allreduce(had) if self.comm.size > 1 else had
             skip = {i for i, v in enumerate(had.tolist()) if v == 0}
         for b in self.buckets:
@@ -909,10 +1023,11 @@ class ShardedDataParallel(nn.Module):
                 flat = torch.zeros(b.padded, dtype=self.master_dtype, device=self.device)
             else:
                 flat = self._padded_flat(b, grads, self.master_dtype)
-            x = _RS(b.index, self._post(lambda flat=flat: self._rs.ireduce_scatter(flat)), False)
-            self._pending_rs.append(x)
-            self._step_rs.append(x)
-            _stats.add("time", "zero", reduce_scatters=1)
+            if self._staged:  # the next bucket's copy is queued while this one's waits
+                self._queue_rs(b.index, flat, False, lambda h: self._post(lambda: self._rs.ireduce_scatter(h)))
+                self._flush_staging(block=True, keep=1)
+            else:
+                self._track(_RS(b.index, self._post(lambda flat=flat: self._rs.ireduce_scatter(flat)), False))
             for p in b.params:
                 p.grad = None
             self._drain(MAX_PENDING)
@@ -982,6 +1097,14 @@ class ShardedDataParallel(nn.Module):
 
     def _gather_all(self) -> None:
         """Stages 1-2: every bucket's updated block, gathered in place into the buffer the parameters view."""
+        if self._staged:  # from the host mirror; each result copied back on the side stream, no host wait
+            self._fresh_mirror()
+            reqs = [self._ag.iallgather(self._mirror[b.index],
+                                        out=_b.host_empty((b.padded,), self.compute_dtype, self.device))
+                    for b in self.buckets]
+            for b, req in zip(self.buckets, reqs):
+                _b.use_after(_b.stage_in(_wait(req), b.full), b.full)
+            return
         reqs = [self._ag.iallgather(self._master(b).to(self.compute_dtype), out=b.full) for b in self.buckets]
         for req in reqs:
             _wait(req)
@@ -1009,8 +1132,9 @@ class ShardedDataParallel(nn.Module):
     def _progress(self) -> None:
         """Test every outstanding request once: MPICH moves a non-blocking collective only when tested."""
         for b in self.buckets:
-            if b.req is not None:
-                b.req.test()
+            if b.req is not None and b.req.test():
+                self._land(b)  # a prefetched gather: its host -> device copy starts now, beside compute
+        self._flush_staging(block=False)
         for x in self._pending_rs:
             if self._bwd_open and not isinstance(x.req, Ticket):
                 self._bwd_tests += 1
@@ -1057,13 +1181,14 @@ class ShardedDataParallel(nn.Module):
                 self._deferred.append((b, grad))  # a blocking collective: after backward (sync_grads)
                 b.posted = True
                 return
-            req = self._compressed_rs(b, grad)
+            req = self._compressed_rs(b, grad, in_hook)
+        elif self._staged:
+            self._queue_rs(b.index, grad, in_hook, lambda h: self._post(lambda: self._rs.ireduce_scatter(h)))
+            req = None
         else:
             req = self._post(lambda: self._rs.ireduce_scatter(grad))
-        x = _RS(b.index, req, in_hook)
-        self._pending_rs.append(x)
-        self._step_rs.append(x)
-        _stats.add("time", "zero", reduce_scatters=1)
+        if req is not None:
+            self._track(_RS(b.index, req, in_hook))
         b.posted = True
 
     def _post_ready(self) -> None:
@@ -1096,23 +1221,39 @@ class ShardedDataParallel(nn.Module):
     def _post_gather(self, b: _Bucket) -> None:
         if b.full is not None:
             return
-        src = self._master(b).to(self.compute_dtype)
+        src = self._master(b).to(self.compute_dtype) if not self._staged or self.param_codec else None
         if self.param_codec is not None:
             from ..compress import allgather
 
             b.full = allgather(src, self._ag, self.param_codec, min_bytes=0).to(self.compute_dtype)
             b.req = Request.completed(b.full, what="compressed gather")
+        elif self._staged:  # from the host mirror into a host buffer; copied to the device when it lands
+            self._fresh_mirror(b)
+            b.host = _b.host_empty((b.padded,), self.compute_dtype, self.device)
+            b.full = _b.side_empty((b.padded,), self.compute_dtype, self.device)
+            b.req = self._ag.iallgather(self._mirror[b.index], out=b.host)
         else:
             b.full = torch.empty(b.padded, dtype=self.compute_dtype, device=self.device)
             b.req = self._ag.iallgather(src, out=b.full)
         _stats.add("time", "zero", gathers=1)
+
+    def _land(self, b: _Bucket) -> None:
+        """A gather completed: on the staged path its host -> device copy is queued on the side stream (into a
+        buffer allocated there), and the compute stream waits for it only where the bucket is bound."""
+        b.req = None
+        if b.host is not None:
+            b.ev = _b.stage_in(b.host, b.full, fresh=True)
+            b.host = None
 
     def _ensure(self, b: _Bucket) -> None:
         if b.req is not None:
             if not b.req.test():
                 _stats.add("time", "zero", gather_waits=1)
             _wait(b.req)
-            b.req = None
+            self._land(b)
+        if b.full is not None and not b.bound:
+            _b.use_after(b.ev, b.full)
+            b.ev = None
             self._bind(b)
             self._live[b.full.untyped_storage().data_ptr()] = b.index
 
@@ -1122,6 +1263,8 @@ class ShardedDataParallel(nn.Module):
         if b.req is not None:
             _wait(b.req)
             b.req = None
+        b.host = b.ev = None
+        b.bound = False
         for p, name in zip(b.params, b.names):
             p.data = self._placeholders[id(p)]
             p._loom_freed = _freed_message(name)
@@ -1258,6 +1401,7 @@ class ShardedDataParallel(nn.Module):
                 return result
             names = {id(p): n for n, p in owned.items()}
             r = self.comm.rank
+            self._stale_mirror()
             for b in self.buckets:
                 full = self._padded_flat(b, [state_dict[names[id(p)]] for p in b.params], self.master_dtype)
                 self._master(b).copy_(full[r * b.shard:(r + 1) * b.shard])
@@ -1309,6 +1453,7 @@ class ShardedDataParallel(nn.Module):
             raise ValueError(f"{d}: the checkpoint's buckets differ from this model's (another model, or another "
                              f"bucket_mb): {len(man['buckets'])} buckets saved, {len(mine)} here")
         old = _OldShards(d, man)
+        self._stale_mirror()
         with torch.no_grad():
             for b, lay in zip(self.buckets, old.layouts):
                 self._master(b).copy_(self._reshard(old, b, lambda q, lay=lay: _block(old.get(q)["flat"], lay)))

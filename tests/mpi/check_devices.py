@@ -4,7 +4,7 @@ A tensor the library makes without ``device=`` during a training step is a host 
 model's CUDA tensors there (``Trainer.clip`` crashed so at step 1 on every mesh). On the CPU that meeting is legal,
 so the check makes the factory call itself an error (see ``device_check``). Every mesh ``loom train`` runs (dp,
 sp with Ulysses and with FPDT + offload, pp, ep with MoE with and without ``[multipath]``, the compression
-policies, ZeRO stage 1, a transformers model when transformers is installed) trains two steps, evaluates,
+policies, ZeRO stages 1-3, a transformers model when transformers is installed) trains two steps, evaluates,
 checkpoints and resumes inside it; the losses are those of the same run without the check (the check changes
 no value: equal bit for bit).
 """
@@ -54,7 +54,9 @@ def _meshes(comm, root: str) -> list[dict]:
             {**HYBRID, "mesh": {"dp": p}},
             {**HYBRID, "mesh": {"sp": p}},
             {**NAIVE, "mesh": {"dp": p}},
-            {"mesh": {"dp": p}, "zero": {"stage": 1}}]
+            {"mesh": {"dp": p}, "zero": {"stage": 1}},
+            {"mesh": {"dp": p}, "zero": {"stage": 2}},
+            {"mesh": {"dp": p}, "zero": {"stage": 3}}]
 
 
 def _run(comm, extra: dict, out: str, *, checked: bool, resume: bool = False, until: int | None = None):

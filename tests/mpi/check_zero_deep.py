@@ -7,7 +7,8 @@ module's forward raises (naming the module and ``keep=``) and equals one process
 reduce-scatter stays within its codec's stated error bound of the exact one; parameter groups (weight-decay
 exemption, per-group lr) equal torch's AdamW over the same groups and reshard by parameter on load; stage 1
 reduce-scatters each bucket once per step when clipping; ``missing_grad="skip"`` equals torch's skipping of
-parameters without a gradient; posted reduce-scatters are tested during backward (hooks or progress thread).
+parameters without a gradient; posted reduce-scatters are tested during backward (hooks or progress thread);
+the host-staged path that CUDA parameters take without a CUDA-aware MPI, run on the CPU, equals one process.
 
 A rank that blocks forever would hang the launch: each check arms a watchdog (``faulthandler``) that prints
 every thread's stack and exits, so a hang fails within ``WATCHDOG_S`` rather than at the harness timeout."""
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import sys
 import tempfile
 import time
 
@@ -23,8 +25,9 @@ import torch
 from torch import nn
 
 from loom.compress import CompressionPolicy, get_codec
+from loom.parallel import zero
 from loom.parallel.zero import ShardedDataParallel, reset_zero_stats, zero_stats
-from loom.testing import mpi_checks, seeded
+from loom.testing import device_check, mpi_checks, seeded
 
 TOL = 1e-10
 ROWS = 12  # global batch, divisible by 1-4 ranks
@@ -450,6 +453,120 @@ def check_reduce_scatters_progress_during_backward(comm):
                         assert s1[k] - s0[k] == last[k], (k, s0, s1, last)
                 _close(sdp.state_dict(), ref.state_dict(), f"stage {stage} progress={mode} at {comm.size} ranks")
                 sdp.remove()
+
+
+class _StagedOnly:
+    """A communicator stand-in for the engine's own duplicates: every tensor its collectives are handed (inputs,
+    and ``out=``) must be a host buffer the engine staged itself (:func:`loom.comm.buffers.stage_out` /
+    ``host_empty``), never a bucket's gradient, a master shard or a device buffer that loom.comm would stage
+    with a host wait of its own."""
+
+    def __init__(self, comm, staged: dict):
+        self._comm, self._staged = comm, staged
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def _ok(self, t, what):
+        assert t is None or t.untyped_storage().data_ptr() in self._staged, (
+            f"{what} was handed a tensor the engine did not stage on the host (shape {tuple(t.shape)})")
+
+    def ireduce_scatter(self, t, *args, **kwargs):
+        self._ok(t, "ireduce_scatter")
+        return self._comm.ireduce_scatter(t, *args, **kwargs)
+
+    def iallgather(self, t, *, out=None):
+        self._ok(t, "iallgather")
+        self._ok(out, "iallgather out=")
+        return self._comm.iallgather(t, out=out)
+
+    def ialltoallv(self, t, *args):
+        self._ok(t, "ialltoallv")
+        return self._comm.ialltoallv(t, *args)
+
+
+@contextlib.contextmanager
+def _staged_path(log: dict):
+    """``zero.HOST_STAGING = True`` (the CUDA path without a CUDA-aware MPI, on host tensors), with spies: the
+    host buffers staged (kept alive, so no address is reused by a tensor that was not), and the host waits for a
+    staging copy made inside backward."""
+    saved = zero.HOST_STAGING, zero._b.stage_out, zero._b.host_empty, zero._b.wait_copy
+    stage_out, host_empty, wait_copy = saved[1:]
+
+    def keep(t):
+        log["staged"][t.untyped_storage().data_ptr()] = t
+        return t
+
+    def waited(ev):
+        if zero._in_backward():
+            log["waits_in_backward"] += 1
+        return wait_copy(ev)
+
+    zero.HOST_STAGING = True
+    zero._b.stage_out = lambda x, out=None: (lambda h, ev: (keep(h), ev))(*stage_out(x, out))
+    zero._b.host_empty = lambda *a: keep(host_empty(*a))
+    zero._b.wait_copy = waited
+    try:
+        yield
+    finally:
+        zero.HOST_STAGING, zero._b.stage_out, zero._b.host_empty, zero._b.wait_copy = saved
+
+
+def check_host_staged_path_equals_one_process(comm):
+    """What CUDA parameters run without a CUDA-aware MPI, on the CPU (``zero.HOST_STAGING``): stages 1-3 in both
+    progress modes on the deep model with rank-dependent branches, 3 Adam steps with clipping, equal one process
+    (fp64, 1e-10); the collectives see only host buffers the engine staged (the shards' host mirror, copied
+    again after each step: a stale one would fail the comparison); no hook waits on the host for a staging copy;
+    stage 3 starts the host -> device copy of a prefetched bucket when its gather is seen complete, before the
+    bucket is needed; the engine makes no tensor without ``device=`` (``device_check``). Stage 2 under hybrid
+    compression (int4, error feedback) equals the unstaged run exactly."""
+    seed, g = _seed(comm, 67)
+    data = _data(g, 3)
+    ref, ref_losses = _reference(seed, data, comm.size, max_norm=0.5)
+    modes = ("hooks", "thread") if comm.size > 1 else ("hooks",)
+
+    def train(stage, mode, log=None, **kw):
+        sdp = ShardedDataParallel(_model(seed), comm, stage=stage, bucket_mb=SMALL, progress=mode, **kw)
+        if log is not None:
+            sdp._rs, sdp._ag = _StagedOnly(sdp._rs, log["staged"]), _StagedOnly(sdp._ag, log["staged"])
+            land = sdp._land
+
+            def landed(b):
+                log["lands"][sys._getframe(1).f_code.co_name] = log["lands"].get(sys._getframe(1).f_code.co_name,
+                                                                                 0) + 1
+                return land(b)
+
+            sdp._land = landed
+        opt = torch.optim.Adam(sdp.parameters(), lr=0.05)
+        losses = []
+        for step, (x, y) in enumerate(data):
+            loss = _loss(sdp(_rows(x, comm.rank, comm.size), _uses(comm.rank, step)), _rows(y, comm.rank, comm.size))
+            loss.backward()
+            sdp.step(opt, max_norm=0.5)
+            losses.append(comm.allreduce(loss.detach().reshape(1), op="avg").item())
+        return sdp, losses
+
+    with watchdog(comm):
+        for stage in (1, 2, 3):
+            for mode in modes:
+                log = {"staged": {}, "waits_in_backward": 0, "lands": {}}
+                with _staged_path(log), device_check():  # and no factory call without device= on this path
+                    sdp, losses = train(stage, mode, log)
+                    assert sdp._staged and sdp._mirror is not None, (stage, mode)
+                    what = f"staged, stage {stage} progress={mode} at {comm.size} ranks"
+                    for step, (got, want) in enumerate(zip(losses, ref_losses)):
+                        assert abs(got - want) < TOL, (what, step, got, want)
+                    _close(sdp.state_dict(), ref.state_dict(), what)
+                    assert log["waits_in_backward"] == 0, (what, log["waits_in_backward"])
+                    if stage == 3:
+                        assert log["lands"].get("_progress", 0) >= 1, (what, log["lands"])
+                    sdp.remove()
+        plain, _ = train(2, "hooks", compress="hybrid")
+        with _staged_path({"staged": {}, "waits_in_backward": 0, "lands": {}}):
+            staged, _ = train(2, "hooks", compress="hybrid")
+        _close(staged.state_dict(), plain.state_dict(), "staged hybrid compression vs unstaged", tol=1e-12)
+        plain.remove()
+        staged.remove()
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ def _meshes(comm) -> list[tuple[str, dict, float]]:
                                  "multipath": {"enabled": True, "topology": "shm", "min_bytes": 0}}, LOSS_RTOL),
            ("dp hybrid compression", {"mesh": {"dp": p}, "compress": {"policy": "hybrid", "min_kb": 0}},
             COMPRESSED_RTOL),
-           ("dp zero 1", {"mesh": {"dp": p}, "zero": {"stage": 1}}, LOSS_RTOL)]
+           ("dp zero 1", {"mesh": {"dp": p}, "zero": {"stage": 1}}, LOSS_RTOL),
+           ("dp zero 2", {"mesh": {"dp": p}, "zero": {"stage": 2}}, LOSS_RTOL),
+           ("dp zero 3", {"mesh": {"dp": p}, "zero": {"stage": 3}}, LOSS_RTOL)]
     path = tiny_hf_llama(comm, _dir(comm, "llama.json"))
     if path is None:
         return out

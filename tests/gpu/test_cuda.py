@@ -1,7 +1,8 @@
 """The GPU tier (``make test-gpu``): loom on a real CUDA device, skipped where torch sees none.
 
 Two ranks share the machine's GPU(s) (each binds ``cuda:local_rank % device_count``). The rank-side checks are
-``check_comm_cuda.py`` and ``check_train_cuda.py`` in this folder; ``scripts/gpu_check.py`` runs as one process.
+``check_comm_cuda.py``, ``check_train_cuda.py`` and ``check_zero_cuda.py`` in this folder; ``scripts/gpu_check.py``
+runs as one process.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ def test_comm_on_cuda_tensors():
 def test_train_meshes_on_cuda_match_cpu_and_checkpoints_move():
     script = "tests/gpu/check_train_cuda.py"
     assert_all_checks_passed(run_ranks(2, script, timeout=420), script)
+
+
+def test_zero_stages_on_cuda_match_cpu():
+    script = "tests/gpu/check_zero_cuda.py"
+    assert_all_checks_passed(run_ranks(2, script, timeout=300), script)
 
 
 def test_gpu_check_script():

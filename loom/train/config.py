@@ -42,6 +42,11 @@ __all__ = [
 ]
 
 
+PROGRESS_MODES = ("auto", "hooks", "thread")
+"""``zero.progress`` values: loom.parallel.data.PROGRESS_MODES, restated so that parsing a config needs neither
+torch nor MPI (tests/unit/test_zero.py checks that the two agree)."""
+
+
 class ConfigError(ValueError):
     """A configuration the user must fix (the CLI prints it and exits with code 2)."""
 
@@ -300,9 +305,22 @@ class ZeroConfig:
     (the model computes in ``train.dtype`` on gathered copies; gradients are reduced in this dtype). Empty:
     ``train.dtype``."""
 
+    progress: str = "auto"
+    """How gradient reductions posted during backward move while it runs, where they are posted there (plain
+    data parallel and stages 2-3; loom.parallel.data's ``progress=``): ``hooks`` (tested from the backward hooks,
+    no extra core), ``thread`` (a progress thread posts and tests them: a core while one is in flight) or
+    ``auto`` (the thread where each rank on the node has a spare core, else hooks). Not ``train.progress``, the
+    display."""
+
     def __post_init__(self) -> None:
         _need(isinstance(self.stage, int) and not isinstance(self.stage, bool) and 0 <= self.stage <= 3,
               f"zero.stage = {self.stage!r} must be 0, 1, 2 or 3")
+        _need(self.progress in PROGRESS_MODES,
+              f"zero.progress = {self.progress!r} must be one of {', '.join(PROGRESS_MODES)} (how gradient "
+              f"reductions progress during backward); e.g. --zero.progress=thread")
+        _need(self.progress == "auto" or self.stage != 1,
+              f"zero.progress = {self.progress!r} with zero.stage = 1: stage 1 reduces after backward, so there "
+              f"is nothing to progress during it; drop zero.progress, or use zero.stage = 0, 2 or 3")
         if isinstance(self.axes, str):
             self.axes = [a.strip() for a in self.axes.split(",") if a.strip()]
         _need(isinstance(self.axes, list) and self.axes and all(a in ("dp", "sp") for a in self.axes),

@@ -346,7 +346,7 @@ class Trainer:
         try:
             sdp = ShardedDataParallel(module, self.mesh[tuple(z.axes)], stage=z.stage, bucket_mb=z.bucket_mb,
                                       reduce="sum", compress=self.policy, keep=keep, compute_dtype=self.dtype,
-                                      init=init, device=self.device)
+                                      init=init, device=self.device, progress=z.progress)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"zero.stage = {z.stage}: {exc}") from None
         sdp.scale = 1.0 / cfg.mesh.dp / (cfg.mesh.sp if "sp" in z.axes and not self._sp_share else 1)
@@ -363,8 +363,11 @@ class Trainer:
         if (self.dp is None or self.hybrid is not None or self.sdp is not None or cfg.zero.stage != 0
                 or self.ep is not None or (self.sp is not None and self.hook is not None)):
             return None
-        return GradReducer([p for p in self.params if p.requires_grad], self.dp, grad_hook=self.hook,
-                           bucket_mb=cfg.compress.bucket_mb)
+        try:
+            return GradReducer([p for p in self.params if p.requires_grad], self.dp, grad_hook=self.hook,
+                               bucket_mb=cfg.compress.bucket_mb, progress=cfg.zero.progress)
+        except ValueError as exc:  # progress = "thread" without MPI_THREAD_MULTIPLE
+            raise ConfigError(f"zero.progress = {cfg.zero.progress!r}: {exc}") from None
 
     def _decay_masks(self) -> list[torch.Tensor]:
         """Per flat shard: which of its elements belong to matrices (they take weight decay)."""

@@ -417,8 +417,12 @@ def check_train_zero_stage1_matches_stage0_and_reshards_on_resume(comm):
         runs = {}
         for stage in (0, 1):
             zero = {"zero": {**extra.get("zero", {}), "stage": stage}}
+            threaded = stage == 0 and comm.size > 1 and extra["mesh"] == {"dp": comm.size}
+            if threaded:  # --zero.progress reaches data parallel's reducer
+                zero["zero"]["progress"] = "thread"
             tr = Trainer(_train_cfg(TRAIN, extra, zero), comm, out=f"{root}/m{i}s{stage}", quiet=True)
             assert stage == 0 or type(tr.opt).__name__ == "ShardedOptimizer"
+            assert not threaded or tr.reducer.progress == "thread", tr.reducer.progress
             runs[stage] = (tr.run(), {n: p.detach().clone() for n, p in tr.model.named_parameters()})
         for a, b in zip(runs[0][0], runs[1][0]):
             assert abs(a["loss"] - b["loss"]) < 1e-9, (extra, a["loss"], b["loss"])
@@ -478,7 +482,8 @@ def check_train_zero_stages_2_3_match_one_rank(comm):
     """loom train at [zero] stage 2 and 3 (small buckets) on dp, dp x sp with FPDT chunks and offload (sp in
     the group or summed after it), dp x pp and pp x sp (FPDT) with two micro-batches equals the one-rank run:
     losses, held-out losses and every parameter after 4 AdamW steps with warm-up, weight decay and clipping,
-    fp64, to 1e-9; on plain dp the step record counts the reduce-scatters' overlap with backward."""
+    fp64, to 1e-9; on plain dp the step record counts the reduce-scatters' overlap with backward, and
+    ``zero.progress`` (hooks at stage 2, thread at stage 3) is the engine's."""
     import shutil
 
     root = comm.bcast_object(tempfile.mkdtemp(prefix="loom-zero23-") if comm.rank == 0 else None)
@@ -488,8 +493,12 @@ def check_train_zero_stages_2_3_match_one_rank(comm):
     for i, extra in enumerate(ZERO_MESHES[comm.size]):
         for stage in (2, 3):
             zero = {"zero": {**extra.get("zero", {}), **SMALL_BUCKETS, "stage": stage}}
+            mode = ("hooks", "thread")[stage - 2] if set(extra["mesh"]) == {"dp"} else None
+            if mode:  # --zero.progress reaches the ZeRO engine
+                zero["zero"]["progress"] = mode
             tr, recs = _zero_train(comm, root, f"m{i}s{stage}", extra, zero)
             assert len(tr.sdp.buckets) > 2, len(tr.sdp.buckets)
+            assert not mode or tr.sdp.comm.size == 1 or tr.sdp.progress == mode, (mode, tr.sdp.progress)
             for a, b in zip(recs, ref_recs):
                 assert abs(a["loss"] - b["loss"]) < 1e-9 * abs(b["loss"]), (extra, stage, a["loss"], b["loss"])
                 if b["eval_loss"] is not None:

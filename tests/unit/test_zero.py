@@ -57,12 +57,25 @@ def test_manifest_is_written_last_and_atomically(tmp_path):
     ({"stage": 3, "bucket_mb": 0}, "zero.bucket_mb = 0"),
     ({"stage": 3, "master_dtype": "float16"}, "zero.master_dtype = 'float16'"),
     ({"stage": 1, "master_dtype": "float32"}, "needs zero.stage = 2 or 3"),
+    ({"stage": 3, "progress": "spin"}, "zero.progress = 'spin' must be one of auto, hooks, thread"),
+    ({"stage": 1, "progress": "thread"}, "with zero.stage = 1: stage 1 reduces after backward"),
 ])
 def test_zero_config_refuses_bad_input(zero, match):
     from loom.train.config import ConfigError, config_from_dict
 
     with pytest.raises(ConfigError, match=match):
         config_from_dict({"zero": zero})
+
+
+def test_zero_progress_is_one_option_for_data_parallel_and_zero():
+    """``--zero.progress=...`` reaches the config in the one CLI vocabulary, with the library's own modes."""
+    from loom.parallel.data import PROGRESS_MODES
+    from loom.train import config
+
+    assert config.PROGRESS_MODES == PROGRESS_MODES
+    assert config.load_config(None, ["--zero.progress=thread", "--zero.stage=3"]).zero.progress == "thread"
+    assert config.load_config(None, ["--zero.progress=hooks"]).zero.progress == "hooks"  # stage 0: dp's reducer
+    assert config.config_from_dict({}).zero.progress == "auto"
 
 
 def test_zero_stages_compose_with_pipelines_sp_and_cuda():

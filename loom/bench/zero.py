@@ -9,8 +9,10 @@ Three tables, one run:
   ranks) over one whole step after a warm-up step, counting the parameters, gradients, optimizer state and
   communication buffers alive before it. Search: two probes give the slope, the secant predicts the
   crossing, bisection brackets it to one block; every reported depth was run and fit, the next did not.
-* **Peer, FSDP2** (2 ranks): loom stage 3 and torch ``fully_shard`` (gloo, one ``fully_shard`` per block
-  and one on the root) on the same model, batch and Adam: step time and peak memory per rank. Every Adam
+* **Peer, FSDP2** (2 ranks): loom stage 3, once per progress mode (``hooks`` and ``thread``, the row of the
+  mode ``auto`` picks marked; the JSON keeps each mode's last-step accounting), and torch ``fully_shard``
+  (gloo, one ``fully_shard`` per block and one on the root) on the same model, batch and Adam: step time and
+  peak memory per rank. Every Adam
   here runs ``foreach=False`` (its temporaries are one tensor's, not the whole model's), the same for all. The tracker
   also counts storages that ``UntypedStorage.resize_`` grows, since FSDP2 allocates its unsharded
   parameters that way.
@@ -89,11 +91,12 @@ def _rows(comm: Communicator, batch: int, width_in: int = 64, width_out: int = 1
     return x[comm.rank * n:(comm.rank + 1) * n], y[comm.rank * n:(comm.rank + 1) * n]
 
 
-def _loom(comm, stage: int, width: int, depth: int, batch: int, bucket_mb: float, optim: str = "adam"):
+def _loom(comm, stage: int, width: int, depth: int, batch: int, bucket_mb: float, optim: str = "adam",
+          progress: str = "auto"):
     """A loom training step on ``comm``: ``(step, model, optimizer, wrapper)``."""
     torch.manual_seed(0)
     model = WideResMLP(width, depth)
-    sdp = ShardedDataParallel(model, comm, stage=stage, bucket_mb=bucket_mb)
+    sdp = ShardedDataParallel(model, comm, stage=stage, bucket_mb=bucket_mb, progress=progress)
     opt = (torch.optim.Adam(sdp.parameters(), lr=1e-4, foreach=False) if optim == "adam"
            else torch.optim.SGD(sdp.parameters(), lr=1e-4))
     x, y = _rows(comm, batch)
@@ -234,8 +237,17 @@ def _peers(sub: Communicator, group, mesh, args) -> dict[str, Any]:
     w, d, b = args.peer_width, args.peer_depth, args.batch
     bucket = args.bucket_mb or (w * (w + 1) * 4) / 2**20
     params = sum(t.numel() for t in WideResMLP(w, d).parameters())
-    makers = [("loom stage 3", lambda: _loom(sub, 3, w, d, b, bucket)),
-              ("torch FSDP2", lambda: _fsdp2(group, mesh, w, d, b, sub))]
+    auto = sub.bcast_object(default_progress(), 0)  # every rank names the same row
+    engines: dict[str, ShardedDataParallel] = {}
+
+    def stage3(mode):  # keeps the engine, for its last step's accounting
+        made = _loom(sub, 3, w, d, b, bucket, progress=mode)
+        engines[mode] = made[3]
+        return made
+
+    makers = [(f"loom stage 3 ({mode}{', auto' if mode == auto else ''})", lambda mode=mode: stage3(mode))
+              for mode in ("hooks", "thread")]
+    makers.append(("torch FSDP2", lambda: _fsdp2(group, mesh, w, d, b, sub)))
     runs = []
     for name, make in makers:
         peak, step = _peak(sub, make)
@@ -247,11 +259,15 @@ def _peers(sub: Communicator, group, mesh, args) -> dict[str, Any]:
     t1 = omb.Table("ZeRO-3 vs torch FSDP2 (fully_shard, gloo)", ["Mode", "Step(ms)", "Peak(MiB)", "speedup-vs-FSDP2"],
                    rank=sub.rank)
     t1.meta = {"model": f"residual MLP width {w} depth {d} ({params / 1e6:.1f} M params, fp32, Adam foreach=False)",
-               "batch": f"global {b}", "ranks": f"{sub.size}, 1 thread each; loom buckets of {bucket:.2f} MiB"}
+               "batch": f"global {b}", "ranks": f"{sub.size}, 1 thread each; loom buckets of {bucket:.2f} MiB",
+               "progress": f"loom reduce-scatters progress from the hooks or a progress thread; auto picks {auto} "
+                           f"here"}
     t1.header()
     for name, peak, _, t in runs:
-        t1.add(name, t * 1e3, peak / 2**20, runs[1][3] / t)
-    auto = sub.bcast_object(default_progress(), 0)  # every rank names the same row
+        t1.add(name, t * 1e3, peak / 2**20, runs[-1][3] / t)
+    zero_last = {mode: {**sdp.last, "progress": sdp.progress} for mode, sdp in engines.items()}
+    for sdp in engines.values():
+        sdp.remove()
     reducers, ddp_runs = {}, []
     for mode in ("hooks", "thread"):
         step, reducers[mode] = _loom_dp(sub, w, d, 16, mode)
@@ -267,7 +283,7 @@ def _peers(sub: Communicator, group, mesh, args) -> dict[str, Any]:
     t2.header()
     for name, _, _, t in ddp_runs:
         t2.add(name, t * 1e3, ddp_runs[-1][3] / t)
-    return {"fsdp2": t1.rows, "ddp": t2.rows, "exposed_comm_s": exposed,
+    return {"fsdp2": t1.rows, "ddp": t2.rows, "exposed_comm_s": exposed, "zero_last_step": zero_last,
             "dp_last_step": {mode: red.last for mode, red in reducers.items()}}
 
 

@@ -20,7 +20,13 @@ def test_bench_zero(tmp_path):
     cap = doc["capacity"]["results"]
     assert cap["stage 3"]["blocks"] > cap["dp (stage 0)"]["blocks"]  # sharding fits a deeper model
     assert all(r["peak"] <= 2 * 2**20 for r in cap.values())
-    assert [r["Mode"] for r in doc["fsdp2"]] == ["loom stage 3", "torch FSDP2"]
+    modes = [r["Mode"] for r in doc["fsdp2"]]  # loom stage 3 in both progress modes (auto's marked), FSDP2
+    assert modes[2] == "torch FSDP2" and [m.split(",")[0].rstrip(")") for m in modes[:2]] == [
+        "loom stage 3 (hooks", "loom stage 3 (thread"]
+    assert sum(", auto)" in m for m in modes) == 1
+    for mode in ("hooks", "thread"):  # each row ran its mode; reduce-scatters posted during backward in both
+        assert doc["zero_last_step"][mode]["progress"] == mode, doc["zero_last_step"]
+        assert doc["zero_last_step"][mode]["posted_in_backward"] >= 1, doc["zero_last_step"]
     modes = [r["Mode"] for r in doc["ddp"]]  # loom dp in both progress modes (the one auto picks marked), DDP
     assert modes[2] == "torch DDP" and [m.split(",")[0].rstrip(")") for m in modes[:2]] == ["loom dp (hooks",
                                                                                            "loom dp (thread"]

@@ -22,7 +22,8 @@ Traps this module exists for (each measured with mpi4py 4.1 + MPICH 5.0 and test
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -156,26 +157,34 @@ STAGE_PIECE = 4 << 20
 
 
 class _Pinned:
-    """A free list of pinned host buffers (uint8, power-of-two sizes), with the event each must wait for."""
+    """A free list of pinned host buffers (uint8, power-of-two sizes), with the event each must wait for.
 
-    def __init__(self):
+    Locked: a progress thread stages (takes) and drops results (gives, from a finalizer) while the training
+    thread does the same; without the lock two threads could be handed one buffer."""
+
+    def __init__(self, alloc: Callable[[int], torch.Tensor] | None = None):
         self.free: list[tuple[torch.Tensor, Any]] = []
+        self._lock = threading.Lock()
+        self._alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=True))
 
     def take(self, nbytes: int) -> torch.Tensor:
-        for i, (buf, ev) in enumerate(self.free):
-            if buf.numel() >= nbytes:
-                del self.free[i]
-                if ev is not None:
-                    ev.synchronize()  # a host -> device copy may still read it
-                return buf
-        size = 1 << max(12, (max(nbytes, 1) - 1).bit_length())
-        return torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=True)
+        with self._lock:
+            got = next(((i, be) for i, be in enumerate(self.free) if be[0].numel() >= nbytes), None)
+            if got is not None:
+                del self.free[got[0]]
+        if got is not None:
+            buf, ev = got[1]
+            if ev is not None:
+                ev.synchronize()  # a host -> device copy may still read it
+            return buf
+        return self._alloc(1 << max(12, (max(nbytes, 1) - 1).bit_length()))
 
     def give(self, buf: torch.Tensor, event: Any = None) -> None:
-        self.free.append((buf, event))
-        if len(self.free) > 16:  # bound what is kept: drop the smallest
-            self.free.sort(key=lambda be: be[0].numel())
-            del self.free[0]
+        with self._lock:
+            self.free.append((buf, event))
+            if len(self.free) > 16:  # bound what is kept: drop the smallest
+                self.free.sort(key=lambda be: be[0].numel())
+                del self.free[0]
 
 
 _PINNED = _Pinned()

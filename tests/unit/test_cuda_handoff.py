@@ -220,3 +220,40 @@ def test_staged_copies_on_the_host_are_plain_copies():
     buffers.wait_copy(None)
     assert buffers.side_empty((3,), torch.float64, torch.device("cpu")).dtype == torch.float64
     assert buffers.host_empty((2,), torch.float32, torch.device("cpu")).shape == (2,)
+
+
+def test_pinned_pool_hands_a_buffer_to_one_taker_at_a_time():
+    """The staging pool is used by the training thread and a progress thread at once (ZeRO's thread mode):
+    two takers must never hold the same buffer."""
+    import sys
+    import threading
+
+    pool = buffers._Pinned(alloc=lambda n: torch.empty(n, dtype=torch.uint8))
+    for _ in range(4):
+        pool.give(torch.empty(4096, dtype=torch.uint8))
+    held: set[int] = set()
+    clash: list[int] = []
+    guard = threading.Lock()
+
+    def worker():
+        for _ in range(3000):
+            buf = pool.take(100)
+            with guard:
+                if buf.data_ptr() in held:
+                    clash.append(buf.data_ptr())
+                held.add(buf.data_ptr())
+            with guard:
+                held.discard(buf.data_ptr())
+            pool.give(buf)
+
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
+    try:
+        threads = [threading.Thread(target=worker) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(was)
+    assert not clash, f"{len(clash)} buffers were handed to two takers at once"

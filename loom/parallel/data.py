@@ -29,6 +29,13 @@ Plan (:class:`GradReducer`), per training step on the ``dp`` communicator:
     thread would take its core from a peer's backward. MPICH's own asynchronous progress
     (``MPICH_ASYNC_PROGRESS=1``) is not used: its thread spins for the whole job, not only while a
     reduction is in flight, and must be chosen before MPI starts;
+* devices: buffers live on the tensors' device. With a CUDA-aware MPI the allreduce takes the device buffer.
+  Otherwise (:func:`stages_through_host`) the reducer stages it itself, so no hook waits on the host for a
+  device copy: a launched bucket (widened to float32 on the device when 16-bit) is copied to a pooled pinned
+  host buffer on a side stream after the compute stream, and its in-place ``iallreduce`` on the host buffer is
+  posted (here or by the thread) once that copy's event has completed, looked at from later hooks, in launch
+  order, or at :meth:`GradReducer.finish`, which waits; after the waits each mean is copied back into its
+  bucket on the host->device side stream, the compute stream ordered after it on the device (no host sync);
 * isolation: the reducer communicates on its own duplicate of ``comm`` (same ranks, same name for the byte
   counters), so the caller's collectives on ``comm`` never interleave with the buckets';
 * finish (:meth:`GradReducer.finish`): launch what has not been launched (a bucket whose tensor got no
@@ -63,13 +70,29 @@ import torch
 from .. import settings
 from .. import stats as _stats
 from ..comm import Communicator, ProgressThread, Request, Ticket
+from ..comm import buffers as _b
 
-__all__ = ["GradHook", "GradReducer", "PROGRESS_MODES", "allreduce_hook", "default_progress", "dp_stats",
-           "reset_dp_stats"]
+__all__ = ["GradHook", "GradReducer", "PROGRESS_MODES", "HOST_STAGING", "allreduce_hook", "default_progress",
+           "dp_stats", "reset_dp_stats", "stages_through_host"]
 
 GradHook = Callable[[torch.Tensor, Communicator, int], torch.Tensor]
 
 PROGRESS_MODES = ("auto", "hooks", "thread")
+
+HOST_STAGING: bool | None = None
+"""Whether :class:`GradReducer` and :class:`loom.parallel.ShardedDataParallel` stage device buffers through host
+memory themselves (:func:`stages_through_host`). ``None``: where the buffers are on CUDA and the MPI is not
+CUDA-aware. ``True`` takes the staged path on the CPU too (its copies and ordering then run on a CPU-only machine:
+``tests/mpi/check_data.py``, ``tests/mpi/check_zero_deep.py``); read when an engine is built."""
+
+
+def stages_through_host(device: torch.device) -> bool:
+    """Whether an engine whose buffers live on ``device`` hands loom.comm host copies it staged itself (with their
+    copy events, so that no backward hook waits on the host for a device copy), rather than device tensors that
+    loom.comm would copy to the host with a host wait per call (or hand to a CUDA-aware MPI as they are)."""
+    if HOST_STAGING is not None:
+        return HOST_STAGING
+    return torch.device(device).type == "cuda" and not _b.cuda_aware()
 
 _COUNTERS = ("exposed_comm_s", "overlapped_comm_s", "buckets", "posted_in_backward", "tests_in_backward")
 
@@ -175,6 +198,9 @@ class GradReducer:
                 off += p.numel()
             self._views.append(vs)
         self._worker: ProgressThread | None = None
+        # Device buffers without a CUDA-aware MPI: staged through the host here (module docstring, "devices").
+        self._staged = (self.hook is None and comm.size > 1 and bool(self.buffers)
+                        and stages_through_host(self.buffers[0].device))
         self._reset_step()
         self.expected = 1
         self.armed = False
@@ -195,6 +221,8 @@ class GradReducer:
         self._first_posted_at = -1
         self._blocked = 0.0  # seconds of blocking hooks run inside backward
         self._next = 0
+        self._host: list[torch.Tensor | None] = [None] * n  # staged: each bucket's host copy, reduced in place
+        self._copies: list[tuple[int, object]] = []  # staged: (bucket, copy event) launched, not yet posted
 
     @property
     def live(self) -> dict[str, int]:
@@ -253,6 +281,8 @@ class GradReducer:
         self._hooks += 1
         self._used[self._where[id(p)][1]] = True
         self._count(p)
+        if self._copies:
+            self._post_staged(block=False)
         if self.progress == "hooks":
             self._test_inflight()
 
@@ -286,7 +316,12 @@ class GradReducer:
         if self._first_posted_at < 0:
             self._first_posted_at = self._hooks
         self._posted[i] = time.perf_counter()
-        if self.progress == "thread":
+        if self._staged:  # copied to the host on a side stream; posted once there (_post_staged)
+            src = buf if buf.dtype == _b.reduction_dtype(buf) else buf.to(_b.reduction_dtype(buf))  # widened here
+            self._host[i], ev = _b.stage_out(src)
+            self._copies.append((i, ev))
+            self._post_staged(block=False)
+        elif self.progress == "thread":
             if self._worker is None:
                 self._worker = ProgressThread(name=f"loom-dp-progress-{self.comm.name}")
             self._results[i] = self._worker.submit(self._task(i))
@@ -298,6 +333,40 @@ class GradReducer:
             self._seen_done[i] = now
             if self.armed:  # inside backward: backward waited for it
                 self._blocked += now - self._posted[i]
+
+    def _post_staged(self, block: bool) -> None:
+        """Post the allreduces of the staged buckets whose copies to the host are done, in launch order (the same
+        on every replica); ``block``: wait for the copies (at :meth:`finish`, never from a hook)."""
+        while self._copies:
+            i, ev = self._copies[0]
+            if block:
+                _b.wait_copy(ev)
+            elif not _b.copy_done(ev):
+                return
+            self._copies.pop(0)
+            host = self._host[i]
+            post = lambda host=host: self.comm.iallreduce(host, op="avg", out=host)  # noqa: E731
+            if self.progress == "thread":
+                if self._worker is None:
+                    self._worker = ProgressThread(name=f"loom-dp-progress-{self.comm.name}")
+                self._results[i] = self._worker.submit(post)
+            else:
+                self._results[i] = post()
+
+    def _land(self) -> None:
+        """Staged: every bucket's mean back into its device buffer, on the host->device side stream; the compute
+        stream waits for each copy on the device (a widened bucket is narrowed there), not the host."""
+        for i, host in enumerate(self._host):
+            if host is None:
+                continue
+            buf = self.buffers[i]
+            if host.dtype == buf.dtype:
+                _b.use_after(_b.stage_in(host, buf), buf)
+            else:
+                tmp = _b.side_empty(tuple(host.shape), host.dtype, buf.device)
+                _b.use_after(_b.stage_in(host, tmp, fresh=True), tmp)
+                buf.copy_(tmp)
+        self._host = [None] * len(self.buckets)
 
     def _run_hook(self, i: int) -> torch.Tensor:
         buf = self.buffers[i]
@@ -323,6 +392,7 @@ class GradReducer:
         while self._next < len(self.buckets):
             self._launch(self._next)
             self._next += 1
+        self._post_staged(block=True)
         if self.comm.size > 1:
             if self._worker is not None:  # after the buckets on the same thread: one collective order
                 used = self._worker.submit(lambda: self.comm.allreduce(used)).wait()
@@ -337,6 +407,8 @@ class GradReducer:
             elif isinstance(res, Request):
                 res.wait()
         t1 = time.perf_counter()
+        if self._staged:
+            self._land()
         overlapped = _union([(self._posted[j], min(self._seen_done[j] or t0, t0)) for j in range(posted_in_backward)
                              if not (self.progress == "hooks" and self.hook is not None)])
         exposed = t1 - t0 + self._blocked

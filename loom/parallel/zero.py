@@ -66,9 +66,9 @@ posted in backward, not yet seen complete when the step's :meth:`sync_grads` beg
 
 Devices. Buckets, shards, gradients, placeholders and (through the shards) the optimizer state live on the
 parameters' device. With a CUDA-aware MPI every collective is handed device tensors (loom.comm waits for the
-caller's stream before MPI touches them). Otherwise (``HOST_STAGING``, by default where the parameters are on
-CUDA and the MPI is not CUDA-aware) the engine stages through host memory itself, so that no hook blocks the
-host on a device copy and a prefetched bucket crosses the bus while compute runs:
+caller's stream before MPI touches them). Otherwise (:func:`loom.parallel.data.stages_through_host`: by default
+where the parameters are on CUDA and the MPI is not CUDA-aware) the engine stages through host memory itself, so
+that no hook blocks the host on a device copy and a prefetched bucket crosses the bus while compute runs:
 
 * gradients (stages 1-3): a bucket's flat gradient is copied to a pooled pinned host buffer on the device->host
   side stream, after the compute stream (:func:`loom.comm.buffers.stage_out`); the ``ireduce_scatter`` (or the
@@ -130,7 +130,7 @@ from torch import nn
 from .. import stats as _stats
 from ..comm import Communicator, Mesh, ProgressThread, Request, Ticket
 from ..comm import buffers as _b
-from .data import PROGRESS_MODES, GradReducer, _union, default_progress
+from .data import PROGRESS_MODES, GradReducer, _union, default_progress, stages_through_host
 from .meta import Init, check_initialisable, is_meta, materialize
 
 __all__ = ["ShardedDataParallel", "ShardedOptimizer", "zero_stats", "reset_zero_stats", "MANIFEST"]
@@ -140,11 +140,6 @@ MAX_PENDING = 1  # outstanding gradient reduce-scatters (each holds a bucket's p
 _ZERO_COUNTERS = ("exposed_comm_s", "gathers", "gather_waits", "reduce_scatters", "overlapped_comm_s", "buckets",
                   "posted_in_backward", "tests_in_backward")
 MANIFEST = "manifest.json"
-HOST_STAGING: bool | None = None
-"""Whether :class:`ShardedDataParallel` stages its buffers through host memory itself (module docstring,
-"Devices"). ``None``: where the parameters are on CUDA and the MPI is not CUDA-aware. ``True`` takes the staged
-path on the CPU too (the copies, their order and the host mirror of the shards then run on a CPU-only machine:
-``tests/mpi/check_zero_deep.py``); read when an engine is built."""
 
 
 def zero_stats() -> dict[str, float]:
@@ -613,8 +608,7 @@ class ShardedDataParallel(nn.Module):
         # parameters live; loom.comm stages device buffers through the host unless the MPI is CUDA-aware.
         self.device = next((p.device for p in trainable if not p.is_meta), torch.device(device or "cpu"))
         self.compute_dtype = compute_dtype or self.master_dtype
-        self._staged = (HOST_STAGING if HOST_STAGING is not None
-                        else self.device.type == "cuda" and not _b.cuda_aware())
+        self._staged = stages_through_host(self.device)
         self._staging: list[_Out] = []  # gradients being copied to the host, not yet posted (staged path)
         self._mirror: list[torch.Tensor] | None = None  # host copy of the shards in the compute dtype (staged)
         self._mirror_key: tuple[int, ...] | None = None  # the shards' versions it was copied at

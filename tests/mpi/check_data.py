@@ -6,6 +6,8 @@ without a gradient on one replica must neither hang nor desynchronise the replic
 ``grad=None``), gradient accumulation over micro-batches (nothing launched before the last), and the compressed
 path within its codec's stated error bound, with error feedback keeping exactly what the codec dropped. A
 mechanism check (no timing) shows that the first bucket's reduction is posted and tested while backward runs.
+The path CUDA buffers take without a CUDA-aware MPI (staged through the host by the reducer) runs on the CPU
+(``data.HOST_STAGING``) and equals one process too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 import torch
 from torch import nn
 
+from loom.parallel import data
 from loom.parallel.data import GradReducer, allreduce_hook, dp_stats
 from loom.testing import mpi_checks
 
@@ -236,6 +239,75 @@ def check_reduction_overlaps_backward(comm):
         assert s1["buckets"] - s0["buckets"] == len(red.buckets), (s0, s1, last)
         assert last["exposed_s"] >= 0 and last["overlapped_s"] >= 0, last
         red.remove()
+
+
+class _StagedOnly:
+    """The reducer's communicator, refusing any tensor the reducer did not stage on the host itself (a bucket
+    buffer handed over as it is would be staged by loom.comm with a host wait inside the hook)."""
+
+    def __init__(self, comm, staged: dict):
+        self._comm, self._staged = comm, staged
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def iallreduce(self, t, *args, **kwargs):
+        assert t.untyped_storage().data_ptr() in self._staged, "iallreduce was handed an unstaged tensor"
+        return self._comm.iallreduce(t, *args, **kwargs)
+
+
+def check_host_staged_path_matches_one_process(comm):
+    """``data.HOST_STAGING = True`` (what CUDA buffers run without a CUDA-aware MPI) on the CPU, both progress
+    modes, branches skipped on some ranks (with ``prepare``, so buckets launch during backward): every gradient
+    the mean of the replicas' local ones (1e-9), ``None`` where no replica had one; the allreduces see only host
+    copies the reducer staged; no hook waits on the host for a staging copy."""
+    if comm.size == 1:
+        return  # nothing travels: no staging
+    staged: dict = {}
+    waits = [0]
+    saved = data.HOST_STAGING, data._b.stage_out, data._b.wait_copy
+
+    def stage_out(x, out=None):
+        host, ev = saved[1](x, out)
+        staged[host.untyped_storage().data_ptr()] = host  # kept alive: no later tensor reuses the address
+        return host, ev
+
+    def wait_copy(ev):
+        waits[0] += torch._C._current_graph_task_id() != -1  # inside backward
+        return saved[2](ev)
+
+    data.HOST_STAGING, data._b.stage_out, data._b.wait_copy = True, stage_out, wait_copy
+    try:
+        for mode in MODES:
+            model = _model()
+            params = list(model.parameters())
+            red = GradReducer(params, comm, bucket_mb=500 * 8 / 2**20, progress=mode)
+            assert red._staged, mode
+            red.comm = _StagedOnly(red.comm, staged)
+            opt = torch.optim.Adam(params, lr=0.05)
+            refs = [_model() for _ in range(comm.size)]
+            for step in range(2):
+                x, y, xl, yl = _batch(comm, 2, step)
+                opt.zero_grad(set_to_none=True)
+                red.start(1)
+                loss = nn.functional.mse_loss(model(xl, _skip(comm.rank)), yl)
+                red.prepare(loss)
+                loss.backward()
+                red.finish()
+                local = [_local_grads(refs[r], x[2 * r:2 * r + 2], y[2 * r:2 * r + 2], _skip(r))
+                         for r in range(comm.size)]
+                for j, p in enumerate(params):
+                    had = [g[j] for g in local if g[j] is not None]
+                    _close(p.grad, sum(had) / comm.size if had else None, ("staged", mode, step, j))
+                opt.step()
+                for r in refs:
+                    for q, p in zip(r.parameters(), params):
+                        q.data.copy_(p.data)
+            assert red.last["posted_in_backward"] >= 1, red.last
+            red.remove()
+    finally:
+        data.HOST_STAGING, data._b.stage_out, data._b.wait_copy = saved
+    assert waits[0] == 0, f"{waits[0]} host waits for a staging copy inside backward"
 
 
 if __name__ == "__main__":

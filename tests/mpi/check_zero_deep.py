@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from loom.compress import CompressionPolicy, get_codec
-from loom.parallel import zero
+from loom.parallel import data, zero
 from loom.parallel.zero import ShardedDataParallel, reset_zero_stats, zero_stats
 from loom.testing import device_check, mpi_checks, seeded
 
@@ -487,10 +487,10 @@ class _StagedOnly:
 
 @contextlib.contextmanager
 def _staged_path(log: dict):
-    """``zero.HOST_STAGING = True`` (the CUDA path without a CUDA-aware MPI, on host tensors), with spies: the
-    host buffers staged (kept alive, so no address is reused by a tensor that was not), and the host waits for a
-    staging copy made inside backward."""
-    saved = zero.HOST_STAGING, zero._b.stage_out, zero._b.host_empty, zero._b.wait_copy
+    """``loom.parallel.data.HOST_STAGING = True`` (the CUDA path without a CUDA-aware MPI, on host tensors), with
+    spies: the host buffers staged (kept alive, so no address is reused by a tensor that was not), and the host
+    waits for a staging copy made inside backward."""
+    saved = data.HOST_STAGING, zero._b.stage_out, zero._b.host_empty, zero._b.wait_copy
     stage_out, host_empty, wait_copy = saved[1:]
 
     def keep(t):
@@ -502,18 +502,18 @@ def _staged_path(log: dict):
             log["waits_in_backward"] += 1
         return wait_copy(ev)
 
-    zero.HOST_STAGING = True
+    data.HOST_STAGING = True
     zero._b.stage_out = lambda x, out=None: (lambda h, ev: (keep(h), ev))(*stage_out(x, out))
     zero._b.host_empty = lambda *a: keep(host_empty(*a))
     zero._b.wait_copy = waited
     try:
         yield
     finally:
-        zero.HOST_STAGING, zero._b.stage_out, zero._b.host_empty, zero._b.wait_copy = saved
+        data.HOST_STAGING, zero._b.stage_out, zero._b.host_empty, zero._b.wait_copy = saved
 
 
 def check_host_staged_path_equals_one_process(comm):
-    """What CUDA parameters run without a CUDA-aware MPI, on the CPU (``zero.HOST_STAGING``): stages 1-3 in both
+    """What CUDA parameters run without a CUDA-aware MPI, on the CPU (``data.HOST_STAGING``): stages 1-3 in both
     progress modes on the deep model with rank-dependent branches, 3 Adam steps with clipping, equal one process
     (fp64, 1e-10); the collectives see only host buffers the engine staged (the shards' host mirror, copied
     again after each step: a stale one would fail the comparison); no hook waits on the host for a staging copy;

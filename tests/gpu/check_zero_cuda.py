@@ -1,12 +1,13 @@
 """Rank-side checks of ZeRO on CUDA (``make test-gpu``; 2 ranks may share one GPU).
 
-``ShardedDataParallel`` at stages 1-3, in both progress modes, trains the deep model of
-``tests/mpi/check_zero_deep.py`` (rank-dependent branches, a bucket per module) on the rank's GPU and on the CPU
-from the same seed, fp64, 3 Adam steps with clipping; the results agree to ``RTOL`` (only kernels and summation
-order differ). Buckets, shards, their gradients and the optimizer state live on the GPU. Without a CUDA-aware
-MPI (the MPICH wheel) the engine stages through host memory itself (``sdp._staged``): the run computes on a
-stream of its own, not the default one, and a long kernel is queued before every backward and step, so a copy
-that is not ordered after the compute stream (or a result read before its copy landed) shows as wrong values.
+``ShardedDataParallel`` at stages 0-3 (0: plain data parallel's ``GradReducer``), in both progress modes, trains
+the deep model of ``tests/mpi/check_zero_deep.py`` (rank-dependent branches, a bucket per module) on the rank's
+GPU and on the CPU from the same seed, fp64, 3 Adam steps with clipping; the results agree to ``RTOL`` (only
+kernels and summation order differ). Buckets, shards, their gradients and the optimizer state live on the GPU.
+Without a CUDA-aware MPI (the MPICH wheel) the engine (or the reducer) stages through host memory itself
+(``sdp._staged``): the run computes on a stream of its own, not the default one, and a long kernel is queued
+before every backward and step, so a copy that is not ordered after the compute stream (or a result read before
+its copy landed) shows as wrong values.
 Stage 2 under hybrid compression (int4, error feedback) agrees with its CPU run within ``COMPRESSED_RTOL``.
 """
 
@@ -64,14 +65,16 @@ def check_zero_stages_on_cuda_match_cpu(comm):
     g = seeded(comm, 70)
     seed = int(torch.randint(0, 2**30, (1,), generator=g))
     data = _data(g, 3)
-    for stage in (1, 2, 3):
+    for stage in (0, 1, 2, 3):
         for mode in ("hooks", "thread"):
             what = f"stage {stage} progress={mode}"
             cpu, _, cpu_losses = _train(comm, seed, data, "cpu", stage, mode)
             side = torch.cuda.Stream(device=dev)
             sdp, opt, losses = _train(comm, seed, data, dev, stage, mode, stream=side)
-            assert sdp._staged == (not buffers.cuda_aware()), what
-            assert all(sh.is_cuda and sh.grad is None for sh in sdp.shards), what
+            staged = sdp.reducer._staged if stage == 0 else sdp._staged
+            assert staged == (not buffers.cuda_aware()), what
+            assert all(p.is_cuda for p in sdp.parameters()), what
+            assert stage == 0 or all(sh.grad is None for sh in sdp.shards), what
             assert all(v.is_cuda for st in opt.state.values() for v in st.values() if v.dim()), what
             if stage < 3:
                 assert all(b.full.is_cuda for b in sdp.buckets), what

@@ -18,6 +18,7 @@ import torch
 from loom.testing import mpi_checks
 from loom.train.trainer import Trainer
 from tests.jobs import SharedDir, tiny_hf_llama, train_config
+from tests.mpi.check_train import BASE, MOE
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -26,15 +27,9 @@ LOSS_RTOL = 1e-4
 NORM_RTOL = 1e-3
 COMPRESSED_RTOL = 2e-2
 
-BASE = {
-    "model": {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2},
-    "data": {"seq_len": 64, "batch": 4, "max_bytes": 60_000},
-    "train": {"steps": 3, "dtype": "float32", "eval_every": 3, "eval_batches": 1, "progress": "none",
-              "plots": False},
-    "optim": {"warmup": 1, "lr": 1e-3},
-    "checkpoint": {"every": 1},
-}
-MOE = {"model": {"ffn": "moe", "experts": 4, "top_k": 2}}
+# The CPU check's job (tests/mpi/check_train.py), wider and in fp32: what the GPU kernels run with TF32 off.
+GPU = {"model": {"hidden": 64}, "data": {"seq_len": 64}, "train": {"steps": 3, "dtype": "float32", "eval_every": 3},
+       "optim": {"warmup": 1, "lr": 1e-3}, "checkpoint": {"every": 1}}
 
 
 def _meshes(comm) -> list[tuple[str, dict, float]]:
@@ -60,7 +55,7 @@ def _meshes(comm) -> list[tuple[str, dict, float]]:
 
 
 def _cfg(device: str, *parts: dict):
-    return train_config(BASE, *parts, {"train": {"device": device}})
+    return train_config(BASE, GPU, *parts, {"train": {"device": device}})
 
 
 _ROOT = SharedDir("loom-gpu-")

@@ -102,6 +102,29 @@ def check_matches_one_process_deep(comm):
             red.remove()
 
 
+def _skipping_step(comm, model, red, opt, refs, step, prepare, what) -> None:
+    """One step of ``model`` (each rank skipping its own branches) reduced by ``red``: every gradient is the mean
+    of the replicas' local ones, simulated on ``refs`` (a missing one counts as zero; ``None`` where no replica
+    had one); then the Adam step, which the references follow as every replica does."""
+    params = list(model.parameters())
+    x, y, xl, yl = _batch(comm, 2, step)
+    opt.zero_grad(set_to_none=True)
+    red.start(1)
+    loss = nn.functional.mse_loss(model(xl, _skip(comm.rank)), yl)
+    if prepare:  # the skipped branches' buckets launch during backward, with zeros from this rank
+        red.prepare(loss)
+    loss.backward()
+    red.finish()
+    local = [_local_grads(refs[r], x[2 * r:2 * r + 2], y[2 * r:2 * r + 2], _skip(r)) for r in range(comm.size)]
+    for j, p in enumerate(params):
+        had = [g[j] for g in local if g[j] is not None]
+        _close(p.grad, sum(had) / comm.size if had else None, (*what, j))
+    opt.step()
+    for r in refs:
+        for q, p in zip(r.parameters(), params):
+            q.data.copy_(p.data)
+
+
 def check_unused_on_some_ranks(comm):
     """Side branches skipped on some ranks only (each rank its own set) and one layer unused everywhere, with
     and without :meth:`GradReducer.prepare` marking them before backward: no hang, every gradient the mean of
@@ -114,23 +137,7 @@ def check_unused_on_some_ranks(comm):
         opt = torch.optim.Adam(params, lr=0.05)
         refs = [_model() for _ in range(comm.size)]  # every replica's local step, simulated here
         for step in range(2):
-            x, y, xl, yl = _batch(comm, 2, step)
-            opt.zero_grad(set_to_none=True)
-            red.start(1)
-            loss = nn.functional.mse_loss(model(xl, _skip(comm.rank)), yl)
-            if prepare:  # the skipped branches' buckets launch during backward, with zeros from this rank
-                red.prepare(loss)
-            loss.backward()
-            red.finish()
-            local = [_local_grads(refs[r], x[2 * r:2 * r + 2], y[2 * r:2 * r + 2], _skip(r))
-                     for r in range(comm.size)]
-            for j, p in enumerate(params):
-                had = [g[j] for g in local if g[j] is not None]
-                _close(p.grad, sum(had) / comm.size if had else None, (mode, step, j))
-            opt.step()
-            for r in refs:  # the references follow the reduced gradients, as every replica does
-                for q, p in zip(r.parameters(), params):
-                    q.data.copy_(p.data)
+            _skipping_step(comm, model, red, opt, refs, step, prepare, (mode, step))
         assert model.never.weight.grad is None
         mine = torch.cat([p.detach().reshape(-1) for p in params])
         assert all(torch.equal(mine, other) for other in comm.allgather_object(mine)), "replicas diverged"
@@ -287,22 +294,7 @@ def check_host_staged_path_matches_one_process(comm):
             opt = torch.optim.Adam(params, lr=0.05)
             refs = [_model() for _ in range(comm.size)]
             for step in range(2):
-                x, y, xl, yl = _batch(comm, 2, step)
-                opt.zero_grad(set_to_none=True)
-                red.start(1)
-                loss = nn.functional.mse_loss(model(xl, _skip(comm.rank)), yl)
-                red.prepare(loss)
-                loss.backward()
-                red.finish()
-                local = [_local_grads(refs[r], x[2 * r:2 * r + 2], y[2 * r:2 * r + 2], _skip(r))
-                         for r in range(comm.size)]
-                for j, p in enumerate(params):
-                    had = [g[j] for g in local if g[j] is not None]
-                    _close(p.grad, sum(had) / comm.size if had else None, ("staged", mode, step, j))
-                opt.step()
-                for r in refs:
-                    for q, p in zip(r.parameters(), params):
-                        q.data.copy_(p.data)
+                _skipping_step(comm, model, red, opt, refs, step, True, ("staged", mode, step))
             assert red.last["posted_in_backward"] >= 1, red.last
             red.remove()
     finally:

@@ -35,7 +35,7 @@ from . import settings
 from .comm import launch
 
 __all__ = ["run_ranks", "mpi_checks", "seeded", "assert_all_checks_passed", "load_checks", "run_bench", "ROOT",
-           "device_check", "DeviceCheckError"]
+           "device_check", "DeviceCheckError", "race"]
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root: relative script paths are resolved against it."""
@@ -155,6 +155,23 @@ _FACTORY_NAMES = ("zeros", "ones", "empty", "full", "arange", "range", "tensor",
 
 class DeviceCheckError(AssertionError):
     """A tensor factory without ``device=`` ran in library code inside :func:`device_check`."""
+
+
+def race(target: Callable[[int], None], threads: int = 4) -> None:
+    """Run ``target(k)`` for ``k`` in ``range(threads)`` on as many threads at once, switching between them as
+    often as the interpreter allows, so that state shared without a lock is caught in the act."""
+    import threading
+
+    was = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        pool = [threading.Thread(target=target, args=(k,)) for k in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    finally:
+        sys.setswitchinterval(was)
 
 
 def device_check(roots: "tuple[str | os.PathLike, ...] | None" = None):

@@ -225,8 +225,9 @@ def test_staged_copies_on_the_host_are_plain_copies():
 def test_pinned_pool_hands_a_buffer_to_one_taker_at_a_time():
     """The staging pool is used by the training thread and a progress thread at once (ZeRO's thread mode):
     two takers must never hold the same buffer."""
-    import sys
     import threading
+
+    from loom.testing import race
 
     pool = buffers._Pinned(alloc=lambda n: torch.empty(n, dtype=torch.uint8))
     for _ in range(4):
@@ -235,7 +236,7 @@ def test_pinned_pool_hands_a_buffer_to_one_taker_at_a_time():
     clash: list[int] = []
     guard = threading.Lock()
 
-    def worker():
+    def worker(_):
         for _ in range(3000):
             buf = pool.take(100)
             with guard:
@@ -246,14 +247,5 @@ def test_pinned_pool_hands_a_buffer_to_one_taker_at_a_time():
                 held.discard(buf.data_ptr())
             pool.give(buf)
 
-    was = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter allows
-    try:
-        threads = [threading.Thread(target=worker) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(was)
+    race(worker)
     assert not clash, f"{len(clash)} buffers were handed to two takers at once"

@@ -465,11 +465,10 @@ def test_array_framing_reuses_a_packer_per_thread_safely():
     """dumps_arrays and loads_plain keep one msgpack packer and unpacker per thread: a failed pack leaves no bytes
     behind for the next, the frame list is not kept past the call, and threads packing and unpacking at once each
     get their own message back."""
-    import sys
-    import threading
-
     import msgpack
     from distributed.protocol import to_serialize
+
+    from loom.testing import race
 
     plain = ([protocol_dumps({"a": b"x"})[0]], False)
     assert frames_mod.dumps_arrays({"s": {1}}) is None  # fails inside the packer
@@ -518,16 +517,7 @@ def test_array_framing_reuses_a_packer_per_thread_safely():
             if ok is not True:
                 errors.append((k, i, ok))
 
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # threads switch inside the packer's callback as often as they can
-    try:
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(switch)
+    race(work)  # threads switch inside the packer's callback as often as they can
     assert errors == []
 
 

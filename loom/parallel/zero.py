@@ -33,7 +33,9 @@ Plan per stage (one training step: forward, ``loss.backward()`` one or more time
   a saved parameter itself is kept as the parameter and its bucket gathered on unpack (a custom function
   may save it while freed and read it in backward). Backward re-gathers buckets in descending order just in time
   (prefetching the one below), and frees a bucket as soon as all its parameters have their gradients,
-  which are reduce-scattered as in stage 2. A module run *during* backward (activation recomputation,
+  which are reduce-scattered as in stage 2, except that they stay in ``.grad`` until the bucket's last one
+  arrives and are copied into its flat gradient only after the bucket is freed (its parameters, its flat
+  gradient and a fresh gradient are never alive together). A module run *during* backward (activation recomputation,
   chunked maps) gathers its buckets as backward does and leaves them to be freed with their gradients.
   Buckets of the ``keep`` modules (parameters read outside their module's own forward, such as an LM head
   weight the loss multiplies by directly, or a tied embedding) are gathered when forward starts and kept
@@ -1152,24 +1154,46 @@ class ShardedDataParallel(nn.Module):
         self._open_backward()
         bi, i = self._index_of[id(p)]
         b = self.buckets[bi]
+        b.had = True
+        b.ready += 1
+        if self.stage == 3:
+            # The gradients stay in ``.grad`` until the bucket's last one arrives; then the gathered bucket is
+            # freed *before* its flat gradient is allocated, so a bucket's parameters, its flat gradient and a
+            # parameter's fresh gradient are never alive together (the peak of a stage-3 backward otherwise).
+            if b.ready == len(b.params):
+                self._free(b)
+                self._post_ready()
+            self._progress()
+            return
         if b.grad is None:
             # No wait for earlier reduce-scatters here: a peer may post them only at the end of its backward
             # (a parameter it never used), after gathers this rank would not reach while blocked (issue 26).
+            # Completed ones are consumed first, so their buffers are gone before this one is allocated.
+            self._progress()
             b.grad = torch.zeros(b.padded, dtype=self.master_dtype, device=self.device)
         off = b.offsets[i]
-        b.had = True
         b.grad[off:off + p.numel()].copy_(p.grad.reshape(-1))
         p.grad = None
-        b.ready += 1
         if b.ready == len(b.params):
-            if self.stage == 3:
-                self._free(b)
             self._post_ready()
         self._progress()
 
+    def _flat_grad(self, b: _Bucket) -> torch.Tensor:
+        """The bucket's padded flat gradient: stage 2's, filled as the gradients arrived; stage 3's built now
+        from the parameters' ``.grad`` (a missing one counts as zeros), which are dropped."""
+        grad, b.grad = b.grad, None
+        if grad is None:
+            self._progress()  # consume completed reduce-scatters first: their buffers go before this one comes
+            grad = torch.zeros(b.padded, dtype=self.master_dtype, device=self.device)
+        if self.stage == 3:
+            for p, off in zip(b.params, b.offsets):
+                if p.grad is not None:
+                    grad[off:off + p.numel()].copy_(p.grad.reshape(-1))
+                    p.grad = None
+        return grad
+
     def _post_rs(self, b: _Bucket, in_hook: bool = False) -> None:
-        grad = b.grad if b.grad is not None else torch.zeros(b.padded, dtype=self.master_dtype, device=self.device)
-        b.grad = None
+        grad = self._flat_grad(b)
         if self.grad_codec is not None:
             if self.grad_codec.wire_bytes(b.shard, grad.dtype) is None:
                 self._deferred.append((b, grad))  # a blocking collective: after backward (sync_grads)
@@ -1291,6 +1315,7 @@ class ShardedDataParallel(nn.Module):
                 self._post_gather(b)
         self._ensure(b)
         if self._bwd_next == i - 1 and self._bwd_next >= 0:
+            self._progress()  # reduce-scatters completed by now free their buffers before the prefetch allocates
             self._post_gather(self.buckets[self._bwd_next])  # prefetch
             self._bwd_next -= 1
         self._progress()

@@ -125,3 +125,32 @@ def test_remove_gives_stage3_parameters_back_their_class():
     assert type(model.head.weight).__name__ == "_ShardedParameter"
     sdp.remove()
     assert type(model.head.weight) is torch.nn.Parameter
+
+
+def test_stage3_frees_a_bucket_before_allocating_its_flat_gradient():
+    """Stage 3 keeps a bucket's gradients in ``.grad`` until the last one arrives and frees the gathered bucket
+    before its flat gradient is allocated, so backward never holds a bucket's parameters, its flat gradient and a
+    parameter's fresh gradient together (issue 26: ``loom bench zero`` stage 3 against FSDP2's peak). One rank, so
+    no reduce-scatter stays in flight: beyond the shards and their gradients (both the model's size here) the
+    step's peak is one bucket and change (two buckets when the flat gradient is allocated at the first arrival)."""
+    from loom.parallel.offload import MemoryTracker
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    width, depth = 128, 6
+    bucket = width * (width + 1) * 4  # one Linear per bucket
+    sdp = ShardedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)]), world(),
+                              stage=3, bucket_mb=bucket / 2**20)
+    opt = torch.optim.SGD(sdp.parameters(), lr=0.1)
+    x = torch.randn(4, width)
+
+    def step():
+        sdp(x).square().mean().backward()
+        sdp.step(opt)
+
+    step()
+    with MemoryTracker() as mem:
+        mem.track(*sdp.parameters())
+        step()
+    extra = (mem.peak - 2 * depth * bucket) / bucket
+    assert len(sdp.buckets) == depth and extra < 1.5, f"stage-3 step peaked at {extra:.2f} buckets over the state"

@@ -82,15 +82,17 @@ def _on_signal(signum, frame):
 def _unraisable(previous):
     """``sys.unraisablehook`` while a command runs: a signal handler runs wherever the main thread is, and when
     that is a finalizer (``__del__``, a weakref callback) Python only reports the ``KeyboardInterrupt`` and
-    carries on, so the command would go on running while its peers stop. Such a lost interrupt is raised again,
-    in silence, from a moment later (``_thread.interrupt_main`` from a timer thread: called here, the handler
-    would run inside this hook and be lost the same way); one that lands in a finalizer again comes back here."""
+    carries on, so the command would go on running (a rank, while its peers stop). Such a lost interrupt is
+    raised again, in silence, from a moment later (``_thread.interrupt_main`` from a timer thread: called here,
+    the handler would run inside this hook and be lost the same way); one that lands in a finalizer again comes
+    back here. A command that keeps Python's own SIGINT handler gets its Ctrl-C back the same way."""
     import _thread
 
     def hook(args):
-        if _caught and args.exc_type is not None and issubclass(args.exc_type, KeyboardInterrupt):
+        if args.exc_type is not None and issubclass(args.exc_type, KeyboardInterrupt):
             _armed[0] = True
-            threading.Timer(0.01, _thread.interrupt_main, args=(_caught[0],)).start()
+            signum = _caught[0] if _caught else signal.SIGINT
+            threading.Timer(0.01, _thread.interrupt_main, args=(signum,)).start()
             return
         previous(args)
 

@@ -115,7 +115,8 @@ def test_an_explicit_mesh_is_not_filled(monkeypatch, tmp_path):
 
 # A rank's command stopped by a signal: whatever the signal's KeyboardInterrupt meets on its way, the rank ends with
 # 128 + signal and no traceback. Each case is a command module run by cli._run in a process of its own (a rank of
-# a loom launch: LOOM_LAUNCHED=1, so the launcher's line is not printed here).
+# a loom launch: LOOM_LAUNCHED=1, so the launcher's line is not printed here), and a Ctrl-C lost in a finalizer
+# is also raised again for a command outside a job.
 _STOP_CASES = '''
 import signal, threading, time
 
@@ -149,8 +150,9 @@ def main(rest):
 '''
 
 
-@pytest.mark.parametrize("case", ["finalizer", "converted", "thread"])
-def test_a_stopped_rank_ends_with_the_signal_and_no_traceback(tmp_path, case):
+@pytest.mark.parametrize("case, rank", [("finalizer", True), ("converted", True), ("thread", True),
+                                        ("finalizer", False)])
+def test_a_stopped_rank_ends_with_the_signal_and_no_traceback(tmp_path, case, rank):
     import os
     import subprocess
     import sys
@@ -158,7 +160,9 @@ def test_a_stopped_rank_ends_with_the_signal_and_no_traceback(tmp_path, case):
     from loom.testing import ROOT
 
     (tmp_path / "stopcase.py").write_text(_STOP_CASES)
-    env = {**os.environ, "LOOM_LAUNCHED": "1", "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    if rank:
+        env["LOOM_LAUNCHED"] = "1"  # else a command outside a job, with Python's own SIGINT handler
     code = "import sys; from loom import cli; sys.exit(cli._run('train', 'stopcase', sys.argv[1:]))"
     proc = subprocess.run([sys.executable, "-c", code, case], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 130, (proc.returncode, proc.stderr)

@@ -158,6 +158,8 @@ _DECLARED = (
     Setting("tag_ub", "int", None, "a lower MPI tag ceiling than the MPI's own MPI_TAG_UB, to run the checks as "
             "under a smaller MPI (e.g. 32767, the standard's minimum)", minimum=1),
     Setting("only", "list", (), "comma-separated check_* names that a tests/mpi script runs (debugging)"),
+    Setting("test_seed", "int", None, "the seed a tests/mpi check draws its random data from (unset: a fresh one "
+            "per check; a failing check prints its seed, so this replays it)", minimum=0),
 )
 
 #: every option by name (the lower-case ``LOOM_`` suffix)

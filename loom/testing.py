@@ -76,19 +76,36 @@ def run_ranks(
     return proc
 
 
+_check_seed: list[int] = []  # [seed, calls so far] of the check mpi_checks is running; empty outside one
+
+
+def _fresh_seed(comm) -> int:
+    seed = settings.get("test_seed")
+    return seed if seed is not None else comm.bcast_object(int.from_bytes(os.urandom(4), "little"))
+
+
 def seeded(comm, base: int = 0):
-    """A ``torch.Generator`` seeded identically on every rank (for a shared reference) plus a fresh base seed."""
+    """A ``torch.Generator`` seeded identically on every rank (for a shared reference), fresh for every call.
+
+    Inside :func:`mpi_checks` the seed derives from the running check's seed, ``base`` and how many calls the
+    check made before, so the check's seed alone replays its data (``LOOM_TEST_SEED``, which a failing check
+    prints); outside, from ``LOOM_TEST_SEED`` or a fresh draw broadcast from rank 0."""
     import torch
 
-    seed = comm.bcast_object(int.from_bytes(os.urandom(4), "little") + base)
-    g = torch.Generator().manual_seed(seed)
-    return g
+    if _check_seed:
+        seed, calls = _check_seed
+        _check_seed[1] += 1
+        # torch's CPU generator keeps a seed's low 32 bits only: a later call moves them (golden-ratio step)
+        return torch.Generator().manual_seed((seed + base + calls * 0x9E3779B9) % 2**32)
+    return torch.Generator().manual_seed(_fresh_seed(comm) + base)
 
 
 def mpi_checks(namespace: Mapping[str, Any], *, prefix: str = "check_") -> None:
     """Run every ``check_*`` function in ``namespace`` on ``loom.comm.world()``; rank 0 reports each one.
 
-    ``LOOM_ONLY=name1,name2`` restricts to some checks (handy while debugging).
+    ``LOOM_ONLY=name1,name2`` restricts to some checks (handy while debugging). Each check draws its random
+    data from a seed of its own (:func:`seeded`); a failing check prints it on the failing rank, and
+    ``LOOM_TEST_SEED=<seed> LOOM_ONLY=<check>`` replays that data.
     """
     import torch
 
@@ -104,7 +121,16 @@ def mpi_checks(namespace: Mapping[str, Any], *, prefix: str = "check_") -> None:
         raise RuntimeError(f"no {prefix}* functions found to run")
     for name, fn in checks:
         t0 = time.perf_counter()
-        fn(comm)
+        seed = _fresh_seed(comm)
+        _check_seed[:] = [seed, 0]
+        try:
+            fn(comm)
+        except Exception:
+            print(f"FAIL {name} on rank {comm.rank} of {comm.size}: replay its data with LOOM_TEST_SEED={seed} "
+                  f"LOOM_ONLY={name}", file=sys.stderr, flush=True)
+            raise
+        finally:
+            _check_seed.clear()
         comm.barrier()
         if comm.rank == 0:
             print(f"PASS {name} ({time.perf_counter() - t0:.2f} s, {comm.size} ranks)", flush=True)

@@ -64,6 +64,7 @@ def relaunch(ranks: int, argv: list[str]) -> int:
 
 _caught: list[int] = []
 _armed = [True]  # whether the next signal raises: only the first does, unless a finalizer swallowed it
+_again: list[threading.Timer] = []  # a swallowed interrupt's re-raise, pending; cancelled when the command ends
 _said = threading.Lock()  # taken by whichever thread writes the one interrupt line
 
 
@@ -92,7 +93,9 @@ def _unraisable(previous):
         if args.exc_type is not None and issubclass(args.exc_type, KeyboardInterrupt):
             _armed[0] = True
             signum = _caught[0] if _caught else signal.SIGINT
-            threading.Timer(0.01, _thread.interrupt_main, args=(signum,)).start()
+            timer = threading.Timer(0.01, _thread.interrupt_main, args=(signum,))
+            _again.append(timer)
+            timer.start()
             return
         previous(args)
 
@@ -158,10 +161,14 @@ def _run(name: str, module_name: str, rest: list[str]) -> int:
         # doing, not a bug to report with a traceback and MPI_Abort.
         return _interrupted(name, _caught[0])
     finally:
+        for timer in _again:  # the command has ended: a late re-raise would land in whatever runs next
+            timer.cancel()
+        _again.clear()
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         if unraisable is not None:
             sys.unraisablehook = unraisable
+        launch.note_stop(None)  # a process that goes on (a caller of main()) is not being stopped
         if wake is not None:
             signal.set_wakeup_fd(wake[0])
             wake[2].close()  # the watcher sees the end of its socket and returns

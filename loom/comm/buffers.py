@@ -22,6 +22,7 @@ Traps this module exists for (each measured with mpi4py 4.1 + MPICH 5.0 and test
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import Any, Callable
 
@@ -160,31 +161,40 @@ class _Pinned:
     """A free list of pinned host buffers (uint8, power-of-two sizes), with the event each must wait for.
 
     Locked: a progress thread stages (takes) and drops results (gives, from a finalizer) while the training
-    thread does the same; without the lock two threads could be handed one buffer."""
+    thread does the same; without the lock two threads could be handed one buffer. A give only appends to a
+    queue (atomic, no lock) that the next take moves into the free list under the lock: gives come from
+    finalizers, which a garbage collection can run on a thread that holds the lock already (an allocation inside
+    it), and waiting for the lock there would never end."""
+
+    KEEP = 16  # buffers kept at most: the smallest go first
 
     def __init__(self, alloc: Callable[[int], torch.Tensor] | None = None):
         self.free: list[tuple[torch.Tensor, Any]] = []
+        self._given: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
         self._lock = threading.Lock()
         self._alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=True))
 
     def take(self, nbytes: int) -> torch.Tensor:
+        got = None
         with self._lock:
-            got = next(((i, be) for i, be in enumerate(self.free) if be[0].numel() >= nbytes), None)
-            if got is not None:
-                del self.free[got[0]]
+            while self._given:
+                self.free.append(self._given.popleft())
+            if len(self.free) > self.KEEP:
+                self.free.sort(key=lambda be: be[0].numel())
+                del self.free[:len(self.free) - self.KEEP]
+            for i, be in enumerate(self.free):
+                if be[0].numel() >= nbytes:
+                    got = self.free.pop(i)
+                    break
         if got is not None:
-            buf, ev = got[1]
+            buf, ev = got
             if ev is not None:
                 ev.synchronize()  # a host -> device copy may still read it
             return buf
         return self._alloc(1 << max(12, (max(nbytes, 1) - 1).bit_length()))
 
     def give(self, buf: torch.Tensor, event: Any = None) -> None:
-        with self._lock:
-            self.free.append((buf, event))
-            if len(self.free) > 16:  # bound what is kept: drop the smallest
-                self.free.sort(key=lambda be: be[0].numel())
-                del self.free[0]
+        self._given.append((buf, event))
 
 
 _PINNED = _Pinned()

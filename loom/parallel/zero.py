@@ -758,7 +758,8 @@ class ShardedDataParallel(nn.Module):
         self._mirror_key = tuple(sh._version for sh in self.shards)
 
     def _stale_mirror(self) -> None:
-        """The shards were written through ``.data`` (loads), which their version counters do not see."""
+        """The shards were written where their version counters do not see it (loads and optimizer steps through
+        ``.data``, fused optimizers): the next gather copies the mirror again."""
         self._mirror_key = None
 
     def _on_device(self, host: torch.Tensor) -> torch.Tensor:
@@ -1068,6 +1069,9 @@ class ShardedDataParallel(nn.Module):
         """The optimizer stepped: stages 1-2 gather the updated blocks into the module's parameters; stage 0
         arms the reducer for the next step's backward."""
         self._stepped = True
+        # The host mirror is copied again after every step: a fused optimizer or one writing through ``.data``
+        # updates the shards without moving their version counters, and the gathers would read the old weights.
+        self._stale_mirror()
         if self.stage in (1, 2):
             self._gather_all()
         elif self.stage == 0 and not self.reducer.armed:

@@ -573,6 +573,30 @@ def check_host_staged_path_equals_one_process(comm):
         _close(staged.state_dict(), plain.state_dict(), "staged hybrid compression vs unstaged", tol=1e-12)
         plain.remove()
         staged.remove()
+        # An optimizer that writes through .data, as fused ones do, leaves the shards' version counters alone:
+        # the gathers must still read the stepped weights, not the mirror of the first step's.
+        sgd_ref, _ = _reference(seed, data, comm.size, max_norm=0.5, opt_cls=torch.optim.SGD)
+        for stage in (1, 2, 3):
+            with _staged_path({"staged": {}, "waits_in_backward": 0, "lands": {}}):
+                sdp = ShardedDataParallel(_model(seed), comm, stage=stage, bucket_mb=SMALL, progress="hooks")
+                opt = _DataSGD(sdp.parameters(), lr=0.05)
+                for step, (x, y) in enumerate(data):
+                    _loss(sdp(_rows(x, comm.rank, comm.size), _uses(comm.rank, step)),
+                          _rows(y, comm.rank, comm.size)).backward()
+                    sdp.step(opt, max_norm=0.5)
+                _close(sdp.state_dict(), sgd_ref.state_dict(), f"staged, stage {stage}, optimizer through .data")
+                sdp.remove()
+
+
+class _DataSGD(torch.optim.SGD):
+    """Plain SGD written through ``.data``: the parameters' version counters do not move (like fused kernels)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
 
 
 if __name__ == "__main__":

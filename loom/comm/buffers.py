@@ -238,13 +238,9 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def to_host(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` (CUDA) copied into a pooled pinned host tensor (or ``out``), on the side stream after the work queued
-    on ``x``'s stream; returns once the copy is done (MPI reads it next)."""
-    host = pinned_empty(tuple(x.shape), x.dtype) if out is None else out
-    side = _side_stream(x.device)
-    side.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(side):
-        host.copy_(x, non_blocking=True)
-    side.synchronize()
+    on ``x``'s stream; returns once the copy is done (MPI reads it next): :func:`stage_out`, waited for."""
+    host, event = stage_out(x, out)
+    wait_copy(event)
     return host
 
 

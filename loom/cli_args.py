@@ -24,8 +24,8 @@ import time
 
 from . import settings
 
-__all__ = ["SHORT", "ArgumentParser", "Formatter", "parse_size", "parse_ranks", "pop_ranks", "add_json", "add_dry_run",
-           "add_topology", "add_verbose", "UsageError", "follower_wait", "FOLLOWER_WAIT_S"]
+__all__ = ["SHORT", "ArgumentParser", "Formatter", "parse_size", "parse_device", "parse_ranks", "pop_ranks",
+           "add_json", "add_dry_run", "add_topology", "add_verbose", "UsageError", "follower_wait", "FOLLOWER_WAIT_S"]
 
 SHORT: dict[str, str] = {
     "-n": "--ranks",
@@ -106,6 +106,16 @@ def parse_size(text: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"size {text!r} is not a byte count like 1024, 64K or 64M")
     return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def parse_device(text: str) -> str:
+    """``--device`` value: ``cpu``, ``cuda`` (this rank's GPU, ``cuda:local_rank``), ``cuda:N`` or ``auto``; raises
+    :class:`UsageError` naming the value and the choices. Only the spelling is checked here (a command line that
+    names a GPU still parses on a machine without one); the command binds it with
+    :func:`loom.comm.devices.resolve_device` when it runs."""
+    if re.fullmatch(r"cpu|auto|cuda(:\d+)?", str(text).strip()):
+        return str(text).strip()
+    raise UsageError(f"device {text!r} is not one loom runs on; give cpu, cuda, cuda:N or auto")
 
 
 def parse_ranks(text: str) -> int:

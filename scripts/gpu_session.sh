@@ -124,9 +124,14 @@ step seqlen-p2 130 "${LOOM[@]}" bench seqlen --ranks 2 "${SEQLEN[@]}" --json "$O
 step seqlen-cuda 150 "$PY" scripts/seqlen_cuda.py --layers 20 --hidden 2048 --heads 16 --kv-heads 4 --vocab 64000 \
     --budget 100G --chunk 8192 --attn-chunk 32768 --no-breakdown --repeats 1 --peak-tflops 989 \
     --max-seq "${SEQLEN_CUDA_MAX:-131072}" --json "$OUT/seqlen-cuda.json"
-# CPU timings on the machine's 16 cores (loom bench zero has no device option: ZeRO 2/3 refuse CUDA).
-step zero-r2 90 "${LOOM[@]}" bench zero --ranks 2 --rounds 2 --json "$OUT/zero-r2.json"
-step zero-r4 90 "${LOOM[@]}" bench zero --ranks 4 --rounds 2 --json "$OUT/zero-r4.json"
+# ZeRO's capacity on the CUDA allocator, 4 ranks sharing the GPU, 1 GiB each (the goal: stage 3 fits >= 3.5x
+# the parameters of plain data parallelism).
+step zero-cuda 100 "${LOOM[@]}" bench zero --ranks 4 --device cuda --skip peers --budget 1G --width 1024 \
+    --json "$OUT/zero-cuda.json"
+# CPU timings on the machine's 16 cores, a core per rank (the peers run on the CPU: NCCL refuses two ranks on
+# one GPU).
+step zero-r2 90 "${LOOM[@]}" bench zero --ranks 2 --skip capacity --rounds 2 --json "$OUT/zero-r2.json"
+step zero-r4 90 "${LOOM[@]}" bench zero --ranks 4 --peer-ranks 4 --skip capacity --rounds 2 --json "$OUT/zero-r4.json"
 step parallel-r4 90 "${LOOM[@]}" bench parallel --ranks 4 --json "$OUT/parallel-r4.json"
 
 if [ "$DRY" = 1 ]; then

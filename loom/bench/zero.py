@@ -9,23 +9,29 @@ Three tables, one run:
   ranks) over one whole step after a warm-up step, counting the parameters, gradients, optimizer state and
   communication buffers alive before it. Search: two probes give the slope, the secant predicts the
   crossing, bisection brackets it to one block; every reported depth was run and fit, the next did not.
-* **Peer, FSDP2** (2 ranks): loom stage 3, once per progress mode (``hooks`` and ``thread``, the row of the
-  mode ``auto`` picks marked; the JSON keeps each mode's last-step accounting), and torch ``fully_shard``
-  (gloo, one ``fully_shard`` per block and one on the root) on the same model, batch and Adam: step time and
-  peak memory per rank. Every Adam
-  here runs ``foreach=False`` (its temporaries are one tensor's, not the whole model's), the same for all. The tracker
-  also counts storages that ``UntypedStorage.resize_`` grows, since FSDP2 allocates its unsharded
-  parameters that way.
-* **Plain data parallel vs DDP** (2 ranks): loom plain data parallel (:class:`loom.parallel.data.GradReducer`,
+  ``--device cuda``: the model, its shards and Adam live on this rank's GPU (``cuda:local_rank``; ranks may
+  share one) and the peak is the CUDA allocator's (``torch.cuda.max_memory_allocated``) over the measured
+  step, less what was allocated before the probe's model was built; each probe's engine is removed and its
+  memory returned before the next. Pinned host staging buffers are host memory and not counted.
+* **Peer, FSDP2** (``--peer-ranks``, 2 by default): loom stage 3, once per progress mode (``hooks`` and
+  ``thread``, the row of the mode ``auto`` picks marked; the JSON keeps each mode's last-step accounting), and
+  torch ``fully_shard`` (gloo, one ``fully_shard`` per block and one on the root) on the same model, batch and
+  Adam: step time and peak memory per rank. Every Adam here runs ``foreach=False`` (its temporaries are one
+  tensor's, not the whole model's), the same for all. The tracker also counts storages that
+  ``UntypedStorage.resize_`` grows, since FSDP2 allocates its unsharded parameters that way.
+* **Plain data parallel vs DDP** (``--peer-ranks``): loom plain data parallel (:class:`loom.parallel.data.GradReducer`,
   25 MiB buckets reduced during backward, once per progress mode: ``hooks`` and ``thread``, the row of the mode
   ``auto`` picks on this machine marked) and torch ``DistributedDataParallel`` (gloo, its defaults: 25 MiB
   buckets, ``gradient_as_bucket_view``) on the model of ``loom bench hybrid`` (width 1024, depth 16, global
   batch 16, SGD, one micro-batch). The JSON keeps each loom mode's exposed and overlapped seconds of its last
   step.
 
+The peer tables run on the CPU whatever ``--device`` says: torch's GPU peers need NCCL, which refuses two
+ranks on one GPU.
+
 Timing: :func:`loom.bench.omb.time_op` per mode, modes interleaved over ``--rounds`` rounds, the best round's
-mean kept, the slowest rank's time reported. Ranks beyond the first two wait for the timed part in a
-sleeping receive, so they take no core from the timed ranks.
+mean kept, the slowest rank's time reported. Ranks beyond the first ``--peer-ranks`` wait for the timed part in
+a sleeping receive, so they take no core from the timed ranks: time no more ranks than the machine has cores.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import torch
 from torch import nn
 
 from .. import cli_args
-from ..comm import Communicator, world
+from ..comm import Communicator, resolve_device, world
 from ..parallel.data import GradReducer, default_progress
 from ..parallel.offload import MemoryTracker
 from ..parallel.zero import ShardedDataParallel, reset_zero_stats, zero_stats
@@ -54,9 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     p = cli_args.ArgumentParser(prog="loom bench zero", description=__doc__.splitlines()[0])
     p.add_argument("--budget", type=parse_size, default=parse_size("48M"), help="capacity: memory per rank")
     p.add_argument("--width", type=int, default=256, help="capacity: features per residual block")
+    p.add_argument("--device", type=cli_args.parse_device, default="cpu",
+                   help="capacity: cpu, cuda (this rank's GPU, cuda:local_rank) or auto; peers stay on the CPU")
     p.add_argument("--batch", type=int, default=16, help="capacity and FSDP2: global batch (rows)")
     p.add_argument("--peer-width", type=int, default=1024, help="FSDP2 and DDP tables: block width")
     p.add_argument("--peer-depth", type=int, default=16, help="FSDP2 and DDP tables: residual blocks")
+    p.add_argument("--peer-ranks", type=int, default=2,
+                   help="FSDP2 and DDP tables: the job's first N ranks are timed (a core each keeps it fair)")
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="loom bucket size in MiB (default: one block of the model, per-layer gathers)")
     p.add_argument("-i", "--iterations", type=int, default=10, help="timed steps per round")
@@ -84,22 +94,25 @@ def _persistent(model: nn.Module, opt: torch.optim.Optimizer, wrapper: Any = Non
     return out
 
 
-def _rows(comm: Communicator, batch: int, width_in: int = 64, width_out: int = 16):
+def _rows(comm: Communicator, batch: int, width_in: int = 64, width_out: int = 16,
+          device: torch.device | None = None):
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, width_in, generator=g), torch.randn(batch, width_out, generator=g)
     n = batch // comm.size
-    return x[comm.rank * n:(comm.rank + 1) * n], y[comm.rank * n:(comm.rank + 1) * n]
+    return (x[comm.rank * n:(comm.rank + 1) * n].to(device or "cpu"),
+            y[comm.rank * n:(comm.rank + 1) * n].to(device or "cpu"))
 
 
 def _loom(comm, stage: int, width: int, depth: int, batch: int, bucket_mb: float, optim: str = "adam",
-          progress: str = "auto"):
+          progress: str = "auto", device: torch.device | None = None):
     """A loom training step on ``comm``: ``(step, model, optimizer, wrapper)``."""
     torch.manual_seed(0)
-    model = WideResMLP(width, depth)
+    with torch.device(device or "cpu"):  # built where it trains: a GPU probe never holds the model on the host
+        model = WideResMLP(width, depth)
     sdp = ShardedDataParallel(model, comm, stage=stage, bucket_mb=bucket_mb, progress=progress)
     opt = (torch.optim.Adam(sdp.parameters(), lr=1e-4, foreach=False) if optim == "adam"
            else torch.optim.SGD(sdp.parameters(), lr=1e-4))
-    x, y = _rows(comm, batch)
+    x, y = _rows(comm, batch, device=device)
 
     def step():
         nn.functional.mse_loss(sdp(x), y).backward()
@@ -118,6 +131,30 @@ def _peak(comm, make: Callable[[], tuple]) -> tuple[int, Callable[[], None]]:
     return (comm.allreduce_object(int(mem.peak), "max") if comm.size > 1 else int(mem.peak)), step
 
 
+def _cuda_peak(comm, make: Callable[[], tuple], device: torch.device) -> int:
+    """The CUDA allocator's peak (max over ``comm``) over one training step after a warm-up step, counted from
+    what this rank had allocated before ``make`` built the model; the engine is removed and its memory freed
+    before returning, so the next probe starts from the same floor."""
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize(device)
+    floor = torch.cuda.memory_allocated(device)
+    step, model, opt, wrapper = make()
+    step()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - floor
+    if hasattr(wrapper, "remove"):
+        wrapper.remove()  # its hooks and progress thread hold the model
+    del step, model, opt, wrapper
+    gc.collect()
+    torch.cuda.empty_cache()
+    return comm.allreduce_object(int(peak), "max") if comm.size > 1 else int(peak)
+
+
 def _deepest(comm, stage: int, args) -> tuple[int, int, int]:
     """The deepest model that fits ``args.budget`` at ``stage``: ``(depth, its peak, probes run)``."""
     bucket = args.bucket_mb or (args.width * (args.width + 1) * 4) / 2**20
@@ -125,7 +162,9 @@ def _deepest(comm, stage: int, args) -> tuple[int, int, int]:
 
     def peak(d: int) -> int:
         if d not in seen:
-            seen[d] = _peak(comm, lambda: _loom(comm, stage, args.width, d, args.batch, bucket))[0]
+            make = lambda: _loom(comm, stage, args.width, d, args.batch, bucket, device=args.device)  # noqa: E731
+            seen[d] = (_cuda_peak(comm, make, args.device) if args.device.type == "cuda"
+                       else _peak(comm, make)[0])
         return seen[d]
 
     lo, hi = 1, None
@@ -155,7 +194,9 @@ def _capacity(comm, args) -> dict[str, Any]:
                       ["Mode", "Blocks", "Params(M)", "Peak(MiB)", "x-dp", "Probes"], rank=comm.rank)
     table.meta = {"model": f"residual MLP blocks of width {args.width} (fp32, Adam foreach=False), "
                            f"global batch {args.batch}",
-                  "budget": f"{args.budget / 2**20:.1f} MiB per rank (CPU live-storage tracker, max over ranks)",
+                  "budget": f"{args.budget / 2**20:.1f} MiB per rank ("
+                            + (f"CUDA allocator peak on {args.device}, max over ranks" if args.device.type == "cuda"
+                               else "CPU live-storage tracker, max over ranks") + ")",
                   "ranks": f"{comm.size}; one forward + backward + optimizer step after a warm-up step"}
     table.header()
     out, base = {}, None
@@ -300,21 +341,33 @@ def _torch_group(comm: Communicator, n: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    try:
+        args.device = resolve_device(args.device)
+    except ValueError as e:
+        parser.error(f"--device {str(args.device)!r}: {e}")
     comm = world()
-    if args.batch % max(comm.size, 2) or 16 % min(comm.size, 2):
-        print(f"loom bench zero: --batch {args.batch} must divide by {max(comm.size, 2)} ranks", file=sys.stderr)
-        return 2
+    peers = "peers" not in args.skip and comm.size >= 2
+    if peers and not 2 <= args.peer_ranks <= comm.size:
+        parser.error(f"--peer-ranks {args.peer_ranks} must be between 2 and the job's {comm.size} ranks; "
+                     f"run with --ranks {max(args.peer_ranks, 2)} or lower --peer-ranks")
+    for n, what in ((comm.size, "the job's ranks"), (args.peer_ranks if peers else 1, "--peer-ranks")):
+        if args.batch % n:
+            parser.error(f"--batch {args.batch} must divide by {what} ({n}); e.g. --batch {16 * n}")
+    if peers and 16 % args.peer_ranks:
+        parser.error(f"--peer-ranks {args.peer_ranks} must divide the DDP table's global batch of 16")
     report: dict[str, Any] = {}
     if "capacity" not in args.skip:
         report["capacity"] = _capacity(comm, args)
-    if "peers" not in args.skip and comm.size >= 2:
-        dist, group, mesh = _torch_group(comm, 2)
-        sub = comm.split(0 if comm.rank < 2 else 1, name="dp")
-        if comm.rank < 2:
+    if peers:
+        n = args.peer_ranks
+        dist, group, mesh = _torch_group(comm, n)
+        sub = comm.split(0 if comm.rank < n else 1, name="dp")
+        if comm.rank < n:
             report.update(_peers(sub, group, mesh, args))
-            for r in range(2, comm.size) if comm.rank == 0 else ():
+            for r in range(n, comm.size) if comm.rank == 0 else ():
                 comm.send(torch.zeros(1), r, tag=7)
         else:
             comm.irecv(torch.zeros(1), 0, tag=7).wait()  # sleeps between tests: leaves the cores to the timed ranks

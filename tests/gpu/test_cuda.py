@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from loom.testing import ROOT, assert_all_checks_passed, run_ranks
+from loom.testing import ROOT, assert_all_checks_passed, run_bench, run_ranks
 
 pytestmark = [pytest.mark.cuda, pytest.mark.mpi]
 
@@ -31,6 +31,18 @@ def test_train_meshes_on_cuda_match_cpu_and_checkpoints_move():
 def test_zero_stages_on_cuda_match_cpu():
     script = "tests/gpu/check_zero_cuda.py"
     assert_all_checks_passed(run_ranks(2, script, timeout=300), script)
+
+
+def test_zero_capacity_on_the_cuda_allocator(tmp_path):
+    """``loom bench zero --device cuda`` at 4 ranks sharing the GPU: every stage measured on the CUDA allocator
+    within the budget, and sharding fits more (the issue's goal, stage 3 >= 3.5x dp, is the benchmark's, not
+    asserted here)."""
+    doc, text = run_bench(tmp_path, "zero", "--device", "cuda", "--skip", "peers", "--budget", "256M", "--width",
+                          "512", ranks=4, timeout=300)
+    assert "CUDA allocator peak on cuda:" in text, text
+    cap = doc["capacity"]["results"]
+    assert all(0 < r["peak"] <= 256 * 2**20 for r in cap.values()), cap
+    assert cap["stage 3"]["params"] > 2 * cap["dp (stage 0)"]["params"], cap
 
 
 def test_gpu_check_script():

@@ -2,8 +2,11 @@
 sizes; nothing is asserted about time)."""
 
 
+import sys
+
 import pytest
 
+from loom.comm import launch
 from loom.testing import run_bench
 
 pytestmark = pytest.mark.mpi
@@ -39,6 +42,14 @@ def test_bench_zero(tmp_path):
         assert rows[peer][col] == 1.0
         for r in rows.values():
             assert r[col] == pytest.approx(rows[peer]["Step(ms)"] / r["Step(ms)"], rel=1e-9), (key, r)
+
+
+def test_bench_zero_refuses_more_peer_ranks_than_the_job_once():
+    proc = launch.run(2, [sys.executable, "-m", "loom.cli", "bench", "zero", "--peer-ranks", "4"], timeout=120,
+                      env={"LOOM_LAUNCHED": "1"}, capture=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("--peer-ranks 4 must be between 2 and the job's 2 ranks; run with --ranks 4") == 1, (
+        proc.stderr)
 
 
 def test_bench_hybrid_picks_micro_batches_and_runs_ddp(tmp_path):

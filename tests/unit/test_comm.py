@@ -72,6 +72,15 @@ def test_omb_sizes_and_parse():
         omb.parse_size("lots")
 
 
+def test_parse_device_names_the_value_and_the_choices():
+    from loom.cli_args import UsageError, parse_device
+
+    assert [parse_device(d) for d in ("cpu", "auto", "cuda", "cuda:1")] == ["cpu", "auto", "cuda", "cuda:1"]
+    for bad in ("gpu", "cuda:x", "cpu:0"):
+        with pytest.raises(UsageError, match=f"device '{bad}' is not one loom runs on; give cpu, cuda, cuda:N or auto"):
+            parse_device(bad)
+
+
 def test_cli_unknown_command_and_ranks_flag(capsys):
     assert loom_main(["frobnicate"]) == 2
     assert "unknown command 'frobnicate'" in capsys.readouterr().err

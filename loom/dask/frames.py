@@ -272,29 +272,28 @@ def loads_arrays(frames: list, deserialize: bool = True):
                          **msgpack_opts)
 
 
-def _stream_of(cai: dict):
-    """The stream the producer of a ``__cuda_array_interface__`` asks consumers to synchronize with, or None
-    (entry absent or None: nothing named). Version 3 of the interface: 1 is the legacy and 2 the per-thread
-    default stream, other values a ``cudaStream_t``."""
+def _stream_of(cai: dict, device):
+    """The stream (of ``device``, the frame's) the producer of a ``__cuda_array_interface__`` asks consumers to
+    synchronize with, or None (entry absent or None: nothing named). Version 3 of the interface: 1 is the legacy
+    and 2 the per-thread default stream, other values a ``cudaStream_t``."""
     import torch
 
     handle = cai.get("stream")
     if handle is None:
         return None
     if handle == 1:
-        return torch.cuda.default_stream()
-    if handle == 2:
-        return torch.cuda.ExternalStream(2)
-    return torch.cuda.ExternalStream(int(handle))
+        return torch.cuda.default_stream(device)
+    return torch.cuda.ExternalStream(int(handle), device=device)
 
 
-def _producer_done(frame) -> None:
-    """Block until the stream that produced ``frame`` finished it (an event on that stream, then a host wait)."""
+def _producer_done(frame, device) -> None:
+    """Block until the stream that produced ``frame`` (on ``device``) finished it: an event on that stream,
+    then a host wait."""
     import torch
 
     if isinstance(frame, torch.Tensor):
         return  # loom.comm waits for a tensor's current stream itself (buffers.device_ready)
-    stream = _stream_of(frame.__cuda_array_interface__)
+    stream = _stream_of(frame.__cuda_array_interface__, device)
     if stream is not None:
         ev = torch.cuda.Event()
         ev.record(stream)
@@ -307,8 +306,11 @@ def frame_array(frame) -> tuple:
     if hasattr(frame, "__cuda_array_interface__"):
         import torch
 
-        _producer_done(frame)
-        return torch.as_tensor(frame, device="cuda").view(torch.uint8).reshape(-1), CUDA
+        # Wrapped where the pointer lives: ``device="cuda"`` would mean this thread's current device (cuda:0 in
+        # Dask's threads, whatever the rank is bound to) and copy a frame held on another GPU.
+        t = torch.as_tensor(frame)
+        _producer_done(frame, t.device)
+        return t.view(torch.uint8).reshape(-1), CUDA
     return np.frombuffer(ensure_memoryview(frame), np.uint8), HOST
 
 

@@ -82,12 +82,13 @@ class _CudaFrame:
 
 
 def _fake_cuda(monkeypatch):
-    """torch.cuda stand-ins that log, in order, the streams waited for and the hand-off to torch."""
+    """torch.cuda stand-ins that log, in order, the hand-off to torch and the streams (with their device) waited
+    for."""
     log: list = []
 
     class Ext:
-        def __init__(self, handle):
-            self.handle = handle
+        def __init__(self, handle, device=None):
+            self.handle = (handle, device)
 
     class Event:
         def record(self, stream):
@@ -98,26 +99,29 @@ def _fake_cuda(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "ExternalStream", Ext)
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: "legacy default")
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: ("legacy default", device))
     monkeypatch.setattr(torch, "as_tensor", lambda frame, device=None: log.append(("as_tensor", device))
-                        or torch.zeros(4))
+                        or torch.zeros(4, device="meta"))
     return log
 
 
 def test_dask_cuda_frame_waits_for_its_producer_stream_before_mpi_sees_it(monkeypatch):
+    """The frame is wrapped on the device its pointer is on (no ``device=``: in a Dask thread "cuda" is cuda:0
+    whatever the rank's GPU, and would copy it there), and the producer's stream is looked up on that device."""
     pytest.importorskip("distributed")
     from loom.dask import frames
 
     log = _fake_cuda(monkeypatch)
+    meta = torch.device("meta")  # the stand-in frame's device
     arr, flag = frames.frame_array(_CudaFrame(stream=0x5EED))
     assert flag == frames.CUDA and arr.dtype == torch.uint8 and arr.numel() == 16
-    assert log == [("record", 0x5EED), ("host waits",), ("as_tensor", "cuda")], log
+    assert log == [("as_tensor", None), ("record", (0x5EED, meta)), ("host waits",)], log
     log.clear()
     frames.frame_array(_CudaFrame(stream=1))  # the legacy default stream
-    assert log[:2] == [("record", "legacy default"), ("host waits",)], log
+    assert log[1:] == [("record", ("legacy default", meta)), ("host waits",)], log
     log.clear()
     frames.frame_array(_CudaFrame(stream=None))  # the producer says nothing to wait for (loom.comm still waits
-    assert log == [("as_tensor", "cuda")], log  # for the current stream: test above)
+    assert log == [("as_tensor", None)], log  # for the current stream: test above)
 
 
 def test_dask_frames_on_host_take_no_cuda_path():

@@ -176,13 +176,13 @@ def fit(model: Any, data: Any, loss_fn: Callable[[Any, Any], torch.Tensor], opti
                 opt.zero_grad()
                 loss = hp.train_step(_shard(x, r, reps), _shard(y, r, reps), loss_fn)
                 opt.step()
-                total += loss
+                total = total + loss  # on the device: read once per epoch, or per step where a bar shows it
                 count += 1
                 if bar is not None:
-                    bar.update(task, advance=1, loss=loss)
+                    bar.update(task, advance=1, loss=float(loss))
             if count == 0:
                 raise ValueError("data yielded no batch; check batch_size against the number of samples")
-            hist.loss.append(total / count)
+            hist.loss.append(float(total) / count)
             if validation is not None:
                 vx, vy = validation
                 hist.val_loss.append(hp.eval_step(_shard(vx, r, reps), _shard(vy, r, reps), loss_fn))

@@ -135,6 +135,11 @@ def check_host_pool() -> None:
     pool = HostPool("cuda")
     chunks = [torch.randn(1 << 18, device="cuda") for _ in range(6)]
     handles = [pool.put(c) for c in chunks]
+    with torch.cuda.stream(pool._stream):
+        # Chunk 0's copy back, and the event free() gets for it, queue behind this: still in flight at free(),
+        # whose return then shows that it did not wait. (Queued after the event, a sleep shows nothing: a 1 MiB
+        # copy ends within microseconds, before the check looks.)
+        torch.cuda._sleep(SLEEP_CYCLES)
     pool.prefetch(handles[0])
     for i, h in enumerate(handles):
         if i + 1 < len(handles):

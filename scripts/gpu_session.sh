@@ -107,7 +107,11 @@ export GPU_PY=$PY
 step versions 30 "$PY" -c "$VERSIONS"
 # The GPU tier (tests/gpu, what `make test-gpu` runs) in two steps, FPDT's CUDA kernels first (never run on a
 # GPU before, and quick), each test bounded so that one hang cannot take the step.
-PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rfEs --durations=0 --timeout 180)
+# --timeout is pytest-timeout's: a python that came with pytest but not the plugin (no wheels/ carried) would
+# reject the option and run no test at all.
+PER_TEST=()
+"$PY" -c 'import pytest_timeout' > /dev/null 2>&1 && PER_TEST=(--timeout 180)
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rfEs --durations=0 ${PER_TEST[@]+"${PER_TEST[@]}"})
 step test-fpdt 150 "${PYTEST[@]}" --junitxml="$OUT/test-fpdt.xml" tests/gpu/test_fpdt_cuda.py
 step test-gpu 240 "${PYTEST[@]}" --junitxml="$OUT/test-gpu.xml" --ignore=tests/gpu/test_fpdt_cuda.py tests/gpu
 # 64 MiB allreduce of CUDA tensors against host tensors through the (not CUDA-aware) MPI, in one run; before

@@ -173,6 +173,7 @@ class _Pinned:
         self._given: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
         self._lock = threading.Lock()
         self._alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8, device="cpu", pin_memory=True))
+        self.allocated = 0  # buffers pinned so far (a steady state pins none): what tests of reuse read
 
     def take(self, nbytes: int) -> torch.Tensor:
         got = None
@@ -191,6 +192,7 @@ class _Pinned:
             if ev is not None:
                 ev.synchronize()  # a host -> device copy may still read it
             return buf
+        self.allocated += 1
         return self._alloc(1 << max(12, (max(nbytes, 1) - 1).bit_length()))
 
     def give(self, buf: torch.Tensor, event: Any = None) -> None:

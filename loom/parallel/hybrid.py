@@ -359,8 +359,10 @@ class HybridParallel:
     def _key(self, mb: tuple) -> tuple:
         return tuple((tuple(t.shape), t.dtype) for t in mb)
 
-    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> float:
-        """One forward/backward of this replica's batch; returns the mean loss over the global batch.
+    def train_step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+        """One forward/backward of this replica's batch; returns the mean loss over the global batch, a float64
+        scalar tensor on this rank's device (``float(loss)`` reads it): no host read here, so a training loop
+        reads it once per step together with its other device values (``loom train`` with the gradient norm).
 
         Gradients are accumulated into ``.grad`` of :meth:`parameters` (averaged over replicas), as
         ``loss.backward()`` would; call ``optimizer.step()`` / ``zero_grad()`` around it as usual.
@@ -403,12 +405,13 @@ class HybridParallel:
         """Where this rank's stage computes (its parameters' device)."""
         return self._params[0].device if self._params else torch.device("cpu")
 
-    def _mean_loss(self, local: torch.Tensor) -> float:
+    def _mean_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """The global-batch mean from this rank's share (shape ``(1,)``), as a scalar tensor on its device."""
         if self.partitions > 1:
             local = self.pp.allreduce(local, op="sum")
         if self.replicas > 1:
             local = self.dp.allreduce(local, op="avg")
-        return float(local.item())
+        return local.reshape(())
 
     @torch.no_grad()
     def eval_step(self, inputs: Any, targets: Any = None, loss_fn: Callable | None = None) -> Any:
@@ -436,7 +439,7 @@ class HybridParallel:
         for st in self.local_stages:
             st.wait()
         if want_loss:
-            return self._mean_loss(total / self.micro_batches)
+            return float(self._mean_loss(total / self.micro_batches))
         res = None
         if self._last:
             outs = [o for _, o in sorted(outs, key=lambda io: io[0])]

@@ -803,9 +803,9 @@ class Trainer:
                     p.grad.mul_(scale)
         return norm
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | float:
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Loss (mean over this rank's tokens, or over dp x pp under a pipeline) after filling ``.grad``: a
-        detached tensor on the model's device (read on the host once per step), or a float from a pipeline."""
+        detached tensor on the model's device, read on the host once per step with the gradient norm."""
         if self.hybrid is not None:
             return self.hybrid.train_step(x, y, self.tm.loss_fn)
         if self.reducer is not None:

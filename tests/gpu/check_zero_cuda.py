@@ -34,6 +34,8 @@ def _train(comm, seed, data, device, stage, mode, stream=None, **kw):
     sdp = ShardedDataParallel(model, comm, stage=stage, bucket_mb=SMALL, progress=mode, **kw)
     opt = torch.optim.Adam(sdp.parameters(), lr=0.05)
     losses = []
+    if stream is not None:  # construction (shards, broadcasts, bucket copies) ran on the default stream
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         for step, (x, y) in enumerate(data):
             x, y = _rows(x, comm.rank, comm.size).to(device), _rows(y, comm.rank, comm.size).to(device)
@@ -48,6 +50,19 @@ def _train(comm, seed, data, device, stage, mode, stream=None, **kw):
     if stream is not None:
         stream.synchronize()
     return sdp, opt, losses
+
+
+def _placed(sdp, opt, device, what) -> None:
+    """Parameters, gathered buffers (stage 0: the reducer's buckets, stages 1-2: the full buckets) and the
+    optimizer state live on ``device`` after a step; stages 1-3 dropped the shards' gradients."""
+    dev = torch.device(device)
+    assert all(p.device == dev for p in sdp.parameters()), what
+    assert sdp.stage == 0 or all(sh.grad is None for sh in sdp.shards), what
+    assert all(v.device == dev for st in opt.state.values() for v in st.values() if v.dim()), what
+    if sdp.stage == 0:  # no _Bucket.full at stage 0: the reducer's flat buffers hold the gradients
+        assert all(buf.device == dev for buf in sdp.reducer.buffers), what
+    elif sdp.stage < 3:
+        assert all(b.full.device == dev for b in sdp.buckets), what
 
 
 def _state(sdp) -> dict[str, torch.Tensor]:
@@ -73,11 +88,7 @@ def check_zero_stages_on_cuda_match_cpu(comm):
             sdp, opt, losses = _train(comm, seed, data, dev, stage, mode, stream=side)
             staged = sdp.reducer._staged if stage == 0 else sdp._staged
             assert staged == (not buffers.cuda_aware()), what
-            assert all(p.is_cuda for p in sdp.parameters()), what
-            assert stage == 0 or all(sh.grad is None for sh in sdp.shards), what
-            assert all(v.is_cuda for st in opt.state.values() for v in st.values() if v.dim()), what
-            if stage < 3:
-                assert all(b.full.is_cuda for b in sdp.buckets), what
+            _placed(sdp, opt, dev, what)
             for a, b in zip(cpu_losses, losses):
                 assert abs(a - b) <= RTOL * (1 + abs(a)), (what, cpu_losses, losses)
             _agree(_state(sdp), _state(cpu), RTOL, what)

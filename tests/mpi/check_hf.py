@@ -144,7 +144,7 @@ def _steps(comm, model, ref, hp, shard, loss_fn, *, what: str, after=None) -> No
         ids, labels, pos = batch(g, packed=False, b=4)
         rows = slice(hp.replica_index * 4 // dp, (hp.replica_index + 1) * 4 // dp)
         opt.zero_grad()
-        loss = hp.train_step(*shard(ids[rows], labels[rows], pos[rows]), loss_fn)
+        loss = float(hp.train_step(*shard(ids[rows], labels[rows], pos[rows]), loss_fn))
         if after is not None:
             loss = after(loss)
         ref_opt.zero_grad()

@@ -137,7 +137,7 @@ def train_against(hp, opt, my_inputs, my_targets, ref, ropt, inputs, targets, *,
         ropt.step()
         assert abs(loss - ref_loss.item()) <= tol * max(1.0, abs(ref_loss.item())), (*what, step, loss,
                                                                                       ref_loss.item())
-    return loss
+    return float(loss)
 
 
 def assert_all_close(got, want, tol: float, what=()) -> None:
@@ -365,7 +365,7 @@ def check_mesh_composition(comm):
         loss = hp.train_step(x, y, nn.MSELoss())
         rl = nn.MSELoss()(ref(x), y)
         assert abs(loss - rl.item()) < 1e-12
-        losses.append(loss)
+        losses.append(float(loss))
     assert len(set(comm.allgather_object(losses[0]))) == 1
 
 

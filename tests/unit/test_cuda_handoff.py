@@ -253,3 +253,17 @@ def test_pinned_pool_hands_a_buffer_to_one_taker_at_a_time():
 
     race(worker)
     assert not clash, f"{len(clash)} buffers were handed to two takers at once"
+
+
+def test_pinned_pool_counts_what_it_pins_and_reuses_a_returned_buffer():
+    """What tests/gpu/check_comm_cuda.py reads to tell reuse from fresh pinning. A returned buffer waits in the
+    pool's queue (not its free list) until the next take, so the free list alone cannot show reuse."""
+    pool = buffers._Pinned(alloc=lambda n: torch.empty(n, dtype=torch.uint8))
+    pool.give(pool.take(5000))
+    assert not pool.free and pool.allocated == 1
+    for _ in range(3):
+        pool.give(pool.take(5000))
+    assert pool.allocated == 1
+    held = pool.take(5000)
+    pool.take(5000)  # the other one is in use: a second buffer
+    assert pool.allocated == 2 and held.numel() == 8192

@@ -310,3 +310,21 @@ def test_torch_export_fallback_with_sample_inputs():
         assert abs(loss - rl.item()) < 1e-12
     for k, v in ref.state_dict().items():
         assert (hp.state_dict()[k] - v).abs().max().item() < 1e-12
+
+
+def test_train_step_returns_the_loss_on_the_device_without_a_host_read(monkeypatch):
+    """On CUDA a host read per step waits for the whole step: the loss comes back as a float64 scalar tensor on
+    the parameters' device, which ``loom train`` reads once with the gradient norm."""
+    model, ref = _twins(Skip, 0)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    hp = HybridParallel(model, micro_batches=2, sample_inputs=x[:2])
+
+    def no_item(self):
+        raise AssertionError("train_step read a tensor on the host (.item())")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_item)
+    loss = hp.train_step(x, y, nn.MSELoss())
+    monkeypatch.undo()
+    assert isinstance(loss, torch.Tensor) and loss.shape == () and loss.dtype == torch.float64
+    assert loss.device == next(hp.parameters()).device
+    assert abs(float(loss) - nn.MSELoss()(ref(x), y).item()) < 1e-12

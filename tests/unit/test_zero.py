@@ -154,3 +154,17 @@ def test_stage3_frees_a_bucket_before_allocating_its_flat_gradient():
         step()
     extra = (mem.peak - 2 * depth * bucket) / bucket
     assert len(sdp.buckets) == depth and extra < 1.5, f"stage-3 step peaked at {extra:.2f} buckets over the state"
+
+
+def test_gpu_tier_placement_check_holds_at_every_stage():
+    """tests/gpu/check_zero_cuda.py's placement assertions, on the CPU after one step of each stage: they must
+    hold where nothing is wrong (stage 0 has no gathered buckets, only the reducer's buffers)."""
+    from tests.gpu import check_zero_cuda as gpu
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    data = czd._data(g, 1)
+    for stage in (0, 1, 2, 3):
+        sdp, opt, _ = gpu._train(world(), 1, data, "cpu", stage, "hooks")
+        gpu._placed(sdp, opt, "cpu", f"stage {stage}")
+        sdp.remove()

@@ -33,20 +33,20 @@ def test_zero_stages_on_cuda_match_cpu():
     assert_all_checks_passed(run_ranks(2, script, timeout=300), script)
 
 
-def test_zero_capacity_on_the_cuda_allocator(tmp_path):
-    """``loom bench zero --device cuda`` at 4 ranks sharing the GPU: every stage measured on the CUDA allocator
-    within the budget, and sharding fits more (the issue's goal, stage 3 >= 3.5x dp, is the benchmark's, not
-    asserted here)."""
-    doc, text = run_bench(tmp_path, "zero", "--device", "cuda", "--skip", "peers", "--budget", "256M", "--width",
-                          "512", ranks=4, timeout=300)
-    assert "CUDA allocator peak on cuda:" in text, text
-    cap = doc["capacity"]["results"]
-    assert all(0 < r["peak"] <= 256 * 2**20 for r in cap.values()), cap
-    assert cap["stage 3"]["params"] > 2 * cap["dp (stage 0)"]["params"], cap
-
-
 def test_gpu_check_script():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py")], capture_output=True, text=True,
                           timeout=180, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("PASS ") == 5, proc.stdout
+
+
+def test_zero_capacity_on_the_cuda_allocator(tmp_path):
+    """``loom bench zero --device cuda`` at 4 ranks sharing the GPU: every stage measured on the CUDA allocator
+    within the budget, and sharding fits more (the issue's goal, stage 3 >= 3.5x dp, is the benchmark's, not
+    asserted here; `bash scripts/gpu_session.sh` measures it). Last in the tier: the least urgent."""
+    doc, text = run_bench(tmp_path, "zero", "--device", "cuda", "--skip", "peers", "--budget", "64M", "--width",
+                          "256", ranks=4, timeout=150)
+    assert "CUDA allocator peak on cuda:" in text, text
+    cap = doc["capacity"]["results"]
+    assert all(0 < r["peak"] <= 64 * 2**20 for r in cap.values()), cap
+    assert cap["stage 3"]["params"] > 2 * cap["dp (stage 0)"]["params"], cap

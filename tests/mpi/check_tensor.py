@@ -403,14 +403,15 @@ def check_train_tp_matches_one_rank(comm):
 def check_train_tp_resume_is_bit_exact(comm):
     """Checkpoints gather the tp slices into whole tensors; --resume slices them again: a run stopped after
     step 2 and resumed ends bit for bit where the uninterrupted one does (fp32; uneven vocabulary at tp 2-3,
-    at 4 ranks ZeRO-3 over dp in dp x tp (one directory of shard files per tp rank) and pp x tp with
-    Megatron-SP (one file per stage, its slices gathered over tp))."""
+    at 4 ranks ZeRO-1 over dp in dp x tp (the unsharded optimizer state's moments gathered over dp and tp),
+    ZeRO-3 over dp in dp x tp (one directory of shard files per tp rank) and pp x tp with Megatron-SP (one file
+    per stage, its slices gathered over tp))."""
     from loom.train.trainer import Trainer
 
     meshes = _train_meshes(comm.size)
     if not meshes:
         return
-    for k, mesh in enumerate(meshes[-1:] if comm.size < 4 else [meshes[3], meshes[-1]]):
+    for k, mesh in enumerate(meshes[-1:] if comm.size < 4 else [meshes[1], meshes[3], meshes[-1]]):
         extra = {**mesh, "train": {"dtype": "float32"}, "checkpoint": {"every": 2}}
         full = Trainer(train_config(TRAIN, extra), comm, out=_tmp(comm, f"full{k}"), quiet=True)
         full.run()

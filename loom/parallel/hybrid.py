@@ -14,6 +14,11 @@ Plan of :meth:`HybridParallel.train_step` on each rank:
    the last stage computes ``loss_fn(out_m, target_m) / M`` and backward sends gradients upstream;
 3. the dp reducer averages each stage's gradients over replicas in buckets as soon as the last micro-batch's
    backward finishes them (``iallreduce``, overlapped with the remaining backward; or the user's hook);
+   with ``reduce_dp="after"`` there is no reducer: ``train_step`` returns each replica's own gradients
+   (tensors shared across stages already summed over their stages) and the caller reduces them over dp
+   afterwards, e.g. ZeRO-1's reduce-scatter (:meth:`loom.parallel.ShardedOptimizer.reduce_grads`), which
+   with the allgather of the updated blocks sends DDP's bytes instead of an allreduce's plus an allgather;
+   with ``reduce_dp=False`` a sharded wrapper over the stage reduce-scatters them during backward (ZeRO 2-3);
 4. the loss: one ``allreduce(sum)`` of a scalar over ``pp`` (only the last stage contributes) and one
    ``allreduce(avg)`` over ``dp``, so every rank returns the mean loss over the global batch.
 
@@ -121,8 +126,12 @@ class HybridParallel:
             whole model never exists on one rank; its weights equal a plain build from the same seed.
         device: where a meta model's stage is materialised.
         dtype: the dtype a meta model's stage is cast to after initialisation (``None``: as built).
-        reduce_dp: average the stage's gradients over ``dp`` (``False``: leave them to a
-            :class:`~loom.parallel.ShardedDataParallel` over this stage, which reduce-scatters them itself).
+        reduce_dp: ``True``: average the stage's gradients over ``dp`` during backward. ``"after"``: leave
+            them unreduced for the caller to reduce over ``dp`` after :meth:`train_step` (a
+            ``ShardedOptimizer(reduce=True)``'s reduce-scatter); the full gradients are still there when the
+            copies of a tensor shared across stages are summed. ``False``: leave them to a
+            :class:`~loom.parallel.ShardedDataParallel` over this stage, which reduce-scatters them during
+            backward (so tensors shared across stages are refused: their stage sum needs the full gradients).
 
     Attributes:
         forward_context: ``None``, or a callable returning the context manager every micro-batch forward
@@ -130,8 +139,9 @@ class HybridParallel:
 
     Raises:
         ValueError: ``partitions x replicas`` differs from the ranks available, more partitions than layers,
-            a bad ``balance``/``schedule``, compression of a 1F1B pipeline, or a meta-device model whose stage
-            holds a tensor nothing can initialise.
+            a bad ``balance``/``schedule``, compression of a 1F1B pipeline, a ``reduce_dp`` other than
+            ``True``, ``False`` or ``"after"``, or a meta-device model whose stage holds a tensor nothing can
+            initialise.
         TraceError: the model cannot be captured (the message says which construct and what to do).
     """
 
@@ -141,7 +151,11 @@ class HybridParallel:
                  grad_hook: GradHook | None = None, compression: Any = None,
                  sample_inputs: Any = None, bucket_mb: float = 25.0, leaf_modules: Sequence[type] = (),
                  virtual_stages: int = 2, init: Callable[[str, torch.Tensor], None] | None = None,
-                 device: Any = "cpu", dtype: torch.dtype | None = None, reduce_dp: bool = True):
+                 device: Any = "cpu", dtype: torch.dtype | None = None, reduce_dp: bool | str = True):
+        if reduce_dp not in (True, False, "after"):
+            raise ValueError(f"reduce_dp={reduce_dp!r} is not True (average over dp during backward), \"after\" "
+                             f"(the caller reduces after train_step) or False (a sharded wrapper reduces during "
+                             f"backward)")
         self.config = HybridConfig(partitions=partitions, replicas=replicas, micro_batches=micro_batches,
                                    schedule=schedule, balance=balance, bucket_mb=bucket_mb,
                                    virtual_stages=virtual_stages)
@@ -193,7 +207,7 @@ class HybridParallel:
             with torch.no_grad():
                 for t in self._tensors():
                     t.copy_(self.dp.bcast(t.detach().clone(), 0))
-            if reduce_dp:
+            if reduce_dp is True:
                 self.reducer = GradReducer(self._params, self.dp, grad_hook=grad_hook, bucket_mb=bucket_mb)
 
     # ------------------------------------------------------------------ setup
@@ -256,7 +270,7 @@ class HybridParallel:
         for k, ss in sorted(stages.items()):
             if len(ss) > 1:
                 groups.setdefault(tuple(ss), []).append(k)
-        if groups and not self._reduce_dp:  # every rank saw the same owners: all refuse alike
+        if groups and self._reduce_dp is False:  # every rank saw the same owners: all refuse alike
             keys = sorted(k for ks in groups.values() for k in ks)
             raise ValueError(
                 f"tensors read by several pipeline stages ({', '.join(keys[:3])}: tied weights) need the pipeline's "
@@ -364,8 +378,9 @@ class HybridParallel:
         scalar tensor on this rank's device (``float(loss)`` reads it): no host read here, so a training loop
         reads it once per step together with its other device values (``loom train`` with the gradient norm).
 
-        Gradients are accumulated into ``.grad`` of :meth:`parameters` (averaged over replicas), as
-        ``loss.backward()`` would; call ``optimizer.step()`` / ``zero_grad()`` around it as usual.
+        Gradients are accumulated into ``.grad`` of :meth:`parameters` (averaged over replicas unless
+        ``reduce_dp`` is ``"after"`` or ``False``), as ``loss.backward()`` would; call ``optimizer.step()`` /
+        ``zero_grad()`` around it as usual.
         ``loss_fn(output, target)`` must return the *mean* over its micro-batch.
         """
         mbs = self._split(inputs, "inputs")

@@ -292,10 +292,11 @@ class ZeroConfig:
 
     stage: int = 0
     """0: every rank keeps everything; 1: the optimizer state is split over ``axes`` (loom.parallel
-    .ShardedOptimizer); 2: the gradients too, reduce-scattered during backward; 3: the parameters too,
-    gathered bucket by bucket just in time (2-3: loom.parallel.ShardedDataParallel, checkpoints one file per
-    rank plus a manifest that ``--resume`` reshards to another dp size; under a pipeline each stage shards its
-    own layers)."""
+    .ShardedOptimizer: the gradients reduce-scattered after backward, the updated blocks all-gathered, DDP's
+    bytes under tp and pp too; with ``compress.policy`` the codec's allreduce first, then the allgather); 2: the
+    gradients too, reduce-scattered during backward; 3: the parameters too, gathered bucket by bucket just in
+    time (2-3: loom.parallel.ShardedDataParallel, checkpoints one file per rank plus a manifest that
+    ``--resume`` reshards to another dp size; under a pipeline each stage shards its own layers)."""
     axes: list = field(default_factory=lambda: ["dp"])
     """Mesh axes whose ranks share the split: ``["dp"]`` or ``["dp", "sp"]`` (sp ranks hold the same weights)."""
     bucket_mb: float = 25.0

@@ -262,7 +262,7 @@ def estimate(cfg: Config, zero: tuple[int, tuple[str, ...]] | None = None) -> li
                         g + work)
         bucket = min(int(cfg.compress.bucket_mb * 2**20), g)
         sync = g + 2 * bucket
-        if zstage == 1 and cfg.mesh.pp == 1 and cfg.compress.policy == "none":
+        if zstage == 1 and cfg.compress.policy == "none":  # also under tp and pp (Trainer._zero1_rs)
             sync = g + e * n + e * n // z  # the flat gradient reduce-scattered, and this rank's block of it
         step = g + 3 * e * max(units[lo:hi])
         total = w + o + zbuf + max(start_bwd, sync, step)
@@ -355,8 +355,18 @@ def _traffic_lines(cfg: Config, stage_params: int) -> list[str]:
     lines = ["  bytes per step per rank (uncompressed, bandwidth-optimal accounting):"]
     if mesh.dp > 1:
         n = stage_params * elem
-        lines.append(f"    dp  allreduce of gradients 2n(P-1)/P: {_fmt(2 * n * (mesh.dp - 1) / mesh.dp)}"
-                     + ("" if cfg.compress.policy == "none" else f" before compression ({cfg.compress.policy})"))
+        zstage, zaxes = zero_settings(cfg)
+        if zstage == 1 and tuple(zaxes) == ("dp",) and cfg.compress.policy == "none":
+            # ShardedOptimizer(reduce=True), on any mesh (tp and pp included): DDP's bytes
+            lines.append(f"    dp  ZeRO-1 reduce-scatter of gradients + allgather of the updated blocks, "
+                         f"n(P-1)/P each: {_fmt(2 * n * (mesh.dp - 1) / mesh.dp)}")
+        elif zstage == 1 and tuple(zaxes) == ("dp",):  # the hook is an allreduce codec; then each rank's block
+            lines.append(f"    dp  allreduce of gradients 2n(P-1)/P: {_fmt(2 * n * (mesh.dp - 1) / mesh.dp)} "
+                         f"before compression ({cfg.compress.policy}) + ZeRO-1 allgather of the updated blocks "
+                         f"n(P-1)/P: {_fmt(n * (mesh.dp - 1) / mesh.dp)}")
+        else:
+            lines.append(f"    dp  allreduce of gradients 2n(P-1)/P: {_fmt(2 * n * (mesh.dp - 1) / mesh.dp)}"
+                         + ("" if cfg.compress.policy == "none" else f" before compression ({cfg.compress.policy})"))
     if mesh.sp > 1:
         p = mesh.sp
         kv = m.kv_heads if m.kv_heads % p == 0 else p

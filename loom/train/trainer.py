@@ -11,7 +11,8 @@ Step plan (every rank, mesh ``dp x pp x ep x sp x tp``, ``tp`` fastest):
    FPDT all-to-alls over ``sp`` inside autograd (compressed by the policy's ``sp`` codec). ``pp > 1``:
    ``loom.parallel.HybridParallel`` cuts an ``nn.Sequential`` view of the model into stages and runs the
    1F1B/GPipe schedule over ``data.micro_batches`` micro-batches; its reducer averages stage gradients over
-   ``dp`` through the same dp hook.
+   ``dp`` through the same dp hook (at ZeRO stage 1 without compression it leaves them to the reduce-scatter
+   of step 3).
 3. **Gradient sync** (see :meth:`Trainer.sync_grads`). Plain data parallel (``pp = ep = 1``, ZeRO stage 0;
    with ``sp`` only uncompressed): a ``loom.parallel.data.GradReducer`` averages the gradients over ``dp`` in
    buckets of ``compress.bucket_mb`` during backward (through the dp hook when compressing), and ``sp`` is
@@ -34,9 +35,16 @@ Step plan (every rank, mesh ``dp x pp x ep x sp x tp``, ``tp`` fastest):
    with the warm-up + cosine learning rate of this step.
 
 ZeRO (``[zero]``): stage 1 wraps the optimizer in ``loom.parallel.ShardedOptimizer`` over the ``zero.axes``
-ranks and leaves steps 2-3 as they are. Stages 2-3 wrap the model (under a pipeline: this rank's stage, with
-HybridParallel's own dp reduction off and each micro-batch's forward in the wrapper's context) in
-``loom.parallel.ShardedDataParallel`` over those ranks instead: it reduce-scatters the gradients during
+ranks. Without compression its ``reduce_grads`` takes the place of the dp average: after the sp reduction each
+group's flat gradient is reduce-scattered (mean) into this rank's master block, clipped there (squares summed
+over the group, tp-split elements also over tp, and over the pipeline stages), stepped, and the blocks
+all-gathered into the parameters: DDP's bytes on dp, under tp and pp as well (HybridParallel is built with
+``reduce_dp="after"``). With a dp compression hook the buckets are averaged through it as in step 3 and each
+rank slices its block, because the hook is an allreduce codec (the compressed reduce-scatter, with its error
+feedback, is ZeRO 2-3's); that costs an allgather on top of the allreduce. (ZeRO with ``mesh.ep`` the config
+refuses.) Stages 2-3 wrap the model (under a pipeline: this rank's stage, with HybridParallel's own dp reduction
+off and each micro-batch's forward in the wrapper's context) in ``loom.parallel.ShardedDataParallel`` over
+those ranks instead: it reduce-scatters the gradients during
 backward (through the policy's dp codec and error feedback when compressing) with the factor ``1 / dp``
 (a share-of-mean loss sums over sp; a local mean is also divided by sp), sp is summed afterwards when it is
 not among the axes, and AdamW steps this rank's flat shards, the decoupled weight decay applied by a mask
@@ -227,6 +235,13 @@ class Trainer:
                 cfg.compress.policy, None if cfg.compress.min_kb < 0 else int(cfg.compress.min_kb * 1024))
         self.corpus = load_corpus(cfg.data)
         self._lay_mesh()
+        # ZeRO-1 as a reduce-scatter plus an allgather (DDP's bytes) over the zero axes, also under tp (each tp
+        # rank's slices are identical over dp) and a pipeline (HybridParallel leaves the dp reduction to it).
+        # A dp compression hook keeps the allreduce and slices its block: the hook is an allreduce codec, and
+        # the compressed reduce-scatter (with its error feedback) lives in ZeRO 2-3's engine. ep never gets
+        # here: the config refuses ZeRO with mesh.ep > 1 (replicated and expert parameters would need two
+        # groups, dp x ep and dp).
+        self._zero1_rs = cfg.zero.stage == 1 and self.hook is None and self.ep is None
         ep_comm = None
         if cfg.model.ffn == "moe":
             ep_comm = self.ep if self.ep is not None else self.comm.split(self.comm.rank, 0, name="ep")
@@ -283,10 +298,6 @@ class Trainer:
         if self.sdp is not None:  # materialising a meta model installs new parameter objects
             named = dict(self.model.named_parameters())
             self.params = [named[n] for n in self.param_names]
-        # ZeRO-1 as a reduce-scatter plus an allgather (DDP's bytes) where nothing else reduces over dp first:
-        # a dp compression hook or a pipeline's own dp reduction keep the allreduce and slice their block.
-        self._zero1_rs = (cfg.zero.stage == 1 and self.hook is None and self.pp is None and self.ep is None
-                          and getattr(self, "tp", None) is None)
         self.opt = self._make_optimizer()
         self.start_step = 0
         self.resumed_from_nothing = False
@@ -438,7 +449,7 @@ class Trainer:
                                   micro_batches=cfg.data.micro_batches, schedule=schedule, balance=balance,
                                   mesh=self.mesh, grad_hook=self.hook, compression=self.policy,
                                   bucket_mb=cfg.compress.bucket_mb, device=self.device, dtype=self.master_dtype,
-                                  reduce_dp=cfg.zero.stage < 2)
+                                  reduce_dp=False if cfg.zero.stage >= 2 else "after" if self._zero1_rs else True)
         except ValueError as exc:
             raise ConfigError(f"pipeline setup: {exc}") from None
 
@@ -664,7 +675,10 @@ class Trainer:
         one call per bucket), expert ones divided by ``ep`` (their local gradient already sums the ``ep``
         peers' tokens, routed to this rank's experts). Under a pipeline the dp average already happened inside
         ``HybridParallel.train_step``; with ``ep`` the replicated buckets are then averaged over ``ep`` and the
-        expert ones divided by it, which comes to the same.
+        expert ones divided by it, which comes to the same. ZeRO-1 without compression (any mesh the config
+        allows: dp, sp, tp, pp): after the sp reduction :meth:`ShardedOptimizer.reduce_grads` reduce-scatters
+        (mean over the zero axes) each group's flat gradient into this rank's master block instead; a pipeline
+        then did no dp average of its own.
         """
         if self.sdp is not None:
             return self._sharded_sync()
@@ -706,38 +720,59 @@ class Trainer:
             sh.grad = self.sp.allreduce(sh.grad, op=op)
         return time.perf_counter() - t0
 
-    def _tp_masks(self) -> list[torch.Tensor]:
-        """Per flat shard: which of its elements belong to tp-split parameters (their squares add up over tp)."""
+    def _tp_masks(self, blocks: list[tuple[list[torch.Tensor], list[int], int, int]]) -> list[torch.Tensor]:
+        """Per flat block: which of its elements belong to tp-split parameters (their squares add up over tp).
+
+        Args:
+            blocks: per flat block ``(params, offsets, shard, rank)``: the parameters laid end to end at those
+                offsets in a flat buffer (padding after them), of which this rank holds elements
+                ``[rank * shard, (rank + 1) * shard)``.
+        """
         named = dict(self.model.named_parameters())
         split = {id(named[n]) for n in self._tp_dims}
         out = []
-        r = self.sdp.comm.rank
-        for b in self.sdp.buckets:
-            mask = torch.zeros(b.padded, dtype=torch.bool)
-            for p, off in zip(b.params, b.offsets):
-                mask[off:off + p.numel()] = id(p) in split
-            out.append(mask[r * b.shard:(r + 1) * b.shard].to(self.device))
+        for ps, offs, shard, r in blocks:
+            base = r * shard
+            mask = torch.zeros(shard, dtype=torch.bool, device=self.device)
+            for p, off in zip(ps, offs):
+                lo, hi = max(off, base), min(off + p.numel(), base + shard)
+                if lo < hi and id(p) in split:
+                    mask[lo - base:hi - base] = True
+            out.append(mask)
         return out
 
-    def _sharded_clip(self) -> float:
-        grads = [sh.grad for sh in self.sdp.shards]
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.tp is not None:  # tp slices' squares add up over tp, replicated ones count once
-            if not hasattr(self, "_tp_mask"):
-                self._tp_mask = self._tp_masks()
-            sq_tp = sum((g[m].double().pow(2).sum() for g, m in zip(grads, self._tp_mask)), zero)
-            sq_rep = sum((g[~m].double().pow(2).sum() for g, m in zip(grads, self._tp_mask)), zero)
-            sq = self.sdp.comm.allreduce(torch.stack([sq_rep, sq_tp]), op="sum")
-            sq = (sq[0] + self.tp.allreduce(sq[1:], op="sum")[0]).reshape(1)
-        else:
-            sq = sum((g.double().pow(2).sum() for g in grads), zero)
-            sq = self.sdp.comm.allreduce(sq.reshape(1), op="sum")
-        return self._clip_norm(sq, grads)
+    def _block_layout(self) -> list[tuple[list[torch.Tensor], list[int], int, int]]:
+        """``(params, offsets, shard, rank)`` of every flat block this rank's clip sees: ZeRO 2-3's buckets, or
+        ZeRO-1's groups (``ShardedOptimizer.params``, laid end to end, each rank a master block)."""
+        if self.sdp is not None:
+            r = self.sdp.comm.rank
+            return [(b.params, list(b.offsets), b.shard, r) for b in self.sdp.buckets]
+        out = []
+        for ps, master in zip(self.opt.params, self.opt.masters()):
+            offs, off = [], 0
+            for p in ps:
+                offs.append(off)
+                off += p.numel()
+            out.append((ps, offs, master.numel(), self.opt.comm.rank))
+        return out
 
     def _clip_blocks(self, grads: list[torch.Tensor], group: Communicator) -> float:
-        """Clip gradients held as blocks over ``group`` (each element on one rank of it) to the global norm."""
-        sq = sum((g.double().pow(2).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=self.device))
-        return self._clip_norm(group.allreduce(sq.reshape(1), op="sum"), grads)
+        """Clip gradients held as blocks over ``group`` (each element on one rank of it) to the global norm.
+
+        Under tp the blocks hold this tp rank's slices: the squares of tp-split elements (a mask per block,
+        built once) add up over tp as well, replicated ones (the same on every tp rank) count once, as in
+        :meth:`clip`.
+        """
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.tp is None:
+            sq = sum((g.double().pow(2).sum() for g in grads), zero)
+            return self._clip_norm(group.allreduce(sq.reshape(1), op="sum"), grads)
+        if not hasattr(self, "_tp_mask"):
+            self._tp_mask = self._tp_masks(self._block_layout())
+        sq_tp = sum((g[m].double().pow(2).sum() for g, m in zip(grads, self._tp_mask)), zero)
+        sq_rep = sum((g[~m].double().pow(2).sum() for g, m in zip(grads, self._tp_mask)), zero)
+        sq = group.allreduce(torch.stack([sq_rep, sq_tp]), op="sum")
+        return self._clip_norm((sq[0] + self.tp.allreduce(sq[1:], op="sum")[0]).reshape(1), grads)
 
     def _clip_norm(self, sq: torch.Tensor, grads: list[torch.Tensor]) -> float:
         """Scale ``grads`` to ``optim.grad_clip`` given their group's summed squares ``sq`` (one element)."""
@@ -774,7 +809,7 @@ class Trainer:
         the caller reads the norm once per step with the loss.
         """
         if self.sdp is not None:
-            return self._sharded_clip()
+            return self._clip_blocks([sh.grad for sh in self.sdp.shards], self.sdp.comm)
         if self._zero1_rs:
             return self._clip_blocks([m.grad for m in self.opt.masters()], self.opt.comm)
         sq = torch.zeros((), dtype=torch.float64, device=self.device)

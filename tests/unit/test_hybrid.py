@@ -186,6 +186,8 @@ def test_config_errors():
         HybridParallel(seq, partitions=2, replicas=1)
     with pytest.raises(ValueError, match="sample_inputs"):
         HybridParallel(seq, balance="time")
+    with pytest.raises(ValueError, match="reduce_dp='later' is not True"):
+        HybridParallel(seq, reduce_dp="later")
     with pytest.raises(ValueError, match=r"balance=\[1, 2\] must give 1 positive layer counts"):
         split_units(capture(seq), 1, [1, 2])
     hp = HybridParallel(seq, micro_batches=3)

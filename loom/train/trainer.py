@@ -756,7 +756,7 @@ class Trainer:
             out.append((ps, offs, master.numel(), self.opt.comm.rank))
         return out
 
-    def _clip_blocks(self, grads: list[torch.Tensor], group: Communicator) -> float:
+    def _clip_blocks(self, grads: list[torch.Tensor], group: Communicator) -> torch.Tensor:
         """Clip gradients held as blocks over ``group`` (each element on one rank of it) to the global norm.
 
         Under tp the blocks hold this tp rank's slices: the squares of tp-split elements (a mask per block,
@@ -774,14 +774,15 @@ class Trainer:
         sq = group.allreduce(torch.stack([sq_rep, sq_tp]), op="sum")
         return self._clip_norm((sq[0] + self.tp.allreduce(sq[1:], op="sum")[0]).reshape(1), grads)
 
-    def _clip_norm(self, sq: torch.Tensor, grads: list[torch.Tensor]) -> float:
-        """Scale ``grads`` to ``optim.grad_clip`` given their group's summed squares ``sq`` (one element)."""
+    def _clip_norm(self, sq: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Scale ``grads`` to ``optim.grad_clip`` given their group's summed squares ``sq`` (one element); the
+        norm stays on the device and the scale is applied without a host read, as in :meth:`clip`."""
         if self.pp is not None:  # every stage's shards
             sq = self.pp.allreduce(sq, op="sum")
-        norm = float(sq[0].sqrt())
+        norm = sq[0].sqrt()
         limit = self.cfg.optim.grad_clip
-        if limit > 0 and norm > limit:
-            scale = limit / (norm + 1e-6)
+        if limit > 0:
+            scale = (limit / (norm + 1e-6)).clamp(max=1.0)
             for g in grads:
                 g.mul_(scale)
         return norm
@@ -801,7 +802,7 @@ class Trainer:
         self.sdp.update(self.opt)
         self.sdp.zero_grad()
 
-    def clip(self) -> torch.Tensor | float:
+    def clip(self) -> torch.Tensor:
         """Clip the global gradient norm (summed over pipeline stages) to ``optim.grad_clip``; returns the norm.
 
         The norm stays a tensor on the model's device and the scale is applied without reading it on the host

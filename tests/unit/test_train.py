@@ -238,3 +238,38 @@ def test_resume_refuses_another_model(tmp_path):
     other = {**base, "model": {**base["model"], "hidden": 32}}
     with pytest.raises(ConfigError, match="model.hidden: checkpoint 16 vs config 32"):
         Trainer(config_from_dict(other), out=tmp_path, resume=True, quiet=True)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_clip_reads_nothing_on_the_host_at_any_zero_stage(stage, tmp_path, monkeypatch):
+    """On CUDA a host read in the clip waits for the whole backward, once per step before the step's one read of
+    loss and norm: the clipped norm stays a device tensor at every ZeRO stage, and the gradients are scaled as
+    torch's ``clip_grad_norm_`` scales them."""
+    from loom.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    cfg = config_from_dict({"model": {"layers": 1, "hidden": 16, "heads": 2, "kv_heads": 1},
+                            "data": {"seq_len": 16, "batch": 2, "max_bytes": 20_000},
+                            "optim": {"grad_clip": 1e-3}, "zero": {"stage": stage},
+                            "train": {"steps": 1, "eval_every": 0, "progress": "none", "plots": False}})
+    tr = Trainer(cfg, out=tmp_path, quiet=True)
+    x, y = tr.local_batch(tr.corpus.train, 0)
+    tr.opt.zero_grad(set_to_none=True)
+    tr.forward_backward(x, y)
+    tr.sync_grads()
+    grads = ([sh.grad for sh in tr.sdp.shards] if tr.sdp is not None else
+             [m.grad for m in tr.opt.masters()] if stage == 1 else [p.grad for p in tr.params])
+    before = [g.clone() for g in grads]
+    want = torch.linalg.vector_norm(torch.cat([g.double().reshape(-1) for g in before]))
+
+    def host_read(self, *args):
+        raise AssertionError("the clip read a tensor on the host")
+
+    for name in ("item", "tolist", "__float__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    norm = tr.clip()
+    monkeypatch.undo()
+    assert isinstance(norm, torch.Tensor) and norm.numel() == 1
+    assert float(norm) == pytest.approx(float(want), rel=1e-6) and float(want) > 1e-3  # it clipped
+    for g, b in zip(grads, before):
+        torch.testing.assert_close(g, b * (1e-3 / (want + 1e-6)).to(b.dtype), rtol=1e-6, atol=0)

@@ -23,6 +23,7 @@ the launcher returns non-zero and the test prints it. A hang hits the timeout an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -35,7 +36,7 @@ from . import settings
 from .comm import launch
 
 __all__ = ["run_ranks", "mpi_checks", "seeded", "assert_all_checks_passed", "load_checks", "run_bench", "ROOT",
-           "device_check", "DeviceCheckError", "race"]
+           "device_check", "DeviceCheckError", "race", "staged_on_host"]
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root: relative script paths are resolved against it."""
@@ -237,3 +238,91 @@ def device_check(roots: "tuple[str | os.PathLike, ...] | None" = None):
             return func(*args, **kwargs)
 
     return _Mode()
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def staged_on_host(comm=None):
+    """A context in which loom.comm takes its path for CUDA tensors without a CUDA-aware MPI (staging through
+    pinned memory on side streams) on host tensors, with the CUDA streams and events faked: CPU-only CI's check
+    of the staged collectives' layout and of their order of copies, waits and MPI calls.
+
+    Every torch tensor counts as staged; pinned buffers come from a pool of plain host memory; the copies run
+    at once. Yields a log of what the device would have been asked to do, in order:
+    ``("wait", stream, other)`` (``stream.wait_stream(other)``), ``("record", stream, event)``,
+    ``("wait_event", stream, event)``, ``("host waits", event)``, and, when ``comm`` (a ``Communicator``) is
+    given, ``("mpi", name)`` for each MPI call made through it. Streams are ``"cur"`` (the caller's), ``"d2h"``
+    and ``"h2d"`` (side streams 0 and 1); events are numbered in order of creation.
+    """
+    import torch
+
+    from .comm import buffers
+
+    log: list[tuple] = []
+    made = [0]
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait", self.name, other.name))
+
+        def wait_event(self, ev):
+            log.append(("wait_event", self.name, ev.n))
+
+    class Event:
+        def __init__(self, *args, **kwargs):
+            self.n = made[0]
+            made[0] += 1
+
+        def record(self, stream=None):
+            log.append(("record", stream.name, self.n))
+
+        def synchronize(self):
+            log.append(("host waits", self.n))
+
+        def query(self):
+            return True
+
+    class Logged:
+        """The communicator's mpi4py communicator, each upper-case call logged."""
+
+        def __init__(self, mpi):
+            self._mpi = mpi
+
+        def __getattr__(self, name):
+            got = getattr(self._mpi, name)
+            if not name[:1].isupper() or not callable(got) or name.startswith("Get_"):
+                return got
+
+            def call(*args, **kwargs):
+                log.append(("mpi", name))
+                return got(*args, **kwargs)
+            return call
+
+    cur, side = Stream("cur"), {0: Stream("d2h"), 1: Stream("h2d")}
+    swaps = [(buffers, "staging", lambda x: isinstance(x, torch.Tensor)),
+             (buffers, "_side_stream", lambda dev, which=0: side[which]),
+             (buffers, "_PINNED", buffers._Pinned(lambda n: torch.empty(n, dtype=torch.uint8, device="cpu"))),
+             (torch.cuda, "Event", Event),
+             (torch.cuda, "current_stream", lambda device=None: cur),
+             (torch.cuda, "stream", lambda s: contextlib.nullcontext()),
+             (torch.Tensor, "record_stream", lambda self, s: None)]
+    if comm is not None:
+        swaps.append((comm, "mpi", Logged(comm.mpi)))
+    # a class's own attribute or none (then the inherited one comes back by deleting ours); else the value
+    saved = [(obj, name, obj.__dict__.get(name, _MISSING) if isinstance(obj, type) else getattr(obj, name))
+             for obj, name, _ in swaps]
+    try:
+        for obj, name, value in swaps:
+            setattr(obj, name, value)
+        yield log
+    finally:
+        for obj, name, value in reversed(saved):
+            if value is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)

@@ -120,6 +120,9 @@ step allreduce-cuda 60 "${LOOM[@]}" bench allreduce --ranks 2 --device cuda -m 1
     --iterations-large 20 --warmup-large 3 --max-seconds 5 --json "$OUT/allreduce-cuda.json"
 step allreduce-bf16 40 "${LOOM[@]}" bench allreduce --ranks 2 --device cuda --dtype bfloat16 -m 1M -M 64M --rounds 2 \
     --iterations-large 20 --warmup-large 3 --max-seconds 5 --json "$OUT/allreduce-bf16.json"
+# Ulysses' alltoall (bf16) on CUDA tensors against host tensors, pipelined pieces along every rank's block.
+step alltoall-cuda 40 "${LOOM[@]}" bench alltoall --ranks 2 --device cuda --dtype bfloat16 -m 1M -M 32M --rounds 2 \
+    --iterations-large 20 --warmup-large 3 --max-seconds 5 --json "$OUT/alltoall-cuda.json"
 # The issue's FPDT-vs-Ulysses figure: P = 1 and 2 ranks sharing the GPU, 6 GiB per rank, bf16.
 step seqlen-p1 100 "${LOOM[@]}" bench seqlen "${SEQLEN[@]}" --json "$OUT/seqlen-p1.json"
 step seqlen-p2 130 "${LOOM[@]}" bench seqlen --ranks 2 "${SEQLEN[@]}" --json "$OUT/seqlen-p2.json"

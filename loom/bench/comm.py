@@ -1,7 +1,8 @@
 """OSU-style communication benchmarks for ``loom.comm``, each with raw mpi4py as the peer in the same run.
 
 ``loom bench latency|bw|bibw|allreduce|allgather|alltoall|alltoallv [--ranks N] [--vs raw] [--buffer torch]``
-``loom bench allreduce --device cuda``: the same allreduce on device tensors against host tensors, in one run.
+``loom bench allreduce|allgather|alltoall --device cuda``: the same collective on device tensors against host
+tensors, in one run.
 
 The raw peer is what a user writes by hand: mpi4py's uppercase calls on the same buffers (numpy arrays, or
 torch tensors handed over through DLPack). This module is the only place outside ``loom.comm`` that calls
@@ -208,12 +209,13 @@ def _collective_table(title: str, args, comm: Communicator, min_size: int, nbyte
                   omb.sizes(max(args.min_size, min_size), args.max_size), lambda size, t: t * 1e6, average=True)
 
 
-def _device_table(title: str, args, comm: Communicator, min_size: int, op: Callable) -> int:
+def _device_table(title: str, args, comm: Communicator, min_size: int, op: Callable,
+                  nbytes: Callable = lambda size: (size, size)) -> int:
     """The latency table of one loom collective on ``--device`` tensors against the same call on host tensors.
 
-    Both sides are torch tensors of ``--dtype`` filled alike (``size`` bytes of float32, so a bf16 row moves
-    half the bytes); the device side waits for the device at the end of each call (a staged collective may
-    return with its copies still queued), so its time is the whole round trip.
+    Both sides are torch tensors of ``--dtype`` filled alike (``nbytes(size)``: the send and receive sides'
+    bytes of float32, so a bf16 row moves half the bytes); the device side waits for the device at the end of
+    each call (a staged collective may return with its copies still queued), so its time is the whole round trip.
     """
     try:
         device = local_device(args.device)
@@ -224,8 +226,9 @@ def _device_table(title: str, args, comm: Communicator, min_size: int, op: Calla
 
     def maker(dev: torch.device, wait: Callable) -> Callable:
         def make(size: int) -> Callable:
-            x = _buf("torch", size, np.float32).to(dev, getattr(torch, args.dtype))
-            out = torch.empty_like(x)
+            send, recv = nbytes(size)
+            x = _buf("torch", send, np.float32).to(dev, getattr(torch, args.dtype))
+            out = x.new_empty(recv // 4)
             call = op(x, out, size)
 
             def f():
@@ -275,9 +278,12 @@ def allreduce(argv: list[str]) -> int:
 
 def allgather(argv: list[str]) -> int:
     """osu_allgather: each rank contributes ``size`` bytes."""
-    args, comm = _setup("allgather", "allgather latency", argv, min_size=1, max_size=1 << 20)
-    raw = _raw().COMM_WORLD
+    args, comm = _setup("allgather", "allgather latency", argv, min_size=1, max_size=1 << 20, extra=_add_device)
     p = comm.size
+    if args.device is not None:
+        return _device_table("Allgather Latency Test", args, comm, 4,
+                             lambda x, out, size: lambda: comm.allgather(x, out=out), lambda size: (size, size * p))
+    raw = _raw().COMM_WORLD
     return _collective_table("Allgather Latency Test", args, comm, 1, lambda size: (size, size * p),
                              lambda x, out, size: lambda: comm.allgather(x, out=out),
                              lambda x, out, size: lambda: raw.Allgather(x, out))
@@ -285,9 +291,12 @@ def allgather(argv: list[str]) -> int:
 
 def alltoall(argv: list[str]) -> int:
     """osu_alltoall: ``size`` bytes to every rank."""
-    args, comm = _setup("alltoall", "alltoall latency", argv, min_size=1, max_size=1 << 20)
-    raw = _raw().COMM_WORLD
+    args, comm = _setup("alltoall", "alltoall latency", argv, min_size=1, max_size=1 << 20, extra=_add_device)
     p = comm.size
+    if args.device is not None:
+        return _device_table("All-to-All Latency Test", args, comm, 4,
+                             lambda x, out, size: lambda: comm.alltoall(x, out=out), lambda size: (size * p, size * p))
+    raw = _raw().COMM_WORLD
     return _collective_table("All-to-All Latency Test", args, comm, 1, lambda size: (size * p, size * p),
                              lambda x, out, size: lambda: comm.alltoall(x, out=out),
                              lambda x, out, size: lambda: raw.Alltoall(x, out))

@@ -151,10 +151,11 @@ def reduction_dtype(x: Buffer):
 # again before the copies that still read it are done: its event), on a side stream that first waits for the
 # tensor's stream (the kernels that produce it); host -> device copies of results run on that stream and the
 # caller's stream waits for them on the device, not on the host. Casts (bf16 -> fp32 for a sum) happen on the
-# device before staging. ``Communicator.allreduce`` pipelines large tensors piece by piece (``staged_allreduce``).
+# device before staging. ``Communicator.allreduce`` pipelines large tensors piece by piece (``staged_allreduce``),
+# and so do alltoall, allgather and reduce_scatter, a piece along every block (``staged_blocks``).
 
 STAGE_PIECE = 4 << 20
-"""Bytes per piece of a pipelined staged allreduce (copy piece i+1 while MPI reduces piece i)."""
+"""Bytes per piece of a pipelined staged collective (copy piece i+1 while MPI moves piece i)."""
 
 
 class _Pinned:
@@ -226,13 +227,14 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     for d in shape:
         n *= int(d)
     nbytes = n * torch.empty((), dtype=dtype, device="cpu").element_size()
-    buf = _PINNED.take(nbytes)
+    pool = _PINNED  # the buffer goes back to the pool it came from (a test may swap in a pool of host memory)
+    buf = pool.take(nbytes)
     view = buf[:nbytes].view(dtype).reshape(shape)
     key = id(view)
     _PENDING[key] = None
 
     def back():
-        _PINNED.give(buf, _PENDING.pop(key, None))
+        pool.give(buf, _PENDING.pop(key, None))
 
     weakref.finalize(view, back)
     return view
@@ -390,6 +392,77 @@ def staged_allreduce(mpi_comm: Any, x: torch.Tensor, mop: Any) -> tuple[torch.Te
     res.record_stream(h2d)
     _PENDING[id(host)] = done
     return res.view(x.shape), host
+
+
+def staged_blocks(mpi_comm: Any, x: torch.Tensor, kind: str, mop: Any = None,
+                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block collective (``kind``: ``alltoall``, ``allgather`` or ``reduce_scatter``) of a CUDA tensor through
+    host memory in pipelined pieces; returns ``(result as [rows, m] on the device, the pinned receive buffer)``.
+
+    Layout: over ``p`` ranks the data is ``[p, m]`` blocks, block j of dim 0 to or from rank j (allgather's input
+    is one block ``[1, m]``, reduce_scatter's output too). Piece k is columns ``[k q, (k+1) q)``
+    of *every* block, so each piece is itself a valid alltoall / allgather / reduce_scatter_block of ``[rows, w]``
+    blocks (a piece cut along dim 0 would not be: it would hold whole blocks for some ranks and none for the
+    others). ``q`` makes the larger side of a piece ``STAGE_PIECE`` bytes; the last piece is shorter.
+
+    Plan, as :func:`staged_allreduce`: cast on the device (reduce_scatter widens bf16/fp16 to fp32 there, as a sum
+    needs; alltoall and allgather move the bytes as they are); queue every piece's device -> host copy on stream 0
+    (after the caller's stream), strided piece into its contiguous ``[rows, w]`` slot of one pinned send buffer,
+    each with its event; for each piece wait for its event, run the MPI collective (``MPI_Alltoall``,
+    ``MPI_Allgather`` or ``MPI_Reduce_scatter_block``) from its pinned slot into its slot of one pinned receive
+    buffer, and queue its host -> device copy into the strided piece of the result on stream 1, so piece k+1
+    crosses the bus while MPI moves piece k. The caller's stream waits for the last copy on the device; the
+    pinned receive buffer is not reused before it (the send buffer's copies are done when the last MPI call is).
+
+    Args:
+        mpi_comm: the mpi4py communicator.
+        x: the CUDA tensor; its elements in dim-0 order are the send side's ``[rows, m]`` blocks.
+        kind: ``"alltoall"``, ``"allgather"`` or ``"reduce_scatter"``.
+        mop: the MPI reduction op (reduce_scatter).
+        out: a contiguous tensor on ``x``'s device, of the result's dtype and size, to receive into.
+    """
+    p = mpi_comm.Get_size()
+    rows_in, rows_out = {"alltoall": (p, p), "allgather": (1, p), "reduce_scatter": (p, 1)}[kind]
+    dev = x.device
+    dt = reduction_dtype(x) if kind == "reduce_scatter" else x.dtype
+    m = x.numel() // rows_in
+    src = x.detach().to(dt).reshape(rows_in, m)
+    res = torch.empty((rows_out, m), dtype=dt, device=dev) if out is None else out.view(rows_out, m)
+    es = src.element_size()
+    q = max(1, STAGE_PIECE // (p * es))
+    cuts = [(lo, min(lo + q, m)) for lo in range(0, m, q)]
+    hin, hout = pinned_empty((rows_in * m,), dt), pinned_empty((rows_out * m,), dt)
+    d2h, h2d, cur = _side_stream(dev, 0), _side_stream(dev, 1), torch.cuda.current_stream(dev)
+    d2h.wait_stream(cur)
+    h2d.wait_stream(cur)
+    ready = []
+    with torch.cuda.stream(d2h):
+        for lo, hi in cuts:
+            hin[rows_in * lo:rows_in * hi].view(rows_in, hi - lo).copy_(src[:, lo:hi], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(d2h)
+            ready.append(ev)
+    mt = _TORCH_MPI[dt]
+    for ev, (lo, hi) in zip(ready, cuts):
+        ev.synchronize()
+        a, b = hin[rows_in * lo:rows_in * hi], hout[rows_out * lo:rows_out * hi]
+        sa, sb = _fromaddress(a.data_ptr(), a.nbytes), _fromaddress(b.data_ptr(), b.nbytes)
+        if kind == "alltoall":
+            mpi_comm.Alltoall([sa, _BYTE], [sb, _BYTE])
+        elif kind == "allgather":
+            mpi_comm.Allgather([sa, _BYTE], [sb, _BYTE])
+        else:
+            mpi_comm.Reduce_scatter_block([sa, mt], [sb, mt], mop)
+        with torch.cuda.stream(h2d):
+            res[:, lo:hi].copy_(b.view(rows_out, hi - lo), non_blocking=True)
+    with torch.cuda.stream(h2d):
+        done = torch.cuda.Event()
+        done.record(h2d)
+    cur.wait_event(done)
+    src.record_stream(d2h)
+    res.record_stream(h2d)
+    _PENDING[id(hout)] = done
+    return res, hout
 
 
 def host_view(x: Buffer) -> Buffer:

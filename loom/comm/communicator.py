@@ -356,12 +356,33 @@ class Communicator:
         """Reduce across ranks, then rank r keeps block r of dim 0 (dim 0 must divide by the size)."""
         mop = _op(op)
         p = self.size
+        if _b.staging(tensor):  # pipelined through pinned memory, reduced in fp32 for bf16/fp16
+            n0, _ = self._check_blocks(tensor, "reduce_scatter")
+            res, _host = _b.staged_blocks(self.mpi, tensor, "reduce_scatter", mop)
+            self._count("reduce_scatter", _b.nbytes(tensor) * (p - 1) // p)
+            if op == "avg":
+                res /= p
+            return res.view(n0 // p, *tensor.shape[1:]).to(tensor.dtype)
         x, xin, out = self._reduce_scatter_buffers(tensor, "reduce_scatter")
         self.mpi.Reduce_scatter_block(_as_send(xin), _as_send(out), mop)
         self._count("reduce_scatter", _b.nbytes(x) * (p - 1) // p)
         if op == "avg":
             out /= p
         return _b.cast(_to_device(out, tensor), x.dtype)
+
+    def _staged_blocks(self, kind: str, tensor: torch.Tensor, shape: tuple[int, ...],
+                       out: torch.Tensor | None) -> torch.Tensor:
+        """alltoall / allgather of a staged CUDA tensor (:func:`~loom.comm.buffers.staged_blocks`), the pieces
+        copied straight into ``out`` when it can take them (contiguous, same shape, dtype and device), else
+        into a new tensor (copied into ``out`` after, on the caller's stream)."""
+        direct = (out is not None and tuple(out.shape) == shape and out.dtype == tensor.dtype
+                  and out.device == tensor.device and out.is_contiguous() and not (out.requires_grad and out.is_leaf))
+        res, _host = _b.staged_blocks(self.mpi, tensor, kind, out=out if direct else None)
+        if out is None:
+            return res.view(shape)
+        if not direct:
+            out.copy_(res.view(shape))
+        return out
 
     def _check_blocks(self, tensor: _b.Buffer, what: str, other_fix: str = "") -> tuple[int, int]:
         """Check that dim 0 splits into one equal block per rank; return (dim 0, ranks)."""
@@ -390,6 +411,11 @@ class Communicator:
 
     def allgather(self, tensor: _b.Buffer, *, out: _b.Buffer | None = None) -> _b.Buffer:
         """Concatenate every rank's tensor along dim 0 (same shape on every rank); ``out`` to reuse a buffer."""
+        if _b.staging(tensor):
+            _check_dim0(tensor, "allgather")
+            res = self._staged_blocks("allgather", tensor, (tensor.shape[0] * self.size, *tensor.shape[1:]), out)
+            self._count("allgather", _b.nbytes(tensor) * (self.size - 1))
+            return res
         x, direct, res = self._allgather_buffers(tensor, out, "allgather")
         self.mpi.Allgather(_as_bytes(x), _as_bytes(res))
         self._count("allgather", _b.nbytes(x) * (self.size - 1))
@@ -413,6 +439,10 @@ class Communicator:
     def alltoall(self, tensor: _b.Buffer, *, out: _b.Buffer | None = None) -> _b.Buffer:
         """Split dim 0 into ``size`` equal blocks, block j to rank j; returns the received blocks in rank order."""
         _, p = self._check_blocks(tensor, "alltoall", " or use alltoallv with explicit counts")
+        if _b.staging(tensor):
+            res = self._staged_blocks("alltoall", tensor, tuple(tensor.shape), out)
+            self._count("alltoall", _b.nbytes(tensor) * (p - 1) // p)
+            return res
         x = _host_view(tensor)
         direct = out is not None and tuple(out.shape) == tuple(x.shape) and _b.direct_target(out, x)
         res = out if direct else _b.empty_like_shape(x, tuple(x.shape))

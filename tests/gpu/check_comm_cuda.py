@@ -3,7 +3,8 @@
 Every rank binds ``cuda:local_rank % device_count``; collectives of CUDA tensors (staged through pooled pinned
 host memory when the MPI is not CUDA-aware, which the MPICH wheel is not) must return on the tensor's device
 the values a host reference computes: allreduce (sum, avg, ``out=``; several pipelined pieces for the large
-size), reduce_scatter, allgather, alltoall, alltoallv in fp32 and bf16, and sends right after queued kernels.
+size), reduce_scatter, allgather, alltoall (also in several pipelined pieces per block, behind a queued kernel),
+alltoallv in fp32 and bf16, and sends right after queued kernels.
 Tolerances: fp32 sums 1e-6 relative (MPI's order of adding the ranks is not ours), bf16 sums one bf16 ulp
 (reduced in fp32 on the device, rounded once), everything else exact.
 """
@@ -71,6 +72,38 @@ def check_collectives_on_cuda(comm):
     assert rc == [(s + r) % 3 for s in range(p)] and out.device == dev
     assert torch.equal(out.cpu(), torch.cat([torch.full((c, 3), float(s), dtype=torch.bfloat16)
                                              for s, c in enumerate(rc)]))
+
+
+def check_block_collectives_pipelined_on_cuda(comm):
+    """alltoall, allgather and reduce_scatter of CUDA tensors staged in several pieces per block (a small
+    ``STAGE_PIECE``: three pieces, the last one short), their input made by a kernel queued behind a sleep, equal
+    the same calls on host tensors: exact for alltoall and allgather (bytes moved), reduce_scatter within
+    :func:`_close` (bf16 widened and reduced in fp32 on the device); ``out=`` receives the pieces directly."""
+    dev, p, r = local_device("cuda"), comm.size, comm.rank
+    g = seeded(comm)
+    rows, cols = 300, 77
+    saved = buffers.STAGE_PIECE
+    buffers.STAGE_PIECE = 64 << 10  # every rank alike: the pieces must match
+    try:
+        assert rows * cols * 4 * p > 2 * buffers.STAGE_PIECE  # fp32: more than two pieces per block
+        for dtype in (torch.float32, torch.bfloat16):
+            parts = [torch.randn(p * rows, cols, generator=g, dtype=torch.float64) for _ in range(p)]
+            host = parts[r].to(dtype)
+            mine = host.to(dev)
+            torch.cuda._sleep(SLEEP_CYCLES // 4)
+            mine = mine * 1  # queued behind the sleep: a copy that does not wait for it reads an unfinished tensor
+            got = comm.alltoall(mine)
+            assert got.device == dev and got.dtype == dtype and torch.equal(got.cpu(), comm.alltoall(host))
+            out = torch.full_like(mine, float("nan"))
+            assert comm.alltoall(mine, out=out) is out and torch.equal(out.cpu(), got.cpu())
+            got = comm.allgather(mine)
+            assert got.device == dev and torch.equal(got.cpu(), comm.allgather(host))
+            got = comm.reduce_scatter(mine)
+            assert got.device == dev and got.dtype == dtype and got.shape == (rows, cols)
+            _close(got, _ref_sum(parts, dtype)[r * rows:(r + 1) * rows], dtype)
+            assert torch.equal(mine.cpu(), host)  # the input is untouched
+    finally:
+        buffers.STAGE_PIECE = saved
 
 
 def check_pinned_buffers_are_reused(comm):

@@ -26,10 +26,11 @@ def test_bench_table_against_raw(tmp_path, bench, column):
         assert row["loom/raw"] == pytest.approx(loom / raw)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_allreduce_device_against_host(tmp_path, dtype):
+@pytest.mark.parametrize("bench,dtype", [("allreduce", "float32"), ("allreduce", "bfloat16"),
+                                         ("alltoall", "bfloat16"), ("allgather", "float32")])
+def test_device_against_host(tmp_path, bench, dtype):
     """``--device cpu`` runs the device-vs-host table end to end (on a GPU machine: ``--device cuda``)."""
-    doc, _ = run_bench(tmp_path, "allreduce", "--device", "cpu", "--dtype", dtype, "--vs", "none", *QUICK)
+    doc, _ = run_bench(tmp_path, bench, "--device", "cpu", "--dtype", dtype, "--vs", "none", *QUICK)
     assert doc["columns"] == ["Size", "cpu Latency (us)", "host Latency (us)", "cpu/host"]
     assert doc["meta"]["device"] == "cpu" and doc["meta"]["peer"] == "host Latency"
     assert doc["meta"]["dtype"] == dtype

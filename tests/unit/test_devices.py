@@ -101,47 +101,23 @@ def test_rng_of_a_cpu_run_has_no_cuda_state():
 
 def test_staged_allreduce_pipelines_pieces_in_order_and_is_exact(monkeypatch):
     """The pipelined staging of a CUDA allreduce, its streams and events faked on the CPU (one rank): every piece's
-    copy is queued before MPI starts, each piece waits for its own copy, and the values come back exactly."""
-    import contextlib
-
+    copy is queued before MPI starts, each piece's MPI call waits for its own copy, and the values come back
+    exactly. The block collectives' pipelines: ``check_staged_block_collectives`` in tests/mpi/check_comm.py."""
     from loom.comm import buffers, world
+    from loom.testing import staged_on_host
 
-    log = []
-
-    class Stream:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_stream(self, other):
-            log.append(("wait", self.name, other.name))
-
-        def wait_event(self, ev):
-            log.append(("wait_event", self.name))
-
-    class Event:
-        def record(self, stream=None):
-            log.append(("record", stream.name))
-
-        def synchronize(self):
-            log.append(("host waits",))
-
-    cur, streams = Stream("cur"), {0: Stream("d2h"), 1: Stream("h2d")}
     monkeypatch.setattr(buffers, "STAGE_PIECE", 64)  # 16 fp32 elements per piece
-    monkeypatch.setattr(buffers, "staging", lambda x: True)
-    monkeypatch.setattr(buffers, "_side_stream", lambda dev, which=0: streams[which])
-    monkeypatch.setattr(buffers._PINNED, "take", lambda n: torch.empty(max(n, 1), dtype=torch.uint8, device="cpu"))
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: cur)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None, raising=False)
     comm = world()
     x = torch.randn(10, 10, generator=torch.Generator().manual_seed(0))
-    got = comm.allreduce(x, op="avg")  # avg: a CPU sum would take the host fast path, which a CUDA tensor never does
+    with staged_on_host(comm) as log:
+        got = comm.allreduce(x, op="avg")  # avg: a CPU sum would take the host fast path, never a CUDA tensor's
     assert got.dtype == x.dtype and torch.equal(got, x)
     pieces = 7  # 100 elements in pieces of 16
     assert log[:2] == [("wait", "d2h", "cur"), ("wait", "h2d", "cur")]
-    assert log[2:2 + pieces] == [("record", "d2h")] * pieces  # every copy queued before the first MPI call
-    assert log[2 + pieces:2 + 2 * pieces] == [("host waits",)] * pieces
-    assert log[-2:] == [("record", "h2d"), ("wait_event", "cur")]  # the caller's stream waits on the device
+    assert log[2:2 + pieces] == [("record", "d2h", k) for k in range(pieces)]  # every copy queued before MPI
+    assert log[2 + pieces:2 + 3 * pieces] == [e for k in range(pieces) for e in (("host waits", k),
+                                                                                  ("mpi", "Allreduce"))]
+    assert log[2 + 3 * pieces:] == [("record", "h2d", pieces), ("wait_event", "cur", pieces)]  # on the device
     half = x.to(torch.bfloat16)
-    assert torch.equal(comm.allreduce(half, op="avg"), half)  # widened, reduced, narrowed back: exact on 1 rank
+    with staged_on_host():
+        assert torch.equal(comm.allreduce(half, op="avg"), half)  # widened, reduced, narrowed: exact on 1 rank

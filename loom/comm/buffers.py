@@ -442,7 +442,9 @@ def staged_blocks(mpi_comm: Any, x: torch.Tensor, kind: str, mop: Any = None,
             ev = torch.cuda.Event()
             ev.record(d2h)
             ready.append(ev)
-    mt = _TORCH_MPI[dt]
+    # Only the reduction needs an element type: alltoall and allgather move bytes, so they carry any dtype
+    # (uint16, float8, ...) as the host path does, not only the MPI-typed ones.
+    mt = _TORCH_MPI[dt] if kind == "reduce_scatter" else None
     for ev, (lo, hi) in zip(ready, cuts):
         ev.synchronize()
         a, b = hin[rows_in * lo:rows_in * hi], hout[rows_out * lo:rows_out * hi]

@@ -121,3 +121,20 @@ def test_staged_allreduce_pipelines_pieces_in_order_and_is_exact(monkeypatch):
     half = x.to(torch.bfloat16)
     with staged_on_host():
         assert torch.equal(comm.allreduce(half, op="avg"), half)  # widened, reduced, narrowed: exact on 1 rank
+
+
+def test_staged_alltoall_and_allgather_move_any_dtype_as_bytes():
+    """alltoall and allgather of a staged CUDA tensor move bytes, as the host path does: a dtype MPI has no
+    element type for (uint16, float8) travels too, in pipelined pieces (streams faked on the CPU, one rank)."""
+    from loom.comm import buffers, world
+    from loom.testing import staged_on_host
+
+    comm = world()
+    for dt in (torch.uint16, torch.float8_e4m3fn):
+        assert dt not in buffers._TORCH_MPI
+        x = torch.arange(24, dtype=torch.float32).reshape(6, 4).to(dt)
+        with staged_on_host(comm) as log:
+            a2a, ag = comm.alltoall(x), comm.allgather(x)
+        assert ("mpi", "Alltoall") in log and ("mpi", "Allgather") in log
+        for got, want in ((a2a, comm.alltoall(x)), (ag, comm.allgather(x))):
+            assert got.dtype == dt and torch.equal(got.view(torch.uint8), want.view(torch.uint8))

@@ -140,8 +140,8 @@ class HybridParallel:
     Raises:
         ValueError: ``partitions x replicas`` differs from the ranks available, more partitions than layers,
             a bad ``balance``/``schedule``, compression of a 1F1B pipeline, a ``reduce_dp`` other than
-            ``True``, ``False`` or ``"after"``, or a meta-device model whose stage holds a tensor nothing can
-            initialise.
+            ``True``, ``False`` or ``"after"`` (or ``"after"`` with a ``grad_hook``), or a meta-device model
+            whose stage holds a tensor nothing can initialise.
         TraceError: the model cannot be captured (the message says which construct and what to do).
     """
 
@@ -156,6 +156,10 @@ class HybridParallel:
             raise ValueError(f"reduce_dp={reduce_dp!r} is not True (average over dp during backward), \"after\" "
                              f"(the caller reduces after train_step) or False (a sharded wrapper reduces during "
                              f"backward)")
+        if reduce_dp == "after" and grad_hook is not None:
+            raise ValueError("reduce_dp=\"after\" leaves the dp reduction to the caller, so a grad_hook would never "
+                             "run; pass reduce_dp=True to reduce through the hook, or reduce (and compress) after "
+                             "train_step yourself")
         self.config = HybridConfig(partitions=partitions, replicas=replicas, micro_batches=micro_batches,
                                    schedule=schedule, balance=balance, bucket_mb=bucket_mb,
                                    virtual_stages=virtual_stages)

@@ -356,10 +356,11 @@ def _traffic_lines(cfg: Config, stage_params: int) -> list[str]:
     if mesh.dp > 1:
         n = stage_params * elem
         zstage, zaxes = zero_settings(cfg)
-        if zstage == 1 and tuple(zaxes) == ("dp",) and cfg.compress.policy == "none":
-            # ShardedOptimizer(reduce=True), on any mesh (tp and pp included): DDP's bytes
-            lines.append(f"    dp  ZeRO-1 reduce-scatter of gradients + allgather of the updated blocks, "
-                         f"n(P-1)/P each: {_fmt(2 * n * (mesh.dp - 1) / mesh.dp)}")
+        if zstage == 1 and cfg.compress.policy == "none":
+            # ShardedOptimizer(reduce=True) over the zero axes, on any mesh (tp and pp included): DDP's bytes
+            g = mesh.dp * (mesh.sp if "sp" in zaxes else 1)
+            lines.append(f"    {' x '.join(zaxes):<3} ZeRO-1 reduce-scatter of gradients + allgather of the updated "
+                         f"blocks, n(P-1)/P each (P = {g}): {_fmt(2 * n * (g - 1) / g)}")
         elif zstage == 1 and tuple(zaxes) == ("dp",):  # the hook is an allreduce codec; then each rank's block
             lines.append(f"    dp  allreduce of gradients 2n(P-1)/P: {_fmt(2 * n * (mesh.dp - 1) / mesh.dp)} "
                          f"before compression ({cfg.compress.policy}) + ZeRO-1 allgather of the updated blocks "

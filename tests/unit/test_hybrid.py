@@ -188,6 +188,8 @@ def test_config_errors():
         HybridParallel(seq, balance="time")
     with pytest.raises(ValueError, match="reduce_dp='later' is not True"):
         HybridParallel(seq, reduce_dp="later")
+    with pytest.raises(ValueError, match="a grad_hook would never run"):
+        HybridParallel(seq, reduce_dp="after", grad_hook=lambda flat, comm, i: flat)
     with pytest.raises(ValueError, match=r"balance=\[1, 2\] must give 1 positive layer counts"):
         split_units(capture(seq), 1, [1, 2])
     hp = HybridParallel(seq, micro_batches=3)

@@ -154,3 +154,14 @@ def test_tp_divides_the_activations_inside_its_regions():
         plain = peak(_cfg(**base, mesh={"tp": tp})).activations
         sp = peak(_cfg(**base, mesh={"tp": tp, "tp_sequence_parallel": True})).activations
         assert one / tp < plain < one and sp < plain, (tp, one, plain, sp)
+
+
+@pytest.mark.parametrize("axes, group", [(["dp"], 2), (["dp", "sp"], 4)])
+def test_zero1_traffic_is_a_reduce_scatter_and_an_allgather_over_its_axes(axes, group):
+    """ZeRO-1 without compression reduce-scatters the gradients and all-gathers the blocks over ``zero.axes``:
+    the plan names that group and its size, not an allreduce."""
+    from loom.train.memory import plan
+
+    text = plan(_cfg(mesh={"dp": 2, "sp": 2}, zero={"stage": 1, "axes": axes}))
+    assert f"    {' x '.join(axes):<3} ZeRO-1 reduce-scatter of gradients + allgather of the updated blocks" in text
+    assert f"(P = {group})" in text and "allreduce of gradients" not in text

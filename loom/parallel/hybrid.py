@@ -136,6 +136,9 @@ class HybridParallel:
     Attributes:
         forward_context: ``None``, or a callable returning the context manager every micro-batch forward
             runs in (a ``ShardedDataParallel``'s ``forward_context`` at ZeRO stage 3).
+        counted_elsewhere: ``id()`` of this stage's tensors tied to an earlier stage's (their gradients are
+            summed over the stages that read them, so each holds the same one): a global gradient norm counts
+            them on the first stage only.
 
     Raises:
         ValueError: ``partitions x replicas`` differs from the ranks available, more partitions than layers,
@@ -262,6 +265,7 @@ class HybridParallel:
         step the copies' gradients are summed over the stages that read them (one allreduce per group of
         stages, as Megatron-LM does for its embedding group), so the copies stay equal."""
         self._shared: list[tuple[Communicator, list[torch.Tensor]]] = []
+        self.counted_elsewhere: frozenset[int] = frozenset()
         if self.partitions == 1:
             return
         mine = {id(t) for t in self._tensors()}
@@ -287,6 +291,8 @@ class HybridParallel:
             if self.pp.rank in ss:
                 ts = {id(named[k]): named[k] for k in keys if named[k].requires_grad}  # one tensor, many names
                 self._shared.append((sub, list(ts.values())))
+                if self.pp.rank != ss[0]:  # equal on every stage of the group after the sum: the first counts it
+                    self.counted_elsewhere |= frozenset(ts)
 
     def _sync_shared(self, before: list[torch.Tensor | None]) -> None:
         """Sum this step's gradient of every cross-stage shared tensor over the stages that read it."""

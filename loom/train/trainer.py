@@ -720,23 +720,24 @@ class Trainer:
             sh.grad = self.sp.allreduce(sh.grad, op=op)
         return time.perf_counter() - t0
 
-    def _tp_masks(self, blocks: list[tuple[list[torch.Tensor], list[int], int, int]]) -> list[torch.Tensor]:
-        """Per flat block: which of its elements belong to tp-split parameters (their squares add up over tp).
+    def _masks(self, blocks: list[tuple[list[torch.Tensor], list[int], int, int]], ids: set[int] | frozenset[int]
+               ) -> list[torch.Tensor]:
+        """Per flat block: which of its elements belong to the parameters in ``ids`` (tp-split ones, whose squares
+        add up over tp; or a pipeline's tied copies counted on another stage).
 
         Args:
             blocks: per flat block ``(params, offsets, shard, rank)``: the parameters laid end to end at those
                 offsets in a flat buffer (padding after them), of which this rank holds elements
                 ``[rank * shard, (rank + 1) * shard)``.
+            ids: ``id()`` of the parameters to mark.
         """
-        named = dict(self.model.named_parameters())
-        split = {id(named[n]) for n in self._tp_dims}
         out = []
         for ps, offs, shard, r in blocks:
             base = r * shard
             mask = torch.zeros(shard, dtype=torch.bool, device=self.device)
             for p, off in zip(ps, offs):
                 lo, hi = max(off, base), min(off + p.numel(), base + shard)
-                if lo < hi and id(p) in split:
+                if lo < hi and id(p) in ids:
                     mask[lo - base:hi - base] = True
             out.append(mask)
         return out
@@ -759,20 +760,29 @@ class Trainer:
     def _clip_blocks(self, grads: list[torch.Tensor], group: Communicator) -> torch.Tensor:
         """Clip gradients held as blocks over ``group`` (each element on one rank of it) to the global norm.
 
-        Under tp the blocks hold this tp rank's slices: the squares of tp-split elements (a mask per block,
-        built once) add up over tp as well, replicated ones (the same on every tp rank) count once, as in
-        :meth:`clip`.
+        Under tp the blocks hold this tp rank's slices: the squares of tp-split elements add up over tp as well,
+        replicated ones (the same on every tp rank) count once, as in :meth:`clip`. Under a pipeline a weight
+        tied across stages (summed over them, so equal on each) counts on its first stage only. The masks are
+        built once.
         """
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.tp is None:
+        dup = self._counted_elsewhere()
+        if self.tp is None and not dup:
             sq = sum((g.double().pow(2).sum() for g in grads), zero)
             return self._clip_norm(group.allreduce(sq.reshape(1), op="sum"), grads)
-        if not hasattr(self, "_tp_mask"):
-            self._tp_mask = self._tp_masks(self._block_layout())
-        sq_tp = sum((g[m].double().pow(2).sum() for g, m in zip(grads, self._tp_mask)), zero)
-        sq_rep = sum((g[~m].double().pow(2).sum() for g, m in zip(grads, self._tp_mask)), zero)
+        if not hasattr(self, "_clip_masks"):
+            named, layout = dict(self.model.named_parameters()), self._block_layout()
+            split = {id(named[n]) for n in self._tp_dims} if self.tp is not None else set()
+            self._clip_masks = list(zip(self._masks(layout, split), self._masks(layout, dup)))
+        sq_tp = sum((g[m & ~d].double().pow(2).sum() for g, (m, d) in zip(grads, self._clip_masks)), zero)
+        sq_rep = sum((g[~m & ~d].double().pow(2).sum() for g, (m, d) in zip(grads, self._clip_masks)), zero)
         sq = group.allreduce(torch.stack([sq_rep, sq_tp]), op="sum")
-        return self._clip_norm((sq[0] + self.tp.allreduce(sq[1:], op="sum")[0]).reshape(1), grads)
+        sq_tp = self.tp.allreduce(sq[1:], op="sum")[0] if self.tp is not None else sq[1]
+        return self._clip_norm((sq[0] + sq_tp).reshape(1), grads)
+
+    def _counted_elsewhere(self) -> frozenset[int]:
+        """``id()`` of this rank's parameters whose squares another pipeline stage counts (tied copies)."""
+        return self.hybrid.counted_elsewhere if self.hybrid is not None else frozenset()
 
     def _clip_norm(self, sq: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
         """Scale ``grads`` to ``optim.grad_clip`` given their group's summed squares ``sq`` (one element); the
@@ -816,8 +826,9 @@ class Trainer:
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         sq_ex = torch.zeros((), dtype=torch.float64, device=self.device)
         sq_tp = torch.zeros((), dtype=torch.float64, device=self.device)
+        dup = self._counted_elsewhere()  # a weight tied across pipeline stages counts on its first stage only
         for n, p in zip(self.param_names, self.params):
-            if p.grad is not None:
+            if p.grad is not None and id(p) not in dup:
                 if self._is_expert(n):
                     sq_ex += p.grad.detach().double().pow(2).sum()
                 elif n in self._tp_dims:

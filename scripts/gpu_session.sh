@@ -126,15 +126,15 @@ step alltoall-cuda 40 "${LOOM[@]}" bench alltoall --ranks 2 --device cuda --dtyp
 # The FPDT-vs-Ulysses figure: P = 1 and 2 ranks sharing the GPU, 6 GiB per rank, bf16.
 step seqlen-p1 100 "${LOOM[@]}" bench seqlen "${SEQLEN[@]}" --json "$OUT/seqlen-p1.json"
 step seqlen-p2 130 "${LOOM[@]}" bench seqlen --ranks 2 "${SEQLEN[@]}" --json "$OUT/seqlen-p2.json"
+# ZeRO's capacity on the CUDA allocator, 4 ranks sharing the GPU, 1 GiB each (the goal: stage 3 fits >= 3.5x
+# the parameters of plain data parallelism).
+step zero-cuda 100 "${LOOM[@]}" bench zero --ranks 4 --device cuda --skip peers --budget 1G --width 1024 \
+    --json "$OUT/zero-cuda.json"
 # MFU and offload overlap at the FPDT limit on a ~1.2B-parameter Llama (P = 1), the search capped at
 # SEQLEN_CUDA_MAX tokens so that it fits its step (one step at 1M tokens is minutes of attention alone).
 step seqlen-cuda 150 "$PY" scripts/seqlen_cuda.py --layers 20 --hidden 2048 --heads 16 --kv-heads 4 --vocab 64000 \
     --budget 100G --chunk 8192 --attn-chunk 32768 --no-breakdown --repeats 1 --peak-tflops 989 \
     --max-seq "${SEQLEN_CUDA_MAX:-131072}" --json "$OUT/seqlen-cuda.json"
-# ZeRO's capacity on the CUDA allocator, 4 ranks sharing the GPU, 1 GiB each (the goal: stage 3 fits >= 3.5x
-# the parameters of plain data parallelism).
-step zero-cuda 100 "${LOOM[@]}" bench zero --ranks 4 --device cuda --skip peers --budget 1G --width 1024 \
-    --json "$OUT/zero-cuda.json"
 # CPU timings on the machine's 16 cores, a core per rank (the peers run on the CPU: NCCL refuses two ranks on
 # one GPU).
 step zero-r2 90 "${LOOM[@]}" bench zero --ranks 2 --skip capacity --rounds 2 --json "$OUT/zero-r2.json"

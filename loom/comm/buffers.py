@@ -351,15 +351,52 @@ def use_after(event: Any, out: torch.Tensor) -> None:
         out.record_stream(cur)
 
 
+def _pipeline(dev: torch.device, src: torch.Tensor, res: torch.Tensor, cuts: list[tuple[int, int]],
+              copy_out: Callable[[int, int], None], move: Callable[[int, int], None],
+              copy_back: Callable[[int, int], None]) -> Any:
+    """The stream plumbing of the pipelined staged collectives, over pieces ``cuts`` (``(lo, hi)`` each).
+
+    Every ``copy_out(lo, hi)`` (device -> pinned host) is queued on side stream 0, after the caller's stream (the
+    kernels that produce ``src``), with an event each; then per piece: the host waits for its event,
+    ``move(lo, hi)`` runs the MPI call on pinned memory, and ``copy_back(lo, hi)`` (host -> device, into ``res``)
+    is queued on side stream 1, so piece i+1 crosses the bus while MPI moves piece i and results flow back
+    meanwhile. The caller's stream waits for the last copy back on the device, not on the host; ``src`` and
+    ``res`` are not reused before their side stream is done with them. Returns that last event: a pinned buffer
+    the copies back read must not be reused before it.
+    """
+    d2h, h2d, cur = _side_stream(dev, 0), _side_stream(dev, 1), torch.cuda.current_stream(dev)
+    d2h.wait_stream(cur)
+    h2d.wait_stream(cur)
+    ready = []
+    with torch.cuda.stream(d2h):
+        for lo, hi in cuts:
+            copy_out(lo, hi)
+            ev = torch.cuda.Event()
+            ev.record(d2h)
+            ready.append(ev)
+    for ev, (lo, hi) in zip(ready, cuts):
+        ev.synchronize()
+        move(lo, hi)
+        with torch.cuda.stream(h2d):
+            copy_back(lo, hi)
+    with torch.cuda.stream(h2d):
+        done = torch.cuda.Event()
+        done.record(h2d)
+    cur.wait_event(done)
+    src.record_stream(d2h)
+    res.record_stream(h2d)
+    return done
+
+
 def staged_allreduce(mpi_comm: Any, x: torch.Tensor, mop: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Allreduce a CUDA tensor through host memory in pipelined pieces; returns ``(result in the reduction dtype on
     the device, the pinned host buffer)``.
 
-    Plan: cast on the device to the reduction dtype (bf16/fp16 widened to fp32 there, not on the host); queue
-    every piece's device -> host copy on stream 0 (after the caller's stream), each with its event; for each
-    piece wait for its event, ``MPI_Allreduce`` it in place in the pinned buffer, and queue its host -> device
-    copy on stream 1, so piece i+1 crosses the bus while MPI reduces piece i and results flow back meanwhile.
-    The caller's stream waits for the last copy on the device; the pinned buffer is not reused before it.
+    Plan: cast on the device to the reduction dtype (bf16/fp16 widened to fp32 there, not on the host); pieces of
+    ``STAGE_PIECE`` bytes through :func:`_pipeline`: each piece's device -> host copy queued on stream 0, then per
+    piece ``MPI_Allreduce`` in place in the pinned buffer once its copy is done and its host -> device copy queued
+    on stream 1. The caller's stream waits for the last copy on the device; the pinned buffer is not reused
+    before it.
     """
     dev = x.device
     rdt = reduction_dtype(x)
@@ -368,29 +405,20 @@ def staged_allreduce(mpi_comm: Any, x: torch.Tensor, mop: Any) -> tuple[torch.Te
     piece = max(1, STAGE_PIECE // max(flat.element_size(), 1))
     host = pinned_empty((n,), rdt)
     res = torch.empty_like(flat)
-    d2h, h2d, cur = _side_stream(dev, 0), _side_stream(dev, 1), torch.cuda.current_stream(dev)
-    d2h.wait_stream(cur)
-    h2d.wait_stream(cur)
-    ready = []
-    with torch.cuda.stream(d2h):
-        for lo in range(0, n, piece):
-            host[lo:lo + piece].copy_(flat[lo:lo + piece], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(d2h)
-            ready.append(ev)
-    for ev, lo in zip(ready, range(0, n, piece)):
-        ev.synchronize()
-        hp = host[lo:lo + piece]
-        mpi_comm.Allreduce(MPI.IN_PLACE, [_fromaddress(hp.data_ptr(), hp.nbytes), _TORCH_MPI[rdt]], mop)
-        with torch.cuda.stream(h2d):
-            res[lo:lo + piece].copy_(hp, non_blocking=True)
-    with torch.cuda.stream(h2d):
-        done = torch.cuda.Event()
-        done.record(h2d)
-    cur.wait_event(done)
-    flat.record_stream(d2h)
-    res.record_stream(h2d)
-    _PENDING[id(host)] = done
+    mt = _TORCH_MPI[rdt]
+
+    def copy_out(lo: int, hi: int) -> None:
+        host[lo:hi].copy_(flat[lo:hi], non_blocking=True)
+
+    def move(lo: int, hi: int) -> None:
+        hp = host[lo:hi]
+        mpi_comm.Allreduce(MPI.IN_PLACE, [_fromaddress(hp.data_ptr(), hp.nbytes), mt], mop)
+
+    def copy_back(lo: int, hi: int) -> None:
+        res[lo:hi].copy_(host[lo:hi], non_blocking=True)
+
+    cuts = [(lo, min(lo + piece, n)) for lo in range(0, n, piece)]
+    _PENDING[id(host)] = _pipeline(dev, flat, res, cuts, copy_out, move, copy_back)
     return res.view(x.shape), host
 
 
@@ -405,12 +433,12 @@ def staged_blocks(mpi_comm: Any, x: torch.Tensor, kind: str, mop: Any = None,
     blocks (a piece cut along dim 0 would not be: it would hold whole blocks for some ranks and none for the
     others). ``q`` makes the larger side of a piece ``STAGE_PIECE`` bytes; the last piece is shorter.
 
-    Plan, as :func:`staged_allreduce`: cast on the device (reduce_scatter widens bf16/fp16 to fp32 there, as a sum
-    needs; alltoall and allgather move the bytes as they are); queue every piece's device -> host copy on stream 0
-    (after the caller's stream), strided piece into its contiguous ``[rows, w]`` slot of one pinned send buffer,
-    each with its event; for each piece wait for its event, run the MPI collective (``MPI_Alltoall``,
+    Plan, as :func:`staged_allreduce` (the streams and events of :func:`_pipeline`): cast on the device
+    (reduce_scatter widens bf16/fp16 to fp32 there, as a sum needs; alltoall and allgather move the bytes as they
+    are); each piece's device -> host copy, strided piece into its contiguous ``[rows, w]`` slot of one pinned send
+    buffer, queued on stream 0; per piece, once its copy is done, the MPI collective (``MPI_Alltoall``,
     ``MPI_Allgather`` or ``MPI_Reduce_scatter_block``) from its pinned slot into its slot of one pinned receive
-    buffer, and queue its host -> device copy into the strided piece of the result on stream 1, so piece k+1
+    buffer, and its host -> device copy into the strided piece of the result queued on stream 1, so piece k+1
     crosses the bus while MPI moves piece k. The caller's stream waits for the last copy on the device; the
     pinned receive buffer is not reused before it (the send buffer's copies are done when the last MPI call is).
 
@@ -432,21 +460,14 @@ def staged_blocks(mpi_comm: Any, x: torch.Tensor, kind: str, mop: Any = None,
     q = max(1, STAGE_PIECE // (p * es))
     cuts = [(lo, min(lo + q, m)) for lo in range(0, m, q)]
     hin, hout = pinned_empty((rows_in * m,), dt), pinned_empty((rows_out * m,), dt)
-    d2h, h2d, cur = _side_stream(dev, 0), _side_stream(dev, 1), torch.cuda.current_stream(dev)
-    d2h.wait_stream(cur)
-    h2d.wait_stream(cur)
-    ready = []
-    with torch.cuda.stream(d2h):
-        for lo, hi in cuts:
-            hin[rows_in * lo:rows_in * hi].view(rows_in, hi - lo).copy_(src[:, lo:hi], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(d2h)
-            ready.append(ev)
     # Only the reduction needs an element type: alltoall and allgather move bytes, so they carry any dtype
     # (uint16, float8, ...) as the host path does, not only the MPI-typed ones.
     mt = _TORCH_MPI[dt] if kind == "reduce_scatter" else None
-    for ev, (lo, hi) in zip(ready, cuts):
-        ev.synchronize()
+
+    def copy_out(lo: int, hi: int) -> None:
+        hin[rows_in * lo:rows_in * hi].view(rows_in, hi - lo).copy_(src[:, lo:hi], non_blocking=True)
+
+    def move(lo: int, hi: int) -> None:
         a, b = hin[rows_in * lo:rows_in * hi], hout[rows_out * lo:rows_out * hi]
         sa, sb = _fromaddress(a.data_ptr(), a.nbytes), _fromaddress(b.data_ptr(), b.nbytes)
         if kind == "alltoall":
@@ -455,15 +476,11 @@ def staged_blocks(mpi_comm: Any, x: torch.Tensor, kind: str, mop: Any = None,
             mpi_comm.Allgather([sa, _BYTE], [sb, _BYTE])
         else:
             mpi_comm.Reduce_scatter_block([sa, mt], [sb, mt], mop)
-        with torch.cuda.stream(h2d):
-            res[:, lo:hi].copy_(b.view(rows_out, hi - lo), non_blocking=True)
-    with torch.cuda.stream(h2d):
-        done = torch.cuda.Event()
-        done.record(h2d)
-    cur.wait_event(done)
-    src.record_stream(d2h)
-    res.record_stream(h2d)
-    _PENDING[id(hout)] = done
+
+    def copy_back(lo: int, hi: int) -> None:
+        res[:, lo:hi].copy_(hout[rows_out * lo:rows_out * hi].view(rows_out, hi - lo), non_blocking=True)
+
+    _PENDING[id(hout)] = _pipeline(dev, src, res, cuts, copy_out, move, copy_back)
     return res, hout
 
 

@@ -22,6 +22,7 @@ DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int
 
 def data(rank: int, shape, dtype=torch.float64, salt: int = 0) -> torch.Tensor:
     """Rank ``rank``'s tensor for this check: reproducible on every rank."""
+    assert BASE is not None, "check_setup draws the checks' common seed: run LOOM_ONLY=check_setup,<check>"
     g = torch.Generator().manual_seed(BASE * 7919 + rank * 131 + salt)
     if dtype == torch.bool:
         return torch.rand(shape, generator=g) > 0.5

@@ -152,7 +152,8 @@ def reduction_dtype(x: Buffer):
 # tensor's stream (the kernels that produce it); host -> device copies of results run on that stream and the
 # caller's stream waits for them on the device, not on the host. Casts (bf16 -> fp32 for a sum) happen on the
 # device before staging. ``Communicator.allreduce`` pipelines large tensors piece by piece (``staged_allreduce``),
-# and so do alltoall, allgather and reduce_scatter, a piece along every block (``staged_blocks``).
+# and so do alltoall, allgather and reduce_scatter, a piece along every block (``staged_blocks``), and alltoallv,
+# a piece along every row (``staged_rows``); one pipeline (``_pipeline``) runs them all.
 
 STAGE_PIECE = 4 << 20
 """Bytes per piece of a pipelined staged collective (copy piece i+1 while MPI moves piece i)."""
@@ -479,6 +480,52 @@ def staged_blocks(mpi_comm: Any, x: torch.Tensor, kind: str, mop: Any = None,
 
     def copy_back(lo: int, hi: int) -> None:
         res[:, lo:hi].copy_(hout[rows_out * lo:rows_out * hi].view(rows_out, hi - lo), non_blocking=True)
+
+    _PENDING[id(hout)] = _pipeline(dev, src, res, cuts, copy_out, move, copy_back)
+    return res, hout
+
+
+def staged_rows(mpi_comm: Any, x: torch.Tensor, send_rows: list[int], recv_rows: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An alltoallv of a CUDA tensor's rows (dim 0: ``send_rows[j]`` rows to rank j, ``recv_rows[j]`` from it)
+    through host memory in pipelined pieces; returns ``(the received rows as [sum(recv_rows), d] on the device,
+    the pinned receive buffer)``, ``d`` being the elements of one row.
+
+    Layout: piece k is elements ``[k q, (k+1) q)`` of *every* row, so each piece is itself an alltoallv of the
+    same row counts, ``q`` elements wide (cut along dim 0 it would need counts of its own per rank). ``q`` makes
+    the larger side of a piece ``STAGE_PIECE`` bytes; a tensor of one element per row is one piece.
+
+    Plan (the streams and events of :func:`_pipeline`; bytes moved as they are, any dtype): each piece's strided
+    rows copied device -> host into its contiguous ``[rows, q]`` slot of one pinned send buffer on stream 0; per
+    piece, once its copy is done, ``MPI_Alltoallv`` of that slot (counts and displacements in bytes: rows times
+    the piece's row width) into its slot of one pinned receive buffer, and its host -> device copy into the
+    strided piece of the result queued on stream 1. The caller's stream waits for the last copy on the device.
+    """
+    n, m = int(sum(send_rows)), int(sum(recv_rows))
+    d = 1
+    for k in x.shape[1:]:
+        d *= int(k)
+    dev = x.device
+    src = x.detach().reshape(n, d)
+    res = torch.empty((m, d), dtype=x.dtype, device=dev)
+    es = src.element_size()
+    q = max(1, STAGE_PIECE // (max(n, m, 1) * es))
+    cuts = [(lo, min(lo + q, d)) for lo in range(0, d, q)]
+    hin, hout = pinned_empty((n * d,), x.dtype), pinned_empty((m * d,), x.dtype)
+
+    def copy_out(lo: int, hi: int) -> None:
+        hin[n * lo:n * hi].view(n, hi - lo).copy_(src[:, lo:hi], non_blocking=True)
+
+    def move(lo: int, hi: int) -> None:
+        a, b = hin[n * lo:n * hi], hout[m * lo:m * hi]
+        row = (hi - lo) * es
+        ss, rs = [c * row for c in send_rows], [c * row for c in recv_rows]
+        sd, rd = [sum(ss[:j]) for j in range(len(ss))], [sum(rs[:j]) for j in range(len(rs))]
+        mpi_comm.Alltoallv([_fromaddress(a.data_ptr(), a.nbytes), ss, sd, _BYTE],
+                           [_fromaddress(b.data_ptr(), b.nbytes), rs, rd, _BYTE])
+
+    def copy_back(lo: int, hi: int) -> None:
+        res[:, lo:hi].copy_(hout[m * lo:m * hi].view(m, hi - lo), non_blocking=True)
 
     _PENDING[id(hout)] = _pipeline(dev, src, res, cuts, copy_out, move, copy_back)
     return res, hout

@@ -508,6 +508,11 @@ class Communicator:
         ``recv_counts`` is not given it is learned with one small alltoall of the counts.
         """
         _check_dim0(tensor, "alltoallv")
+        if _b.staging(tensor):  # pipelined through pinned memory, a piece along every row
+            *_, rc, _, sent, nrecv = self._alltoallv_layout(tensor, send_counts, recv_counts, _row_bytes(tensor))
+            res, _host = _b.staged_rows(self.mpi, tensor, [int(c) for c in send_counts], rc)
+            self._count("alltoallv", sent)
+            return res.view(nrecv, *tensor.shape[1:]), rc
         x = _host_view(tensor)
         s, r, out, rc, sent = self._alltoallv_specs(x, send_counts, recv_counts)
         self.mpi.Alltoallv(s, r)

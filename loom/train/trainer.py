@@ -773,9 +773,13 @@ class Trainer:
         if not hasattr(self, "_clip_masks"):
             named, layout = dict(self.model.named_parameters()), self._block_layout()
             split = {id(named[n]) for n in self._tp_dims} if self.tp is not None else set()
-            self._clip_masks = list(zip(self._masks(layout, split), self._masks(layout, dup)))
-        sq_tp = sum((g[m & ~d].double().pow(2).sum() for g, (m, d) in zip(grads, self._clip_masks)), zero)
-        sq_rep = sum((g[~m & ~d].double().pow(2).sum() for g, (m, d) in zip(grads, self._clip_masks)), zero)
+            self._clip_masks = [(m & ~d, ~m & ~d) for m, d in zip(self._masks(layout, split), self._masks(layout, dup))]
+        # torch.where, not g[mask]: boolean indexing sizes its result on the host, a device sync per block on CUDA
+        sq_tp, sq_rep = zero, zero
+        for g, (tp_el, rep_el) in zip(grads, self._clip_masks):
+            sq = g.double().pow(2)
+            sq_tp = sq_tp + torch.where(tp_el, sq, 0.0).sum()
+            sq_rep = sq_rep + torch.where(rep_el, sq, 0.0).sum()
         sq = group.allreduce(torch.stack([sq_rep, sq_tp]), op="sum")
         sq_tp = self.tp.allreduce(sq[1:], op="sum")[0] if self.tp is not None else sq[1]
         return self._clip_norm((sq[0] + sq_tp).reshape(1), grads)

@@ -81,9 +81,10 @@ class ArgumentParser(argparse.ArgumentParser):
         self.checks: list = []
         """``check(namespace) -> message or None``: rules across arguments, reported like any usage error."""
         if _RANKS_OFFERED[0] and self.add_help:
-            self.add_argument("-n", "--ranks", type=parse_ranks, metavar="N", default=None,
-                              help="run on N local ranks: loom launches itself under mpiexec -n N (inside an MPI "
-                                   "job, e.g. under mpiexec, the job's ranks are used and this is ignored)")
+            self.add_argument("-n", "--ranks", type=parse_ranks, metavar="N", default=argparse.SUPPRESS,
+                              help="run on N local ranks: loom launches itself under mpiexec -n N (without it: one "
+                                   "process; inside an MPI job, e.g. under mpiexec, it is ignored: the job's ranks "
+                                   "run)")
 
     def format_help(self) -> str:
         return _plain(super().format_help())

@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     # The launcher tells each rank the job size: every check runs before MPI starts (and before the run
     # directory is touched), so a wrong setting fails fast and identically on every rank, deleting nothing.
     info = settings.launch_info()
-    size = None if info is None else info.size
+    # Outside a launcher a dry run plans the configured mesh; a run is then a job of one rank.
+    size = info.size if info is not None else None if args.dry_run else 1
     try:
         cfg = load(args.config, rest, size)
         problems, corpus = preflight(cfg)

@@ -1,8 +1,10 @@
 """A run directory belongs to one run: ``loom train`` refuses another run's directory (exit 2), ``--overwrite``
-clears it, ``--resume`` checks the config and needs a checkpoint, a live run's lock refuses a second run and a
-dead run's lock is taken over, pruning keeps the current step, resolution takes complete steps only, and
-``loom generate`` says when a file is not a loom checkpoint. (The same as whole jobs at 2 ranks:
-tests/integration/test_train_jobs.py.)"""
+clears it, but only once every check has passed (a refused run leaves the previous one byte for byte, and a
+failed start no directory of its own), ``--resume`` checks the config and needs a checkpoint (ZeRO 2-3 shards
+of another tp size are refused), a resumed longer run keeps its learning-rate schedule and says so, a live
+run's lock refuses a second run and a dead run's lock is taken over, pruning keeps the current step,
+resolution takes complete steps only, and ``loom generate`` says when a file is not a loom checkpoint. (The
+same as whole jobs at 2 ranks: tests/integration/test_train_jobs.py.)"""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import sys
 import threading
 
 from . import settings
-from .cli_args import UsageError, follower_wait, pop_ranks
+from .cli_args import UsageError, follower_wait, offer_ranks, pop_ranks
 
 __all__ = ["main", "COMMANDS", "pop_ranks"]
 
@@ -222,9 +222,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loom: unknown command {name!r}; valid: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module_name, _ = COMMANDS[name]
+    try:
+        module = _module(module_name)
+    except SystemExit as exc:  # a command module missing from this build: one line
+        print(exc.code, file=sys.stderr)
+        return 1
+    # A command that loom launches on --ranks N lists the flag in its --help (a command with its own --ranks,
+    # or that never runs on ranks, does not).
+    offer_ranks(getattr(module, "RELAUNCH", True) and not getattr(module, "OWN_RANKS", False))
     if "--help" not in rest and "-h" not in rest:
         try:
-            rest = _dispatch_ranks(name, _module(module_name), rest)
+            rest = _dispatch_ranks(name, module, rest)
         except UsageError as exc:
             if settings.launch_rank() == 0:
                 print(f"loom {name}: error: {exc}", file=sys.stderr)

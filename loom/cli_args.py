@@ -25,7 +25,8 @@ import time
 from . import settings
 
 __all__ = ["SHORT", "ArgumentParser", "Formatter", "parse_size", "parse_device", "parse_ranks", "pop_ranks",
-           "add_json", "add_dry_run", "add_topology", "add_verbose", "UsageError", "follower_wait", "FOLLOWER_WAIT_S"]
+           "add_json", "add_dry_run", "add_topology", "add_verbose", "UsageError", "follower_wait", "FOLLOWER_WAIT_S",
+           "offer_ranks"]
 
 SHORT: dict[str, str] = {
     "-n": "--ranks",
@@ -59,15 +60,37 @@ class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionH
     """Defaults shown; descriptions and epilogs kept as written."""
 
 
+_RANKS_OFFERED = [False]
+
+
+def offer_ranks(on: bool) -> None:
+    """Said by the ``loom`` dispatcher for the command it is about to run: whether it launches that command on
+    ``--ranks N`` local ranks. While on, every :class:`ArgumentParser` the command builds lists ``-n/--ranks``
+    in its ``--help`` (the dispatcher reads the flag itself, :func:`pop_ranks`, before the command parses)."""
+    _RANKS_OFFERED[0] = bool(on)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with loom's conventions: defaults shown in ``--help``, and a usage error is one line
-    (``loom plan: error: argument --nodes: invalid int value: 'x' (see loom plan --help)``), exit code 2."""
+    (``loom plan: error: argument --nodes: invalid int value: 'x' (see loom plan --help)``), exit code 2.
+    Help texts written for docstrings read as plain text: reST literals and roles show as `name`."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", Formatter)
         super().__init__(*args, **kwargs)
         self.checks: list = []
         """``check(namespace) -> message or None``: rules across arguments, reported like any usage error."""
+        if _RANKS_OFFERED[0] and self.add_help:
+            self.add_argument("-n", "--ranks", type=parse_ranks, metavar="N", default=argparse.SUPPRESS,
+                              help="run on N local ranks: loom launches itself under mpiexec -n N (without it: one "
+                                   "process; inside an MPI job, e.g. under mpiexec, it is ignored: the job's ranks "
+                                   "run)")
+
+    def format_help(self) -> str:
+        return _plain(super().format_help())
+
+    def format_usage(self) -> str:
+        return _plain(super().format_usage())
 
     def parse_known_args(self, args=None, namespace=None):
         ns, rest = super().parse_known_args(args, namespace)
@@ -82,6 +105,11 @@ class ArgumentParser(argparse.ArgumentParser):
             follower_wait()
             self.exit(2)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _plain(text: str) -> str:
+    """Docstring markup in help texts (reST literals in double backquotes, roles such as ``:mod:``) as `x`."""
+    return re.sub(r"(?::\w+:)?``?([^`]+?)``?", r"`\1`", text)
 
 
 FOLLOWER_WAIT_S = 5.0

@@ -256,7 +256,7 @@ class _HFRunner(_Runner):
         super().__init__(args, comm)
         from ..integrations.transformers import read_config
 
-        self.hf = read_config(args.hf_config)
+        self.hf = read_config(args.hf_config, "--hf-config")
         self.models: dict[str, Any] = {}
 
     def _model(self, step: str, seq: int):

@@ -448,11 +448,14 @@ class _LayerCall:
 # ---------------------------------------------------------------------------------------------- loom train
 def _read_config(model_cfg: Any):
     """The transformers config named by ``model.hf`` (a checkpoint directory) or ``model.hf_config``."""
-    return read_config(model_cfg.hf or model_cfg.hf_config)
+    if model_cfg.hf:
+        return read_config(model_cfg.hf, "model.hf")
+    return read_config(model_cfg.hf_config)
 
 
-def read_config(src: str):
-    """A transformers config from a directory with ``config.json`` or from a JSON file (local files only)."""
+def read_config(src: str, key: str = "model.hf_config"):
+    """A transformers config from a directory with ``config.json`` or from a JSON file (local files only);
+    ``key`` is the setting that named ``src`` (errors name it): ``model.hf`` takes a checkpoint directory only."""
     import json
     from pathlib import Path
 
@@ -461,11 +464,16 @@ def read_config(src: str):
     p = Path(src)
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise ValueError(f"{src!r} has no config.json; point model.hf / model.hf_config at a transformers "
-                             f"checkpoint or config directory")
+            raise ValueError(f"{key} = {src!r} has no config.json; point {key} at a transformers "
+                             f"{'checkpoint' if key == 'model.hf' else 'config'} directory")
         return AutoConfig.from_pretrained(str(p), local_files_only=True)
+    if key == "model.hf":
+        raise ValueError(f"model.hf = {src!r} is not a directory; give a local transformers checkpoint directory "
+                         f"(config.json, weights, tokenizer), or a config to initialise at random with "
+                         f"model.hf_config")
     if not p.is_file():
-        raise ValueError(f"model.hf_config = {src!r} is neither a directory nor a JSON file")
+        raise ValueError(f"{key} = {src!r} is neither a directory nor a JSON file; give a transformers config "
+                         f"directory (config.json) or a JSON file")
     data = json.loads(p.read_text())
     kind = data.pop("model_type", None)
     if kind not in FAMILIES:

@@ -15,7 +15,7 @@ import subprocess
 
 from .topology import PRESETS, Topology, preset
 
-__all__ = ["detect", "fit_preset", "local_nics", "resolve"]
+__all__ = ["detect", "fit_preset", "local_nics", "resolve", "resolve_fixed"]
 
 
 def fit_preset(name: str, size: int) -> Topology:
@@ -172,13 +172,26 @@ def resolve(spec: str, comm) -> Topology:
     ``comm`` (:func:`fit_preset`). The result has exactly ``comm.size`` ranks, or ``ValueError`` says why."""
     if spec == "auto":
         return detect(comm)
+    return resolve_fixed(spec, comm.size)
+
+
+def resolve_fixed(spec: str, size: int | None = None) -> Topology:
+    """A topology that needs no detection (a TOML file or a preset), without communicating: what
+    :func:`resolve` returns for ``size`` ranks, or ``ValueError`` naming the spec and the rule. ``size=None``
+    checks only that the spec names a valid topology (a preset at its default shape)."""
+    import tomllib
+
     if spec.endswith(".toml"):
-        t = Topology.from_toml(spec)
+        try:
+            t = Topology.from_toml(spec)
+        except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"multipath topology {spec!r} cannot be read ({type(exc).__name__}: {exc}); give "
+                             f"'auto', a preset ({', '.join(PRESETS)}) or a readable topology TOML file") from None
     elif spec in PRESETS:
-        t = fit_preset(spec, comm.size)
+        t = preset(spec) if size is None else fit_preset(spec, size)
     else:
         raise ValueError(f"multipath topology {spec!r}: give 'auto', a TOML file or a preset "
                          f"({', '.join(PRESETS)})")
-    if t.size != comm.size:
-        raise ValueError(f"multipath topology {spec!r} has {t.size} ranks but the communicator has {comm.size}")
+    if size is not None and t.size != size:
+        raise ValueError(f"multipath topology {spec!r} has {t.size} ranks but the communicator has {size}")
     return t

@@ -40,7 +40,7 @@ from .config import ConfigError
 
 __all__ = ["save", "load", "latest", "stage_path", "zero_path", "prune", "resolve", "capture_rng", "restore_rng",
            "FORMAT", "RESUMABLE", "config_changes", "run_files", "claim_run_dir", "clear_run_dir", "RunDirError",
-           "LOCK", "lock_holder", "lock_run_dir", "unlock_run_dir", "occupied"]
+           "LOCK", "lock_holder", "lock_run_dir", "unlock_run_dir", "occupied", "resume_refusal", "check_resume"]
 
 FORMAT = 1
 _NAME = re.compile(r"step_(\d{6,})\.stage(\d+)\.pt$")
@@ -224,6 +224,8 @@ RESUMABLE: dict[str, frozenset[str]] = {
     # paths.
     "zero": frozenset({"stage", "axes"}),
     "multipath": frozenset({"enabled", "topology", "min_bytes", "learn"}),
+    # The schedule's horizon: a resumed run keeps the checkpoint's unless this sets another (the trainer says so).
+    "optim": frozenset({"decay_steps"}),
 }
 """Config keys a ``--resume`` may change: how long, how often, where, and on how many replicas.
 Every other key (the model, optimizer, data, compression, precision) must equal the checkpoint's."""
@@ -246,6 +248,53 @@ def config_changes(saved: dict[str, dict[str, Any]], current: dict[str, dict[str
 
 class RunDirError(ConfigError):
     """The run directory holds another run (the CLI prints it and exits with code 2)."""
+
+
+def resume_refusal(state: dict[str, Any], current: dict[str, dict[str, Any]], where: str) -> str | None:
+    """Why a run of config ``current`` may not continue the checkpoint whose stage file holds ``state`` (only
+    its ``config`` and ``zero`` entries are read), or ``None``. ``where`` names the checkpoint in the message.
+
+    Refused: a key outside :data:`RESUMABLE` that differs; a ZeRO stage of the other layout (0-1 keep one
+    file, 2-3 one file per rank); and under ZeRO 2-3 another ``mesh.tp``: each tp rank shards its own slices
+    (``tp0/``, ``tp1/``, ...), and the shards are laid out again across dp only."""
+    saved = state.get("config", {})
+    diff = config_changes(saved, current)
+    if diff:
+        return (f"--resume: {where} is of another run ({', '.join(diff)}); resume with the checkpoint's values, "
+                f"or start a new run with another --train.out")
+    sharded, stage = state.get("zero") is not None, current["zero"]["stage"]
+    if sharded != (stage >= 2):
+        was = "2-3 (sharded files)" if sharded else "0-1 (one file)"
+        return (f"--resume: {where} was written at zero.stage {was} and this run has zero.stage = {stage}; "
+                f"stages 0-1 and 2-3 keep the optimizer state in different layouts: resume with a zero.stage in "
+                f"the checkpoint's range")
+    then, now = saved.get("mesh", {}).get("tp", 1), current["mesh"]["tp"]
+    if sharded and then != now:
+        return (f"--resume: {where} was written at zero.stage {saved.get('zero', {}).get('stage', '2-3')} with "
+                f"mesh.tp = {then} and this run has mesh.tp = {now}; ZeRO 2-3 shards each tp rank's slices on "
+                f"their own (tp0/, tp1/, ...) and reshards them across dp only: resume with --mesh.tp={then} "
+                f"(mesh.dp may change)")
+    return None
+
+
+def check_resume(ckpt_dir: str | Path, current: dict[str, dict[str, Any]], stages: int = 1) -> None:
+    """Raise :class:`RunDirError` when the newest complete checkpoint in ``ckpt_dir`` cannot be continued with
+    config ``current`` (:func:`resume_refusal`); reads one stage file's metadata, memory-mapped (no tensor is
+    read), so a run can refuse before its ranks start. No checkpoint: nothing to check."""
+    import torch
+
+    step = latest(ckpt_dir, stages=stages)
+    if step is None:
+        return
+    path = stage_path(ckpt_dir, step, 0)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # a foreign or torn file: the trainer's load() reports it properly
+        return
+    why = resume_refusal(state if isinstance(state, dict) else {}, current,
+                         f"the newest checkpoint in {ckpt_dir} (step {step})")
+    if why:
+        raise RunDirError(why)
 
 
 def run_files(out: str | Path, ckpt_dir: str | Path) -> list[Path]:

@@ -4,16 +4,21 @@ Every rank parses the same arguments and config, so a bad config fails identical
 prints ``loom train: error: ...`` once and every rank exits with code 2, without a traceback and without
 communicating (nothing can hang on a peer that already left).
 
-``--dry-run`` validates what the real run validates (the config, the compression policy, the corpus, the
-device) and prints the plan (mesh, stage split, per-rank memory estimate, bytes per step per mesh axis)
-without training; outside an MPI job it plans for the configured mesh. It writes nothing, so an occupied run
-directory is not refused: the plan says what the run itself would refuse.
+``--dry-run`` and the real start run the same checks (:func:`load`, :func:`preflight`, :func:`claim`): the
+config, the mesh against the job's size, the compression policy, the multipath topology, the model's source,
+the corpus and the device. The dry run then prints the plan (mesh, stage split, per-rank memory estimate,
+bytes per step per mesh axis) without training; outside an MPI job it plans for the configured mesh. It writes
+nothing, so an occupied run directory is not refused: the plan says what the run itself would refuse.
 
 A run directory (``train.out``) belongs to one run: a new run into a directory holding another run's
-checkpoints or metrics exits 2 unless given ``--resume`` (continue it) or ``--overwrite`` (delete it first); a
-``--resume`` with no checkpoint to continue exits 2; and while a run lives, rank 0 holds the directory's lock
-(``<train.out>/.lock``), so a second run into it exits 2 naming the holder (a lock whose process is gone is
-taken over).
+checkpoints or metrics exits 2 unless given ``--resume`` (continue it) or ``--overwrite`` (delete it); a
+``--resume`` with no checkpoint to continue, or one it cannot continue (another model, ZeRO 2-3 shards of
+another ``mesh.tp``), exits 2; and while a run lives, rank 0 holds the directory's lock (``<train.out>/.lock``),
+so a second run into it exits 2 naming the holder (a lock whose process is gone is taken over).
+
+Nothing is destroyed for a run that does not start: every check above runs before MPI starts, the lock is
+taken after them, and ``--overwrite`` deletes the previous run only once the trainer is built. A start that
+fails removes the directory it created.
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from .. import cli_args, settings
 from . import checkpoint as ckpt
 from .config import Config, ConfigError, config_to_dict, load_config
 from .memory import plan
 
-__all__ = ["main", "parser", "plan"]
+__all__ = ["main", "parser", "plan", "load", "preflight", "claim"]
 
 RELAUNCH = True
 
@@ -45,7 +51,8 @@ def parser() -> argparse.ArgumentParser:
     cli_args.add_dry_run(p, "validate everything the run validates and print the plan; no training")
     p.add_argument("-r", "--resume", action="store_true", help="continue from the newest checkpoint (if any)")
     p.add_argument("--overwrite", action="store_true",
-                   help="delete the checkpoints, metrics and plots of a previous run in train.out first")
+                   help="delete the checkpoints, metrics and plots of a previous run in train.out (once every "
+                        "check has passed)")
     return p
 
 
@@ -80,11 +87,28 @@ def fill_dp(cfg: Config, size: int) -> int:
     return size // other
 
 
-def preflight(cfg: Config) -> list[str]:
-    """What the trainer checks before its first collective, without communicating (``--dry-run`` calls this;
-    the trainer runs the same checks). A wrong setting (the compression policy) raises :class:`ConfigError`;
-    what this machine lacks for the run (the corpus, the device) is returned instead, for the dry-run to report
-    after its plan: a GPU job is often planned where there is no GPU, and the plan is what was asked for."""
+def load(config: str | None, overrides: list[str], size: int | None) -> Config:
+    """The run's config for a job of ``size`` ranks (``None``: not launched): the file and overrides, ``mesh.dp``
+    filling the ranks the other axes leave unless it is given, and the mesh checked against the job before the
+    rules across sections (a mesh of the wrong size is named as such, not as a batch it fails to divide)."""
+    given = _dp_given(config, overrides)
+    cfg = load_config(config, overrides, world_size=size if given else None)
+    if size is not None and cfg.mesh.size != size and not given:
+        cfg = load_config(config, [*overrides, f"--mesh.dp={fill_dp(cfg, size)}"], world_size=size)
+    if size is not None:
+        cfg.validate_world(size)
+    return cfg
+
+
+def preflight(cfg: Config) -> tuple[list[str], Any]:
+    """Every check of a run that needs neither communication nor the run directory, the same for ``--dry-run``
+    and the real start (which runs it before MPI starts, before the lock and before ``--overwrite`` deletes
+    anything). A wrong setting (the compression policy, the multipath topology) raises :class:`ConfigError`;
+    what this machine lacks for the run (the corpus, the device) is returned instead: the dry run reports it
+    after its plan (a GPU job is often planned where there is no GPU), the real start exits 2 on it.
+
+    Returns ``(problems, corpus)``: the corpus loaded (``None`` when it is one of the problems), which the
+    trainer then takes instead of reading it again."""
     import torch
 
     from .data import load_corpus
@@ -92,14 +116,33 @@ def preflight(cfg: Config) -> list[str]:
 
     if cfg.compress.policy != "none":
         compression_hook(cfg.compress.policy, None if cfg.compress.min_kb < 0 else int(cfg.compress.min_kb * 1024))
-    problems = []
+    _check_topology(cfg)
+    problems, corpus = [], None
     try:
-        load_corpus(cfg.data)
+        corpus = load_corpus(cfg.data)
     except (ConfigError, ValueError, OSError) as exc:
         problems.append(str(exc))
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
         problems.append("train.device = 'cuda' but torch sees no CUDA device; use train.device = 'cpu'")
-    return problems
+    return problems, corpus
+
+
+def _check_topology(cfg: Config) -> None:
+    """``multipath.topology`` names a valid topology (a preset or a readable TOML file), with or without MoE;
+    where it routes the experts' all-to-allv (``model.ffn = 'moe'``, ``multipath.enabled``, ``mesh.ep`` > 1), one
+    of ``mesh.ep`` ranks. ``auto`` is found from the machine once the ranks run."""
+    from ..multipath.detect import resolve_fixed
+
+    mp, spec = cfg.multipath, cfg.multipath.topology
+    if spec == "auto":
+        return
+    routed = mp.enabled and cfg.model.ffn == "moe" and cfg.mesh.ep > 1
+    try:
+        resolve_fixed(spec, cfg.mesh.ep if routed else None)
+    except ValueError as exc:
+        where = f" (it routes the experts' all-to-allv over mesh.ep = {cfg.mesh.ep} ranks)" if routed else ""
+        why = str(exc).removeprefix(f"multipath topology {spec!r}: ")  # named once, as the setting
+        raise ConfigError(f"multipath.topology = {spec!r}{where}: {why}") from None
 
 
 def _dirs(cfg: Config) -> tuple[Path, Path]:
@@ -108,38 +151,72 @@ def _dirs(cfg: Config) -> tuple[Path, Path]:
 
 
 def claim(cfg: Config, *, resume: bool, overwrite: bool, dry_run: bool = False) -> str | None:
-    """Apply the run-directory rules to ``train.out`` (reads only). A run that may not start raises
-    :class:`~loom.train.checkpoint.RunDirError`; a dry run gets the reason back instead (``None``: free)."""
+    """Apply the run-directory rules to ``train.out`` (reads only), and for ``resume`` check that the newest
+    checkpoint can be continued with this config (:func:`~loom.train.checkpoint.check_resume`). A run that may
+    not start raises :class:`~loom.train.checkpoint.RunDirError` (``--resume`` with ``--overwrite``: a
+    :class:`ConfigError`); a dry run gets the directory's reason back instead (``None``: free)."""
     out, ckpt_dir = _dirs(cfg)
-    if dry_run:
-        return ckpt.occupied(out, ckpt_dir, resume=resume, overwrite=overwrite, stages=cfg.mesh.pp)
-    ckpt.claim_run_dir(out, ckpt_dir, resume=resume, overwrite=overwrite, stages=cfg.mesh.pp)
+    try:
+        ckpt.claim_run_dir(out, ckpt_dir, resume=resume, overwrite=overwrite, stages=cfg.mesh.pp)
+        if resume:
+            ckpt.check_resume(ckpt_dir, config_to_dict(cfg), stages=cfg.mesh.pp)
+    except ckpt.RunDirError as exc:
+        if dry_run:
+            return str(exc)
+        raise
     return None
 
 
-def hold(cfg: Config, comm, *, resume: bool, overwrite: bool) -> Path | None:
-    """Rank 0 applies the run-directory rules (:func:`claim`), takes the directory's lock (and clears it on
-    ``overwrite``) before anything is written; every rank learns the outcome, so a refused job exits 2 on every
-    rank. Returns the lock (rank 0) or ``None``.
+def _first_missing(path: Path) -> Path | None:
+    """The outermost directory of ``path`` (itself or an ancestor) that does not exist yet, or ``None``."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
+def _remove_if_unused(created: Path | None) -> None:
+    """Remove ``created``, a directory tree this start made, when no file was written into it."""
+    import shutil
+
+    if created is not None and created.is_dir() and not any(p.is_file() for p in created.rglob("*")):
+        shutil.rmtree(created, ignore_errors=True)
+
+
+def hold(cfg: Config, comm, *, resume: bool, overwrite: bool) -> tuple[Path | None, Path | None]:
+    """Rank 0 applies the run-directory rules (:func:`claim`) and takes the directory's lock before anything is
+    written; every rank learns the outcome, so a refused job exits 2 on every rank. Returns ``(lock, created)``
+    on rank 0 (the lock, and the outermost directory the lock created, to remove if the start fails), ``(None,
+    None)`` elsewhere. ``--overwrite`` clears the directory later (:func:`clear`), once the trainer is built.
 
     Only rank 0 looks at the directory: a rank that checked it on its own could find the lock, or the files,
     that rank 0 of its own job had written meanwhile, and leave alone while its peers wait for it."""
-    lock = err = None
+    lock = err = created = None
     if comm.rank == 0:
         try:
             claim(cfg, resume=resume, overwrite=overwrite)
+            created = _first_missing(Path(cfg.train.out))
             lock, stale = ckpt.lock_run_dir(cfg.train.out)
             if stale:
                 print(f"loom train: took over the lock of a run that is gone (pid {stale.get('pid')} on "
                       f"{stale.get('host')})", flush=True)
-            if overwrite:
-                ckpt.clear_run_dir(*_dirs(cfg))
         except (ConfigError, OSError) as exc:
             err = str(exc)
+            _remove_if_unused(created)
     err = comm.bcast_object(err)
     if err:
         raise ConfigError(err)
-    return lock
+    return lock, created
+
+
+def clear(cfg: Config, comm) -> None:
+    """``--overwrite``: rank 0 deletes the previous run's files, once every check has passed and the trainer
+    is built (nothing is destroyed for a run that then refuses to start); the others wait for it."""
+    if comm.rank == 0:
+        ckpt.clear_run_dir(*_dirs(cfg))
+    comm.barrier()
 
 
 def _error(msg: str) -> int:
@@ -154,30 +231,29 @@ def _error(msg: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    # The launcher tells each rank the job size: check the mesh before importing torch or initializing MPI,
-    # so a wrong mesh fails fast and identically on every rank.
+    # The launcher tells each rank the job size: every check runs before MPI starts (and before the run
+    # directory is touched), so a wrong setting fails fast and identically on every rank, deleting nothing.
     info = settings.launch_info()
-    size = None if info is None else info.size
+    # Outside a launcher a dry run plans the configured mesh; a run is then a job of one rank.
+    size = info.size if info is not None else None if args.dry_run else 1
     try:
-        cfg = load_config(args.config, rest)
-        if size is not None and cfg.mesh.size != size and not _dp_given(args.config, rest):
-            cfg = load_config(args.config, [*rest, f"--mesh.dp={fill_dp(cfg, size)}"])
-        if size is not None:
-            cfg.validate_world(size)
-        problems = preflight(cfg) if args.dry_run else []
+        cfg = load(args.config, rest, size)
+        problems, corpus = preflight(cfg)
         # A dry run only reports what the directory holds. A run's directory is checked and locked by rank 0
         # once MPI is up (hold), before the trainer's first collective, and nothing is written until after that.
-        occupied = claim(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=True) if args.dry_run else None
+        refused = claim(cfg, resume=args.resume, overwrite=args.overwrite, dry_run=True) if args.dry_run else None
     except ConfigError as exc:
         return _error(str(exc))
     if args.dry_run:
         if settings.launch_rank() == 0:
             print(plan(cfg, size))
-            if occupied:  # a dry run writes nothing: say what the run would refuse rather than refuse to plan
-                print(f"run directory: occupied; the run itself would exit 2: {occupied}")
+            if refused:  # a dry run writes nothing: say what the run would refuse rather than refuse to plan
+                print(f"run directory: occupied; the run itself would exit 2: {refused}")
             for problem in problems:  # the real run stops here (exit 2); the plan above still holds
                 print(f"loom train: warning: this machine cannot run it as configured: {problem}", file=sys.stderr)
         return 0
+    if problems:
+        return _error(problems[0])
 
     import torch
 
@@ -187,18 +263,24 @@ def main(argv: list[str] | None = None) -> int:
 
     comm = world()
     try:
-        lock = hold(cfg, comm, resume=args.resume, overwrite=args.overwrite)
+        lock, created = hold(cfg, comm, resume=args.resume, overwrite=args.overwrite)
     except ConfigError as exc:
         return _error(str(exc))
+    started = False
     try:  # the lock is released however the run ends (an interrupt unwinds through here)
         try:
-            trainer = Trainer(cfg, comm, resume=args.resume)
+            trainer = Trainer(cfg, comm, resume=args.resume, corpus=corpus)
         except ConfigError as exc:
             return _error(str(exc))
+        if args.overwrite:
+            clear(cfg, comm)
+        started = True
         records = trainer.run()
     finally:
         if lock is not None:
             ckpt.unlock_run_dir(lock)
+            if not started:  # a start that fails leaves no directory it made
+                _remove_if_unused(created)
     if comm.rank == 0 and records:
         last = records[-1]
         tps = sum(r["tokens_per_s"] for r in records[-10:]) / len(records[-10:])

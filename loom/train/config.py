@@ -86,7 +86,7 @@ class ModelConfig(LlamaShape):
             try:
                 fill_model_config(self)
             except (ValueError, OSError, ImportError) as exc:
-                raise ConfigError(f"model.hf / model.hf_config: {exc}") from None
+                raise ConfigError(str(exc)) from None
             return
         try:
             LlamaShape.__post_init__(self)  # zero-argument super() does not work in a slots dataclass
@@ -125,6 +125,15 @@ class MeshConfig:
     @property
     def size(self) -> int:
         return self.dp * self.pp * self.sp * self.ep * self.tp
+
+    def validate_world(self, world_size: int) -> None:
+        """Raise :class:`ConfigError` unless the mesh covers exactly ``world_size`` ranks."""
+        if self.size != world_size:
+            raise ConfigError(
+                f"mesh dp={self.dp} x pp={self.pp} x sp={self.sp} x ep={self.ep}"
+                f"{f' x tp={self.tp}' if self.tp > 1 else ''} = {self.size} ranks but the job "
+                f"has {world_size}; launch with --ranks {self.size} (mpiexec -n {self.size}) or set "
+                f"--mesh.dp/--mesh.pp/--mesh.sp/--mesh.tp so their product is {world_size}")
 
     def axes(self) -> dict[str, int]:
         """Mesh axes in order (``dp`` outermost, then ``sp``, ``tp`` fastest: Megatron's order, the most frequent
@@ -189,6 +198,10 @@ class OptimConfig:
     """Linear warm-up steps."""
     schedule: str = "cosine"
     """``cosine`` or ``constant`` after warm-up."""
+    decay_steps: int = 0
+    """The cosine's horizon: the step at which the rate reaches ``min_lr`` (and stays). 0: ``train.steps`` of
+    the run that started it; a ``--resume`` with another ``train.steps`` keeps the checkpoint's horizon, so the
+    rate goes on where it was, unless this sets a new one."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay (not applied to norms)."""
     beta1: float = 0.9
@@ -201,7 +214,7 @@ class OptimConfig:
     def __post_init__(self) -> None:
         _need(self.lr > 0, f"optim.lr = {self.lr} must be > 0")
         _need(0 <= self.min_lr <= self.lr, f"optim.min_lr = {self.min_lr} must be in [0, optim.lr = {self.lr}]")
-        _at_least(self, "optim", warmup=0)
+        _at_least(self, "optim", warmup=0, decay_steps=0)
         _need(self.schedule in ("cosine", "constant"), f"optim.schedule = {self.schedule!r}; valid: cosine, constant")
         _need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)")
         _at_least(self, "optim", grad_clip=0)
@@ -452,13 +465,7 @@ class Config:
 
     def validate_world(self, world_size: int) -> None:
         """Raise :class:`ConfigError` unless the mesh covers exactly ``world_size`` ranks."""
-        mesh = self.mesh
-        if mesh.size != world_size:
-            raise ConfigError(
-                f"mesh dp={mesh.dp} x pp={mesh.pp} x sp={mesh.sp} x ep={mesh.ep}"
-                f"{f' x tp={mesh.tp}' if mesh.tp > 1 else ''} = {mesh.size} ranks but the job "
-                f"has {world_size}; launch with --ranks {mesh.size} (mpiexec -n {mesh.size}) or set "
-                f"--mesh.dp/--mesh.pp/--mesh.sp/--mesh.tp so their product is {world_size}")
+        self.mesh.validate_world(world_size)
 
 
 def _field_names(cls: type) -> list[str]:
@@ -481,8 +488,11 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     return value
 
 
-def config_from_dict(data: dict[str, Any]) -> Config:
-    """Build a :class:`Config` from ``{"section": {"key": value}}``; unknown names raise listing valid ones."""
+def config_from_dict(data: dict[str, Any], world_size: int | None = None) -> Config:
+    """Build a :class:`Config` from ``{"section": {"key": value}}``; unknown names raise listing valid ones.
+
+    With ``world_size`` (the job's ranks) the mesh is checked against it before the rules across sections, so
+    a mesh that is not the job's size is reported as such, not as the batch or sequence it fails to divide."""
     sections: dict[str, Any] = {}
     for name, values in data.items():
         if name not in _SECTIONS:
@@ -498,6 +508,8 @@ def config_from_dict(data: dict[str, Any]) -> Config:
                 raise ConfigError(f"unknown key {name}.{key}; valid keys in [{name}]: {', '.join(valid)}")
             kwargs[key] = _coerce(name, key, value, getattr(defaults, key))
         sections[name] = cls(**kwargs)
+    if world_size is not None:
+        sections.get("mesh", MeshConfig()).validate_world(world_size)
     return Config(**sections)
 
 
@@ -542,8 +554,9 @@ def parse_overrides(args: Sequence[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
-    """Read ``path`` (TOML; ``None`` = all defaults) and apply ``--section.key=value`` overrides."""
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), world_size: int | None = None) -> Config:
+    """Read ``path`` (TOML; ``None`` = all defaults) and apply ``--section.key=value`` overrides; with
+    ``world_size``, the mesh must cover that many ranks (:func:`config_from_dict`)."""
     data: dict[str, dict[str, Any]] = {}
     if path is not None:
         p = Path(path)
@@ -558,4 +571,4 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
         if section in data and not isinstance(data[section], dict):
             raise ConfigError(f"[{section}] in {path} is not a table")
         data.setdefault(section, {}).update(values)
-    return config_from_dict(data)
+    return config_from_dict(data, world_size)

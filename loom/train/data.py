@@ -85,7 +85,11 @@ def load_corpus(cfg: DataConfig) -> Corpus:
         used += 1
         if cfg.max_bytes and total >= cfg.max_bytes:
             break
-    data = torch.frombuffer(bytearray(_SEP.join(chunks)), dtype=torch.uint8)
+    if not used:  # the default corpus, or a pattern that matches only directories
+        raise ConfigError(f"corpus {desc} has no readable files matching data.glob = {cfg.glob!r}; set "
+                          f"--data.glob (e.g. '*.py'), or point --data.path at a text file or directory")
+    joined = bytearray(_SEP.join(chunks))
+    data = torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.zeros(0, dtype=torch.uint8)
     n_held = int(len(data) * cfg.heldout)
     need = cfg.seq_len + 2
     if n_held < need or len(data) - n_held < need:

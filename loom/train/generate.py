@@ -72,6 +72,17 @@ def sample(model, prompt: str, *, tokens: int = 200, temperature: float = 0.8, t
     return decode(out)
 
 
+def _check_counts(a) -> str | None:
+    """The counts must be counts: ``--tokens`` >= 1, ``--top-k``, ``--context`` >= 0, ``--temperature`` >= 0."""
+    if a.tokens < 1:
+        return f"--tokens {a.tokens} must be >= 1 (the bytes to generate), e.g. --tokens 200"
+    for flag, v, zero in (("--top-k", a.top_k, "all bytes"), ("--context", a.context, "the training seq_len"),
+                          ("--temperature", a.temperature, "greedy")):
+        if v < 0:
+            return f"{flag} {v} must be >= 0 (0 = {zero})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = cli_args.ArgumentParser(prog="loom generate", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True,
@@ -83,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=0, help="context window in bytes (0 = the training seq_len)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--device", default="auto", help="cpu, cuda[:N], or auto (the GPU when torch sees one)")
+    p.checks.append(_check_counts)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
     try:

@@ -314,13 +314,15 @@ def memory_lines(cfg: Config) -> list[str]:
     lines = []
     for e in ests:
         lines.append(f"  memory     stage {e.stage} (units {e.units[0]}..{e.units[1] - 1}, {e.detail['in_flight']} "
-                     f"micro-batch(es) in flight): ~{_fmt(e.total)} per rank = weights {_fmt(e.weights)} + grads "
-                     f"{_fmt(e.grads)} + Adam {_fmt(e.optimizer)} + ZeRO buffers {_fmt(e.zero_buffers)} + "
+                     f"micro-batch(es) in flight): ~{_fmt(e.total)} of tensors per rank = weights {_fmt(e.weights)} "
+                     f"+ grads {_fmt(e.grads)} + Adam {_fmt(e.optimizer)} + ZeRO buffers {_fmt(e.zero_buffers)} + "
                      f"activations/work {_fmt(e.activations)}" + (f"; host {_fmt(e.host)}" if e.host else ""))
     axes = zaxes if zstage else tuple(a for a in ("dp", "sp") if cfg.mesh.axes().get(a, 1) > 1) or ("dp",)
     row = [f"{st}: {_fmt(peak(cfg, zero=(st, axes)).total)}" for st in range(4)]
-    lines.append(f"  zero       peak per rank by ZeRO stage over {' x '.join(axes)} (configured: {zstage}): "
+    lines.append(f"  zero       peak tensors per rank by ZeRO stage over {' x '.join(axes)} (configured: {zstage}): "
                  + ", ".join(row))
+    lines.append("             (tensors only: the progress shows them as 'peak CUDA' on a GPU; on the CPU its "
+                 "'peak RSS' is the whole process, Python, torch and MPI included)")
     budget = int(getattr(cfg.train, "device_memory", 0) * 2**30)
     if budget:
         lines += _fit_lines(cfg, budget, (zstage, zaxes), (3, axes))

@@ -1,8 +1,9 @@
 """Rank 0's view of a run: a rich progress bar (or plain lines), the metrics JSONL and the PNG plots.
 
-The bar shows step, loss, tokens/s, peak memory per rank (the maximum over ranks) and the compression ratio
-(uncompressed / on-the-wire bytes of the gradient traffic). On a non-terminal (CI, piped output) ``auto``
-prints one line per log step instead, so logs stay readable.
+The bar shows step, loss, tokens/s, peak memory per rank (the maximum over ranks: ``peak RSS``, the whole
+process, on the CPU; ``peak CUDA`` the allocator's tensors on a GPU, what ``--dry-run``'s memory model predicts)
+and the compression ratio (uncompressed / on-the-wire bytes of the gradient traffic). On a non-terminal (CI,
+piped output) ``auto`` prints one line per log step instead, so logs stay readable.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from typing import Any, Iterable
 
 from .. import settings
 
-__all__ = ["Display", "MetricsLog", "write_plots", "fmt_bytes"]
+__all__ = ["Display", "MetricsLog", "write_plots", "fmt_bytes", "PEAK_LABEL"]
+
+PEAK_LABEL = {"rss": "peak RSS", "cuda": "peak CUDA"}
+"""The display's name for a record's ``peak_mem`` by its ``peak_mem_of`` (what was measured)."""
 
 
 def fmt_bytes(n: float) -> str:
@@ -78,27 +82,29 @@ class Display:
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("loss [cyan]{task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                TextColumn("peak {task.fields[mem]}/rank"), TextColumn("compress {task.fields[ratio]}"),
+                TextColumn("{task.fields[peak]} {task.fields[mem]}/rank"), TextColumn("compress {task.fields[ratio]}"),
                 TimeRemainingColumn(), console=Console(force_terminal=True, width=width), auto_refresh=False,
             )
             self._progress.start()
             self._bar = self._progress.add_task(title, total=total, completed=start, loss="-", tps="-",
-                                                mem="-", ratio="-")
+                                                peak="peak", mem="-", ratio="-")
 
     def update(self, rec: dict[str, Any]) -> None:
         loss = f"{rec['loss']:.4f}"
         tps = f"{rec['tokens_per_s']:,.0f}"
         mem = fmt_bytes(rec["peak_mem"])
+        peak = PEAK_LABEL.get(rec.get("peak_mem_of", ""), "peak")
         ratio = f"{rec['compress_ratio']:.2f}x"
         if self.mode == "bar":
-            self._progress.update(self._bar, completed=rec["step"], loss=loss, tps=tps, mem=mem, ratio=ratio)
+            self._progress.update(self._bar, completed=rec["step"], loss=loss, tps=tps, peak=peak, mem=mem,
+                                  ratio=ratio)
             self._progress.refresh()  # redraw per step only: every redraw travels through mpiexec's pipes
         elif self.mode == "lines":
             ev = f"  eval {rec['eval_loss']:.4f}" if rec.get("eval_loss") is not None else ""
             t = rec.get("time", {})
             hidden = f", {t['overlapped'] * 1e3:.0f} overlapped" if t.get("overlapped") else ""
             comm = f", comm {t['comm'] * 1e3:.0f} exposed{hidden}" if "comm" in t else ""
-            print(f"step {rec['step']:>5}/{self.total}  loss {loss}{ev}  {tps} tok/s  peak {mem}/rank  "
+            print(f"step {rec['step']:>5}/{self.total}  loss {loss}{ev}  {tps} tok/s  {peak} {mem}/rank  "
                   f"compress {ratio}  ({rec['step_time'] * 1e3:.0f} ms/step{comm})", flush=True)
 
     def message(self, text: str) -> None:

@@ -92,14 +92,16 @@ COMM_TIME = _stats.AxisCounter("time", "comm")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
-def lr_at(step: int, cfg: Config) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): linear warm-up, then cosine or constant."""
+def lr_at(step: int, cfg: Config, horizon: int | None = None) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warm-up, then cosine or constant. The cosine
+    reaches ``optim.min_lr`` at step ``horizon`` (default ``optim.decay_steps``, else ``train.steps``) and stays
+    there."""
     o = cfg.optim
     if o.warmup and step < o.warmup:
         return o.lr * (step + 1) / o.warmup
     if o.schedule == "constant":
         return o.lr
-    span = max(1, cfg.train.steps - o.warmup)
+    span = max(1, (horizon or o.decay_steps or cfg.train.steps) - o.warmup)
     frac = min(1.0, (step - o.warmup) / span)
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * frac))
 
@@ -215,10 +217,12 @@ class Trainer:
         resume: continue from the newest complete checkpoint in the checkpoint directory (none: start fresh).
         out: run directory override (default ``cfg.train.out``).
         quiet: no progress display or plots (tests).
+        corpus: the corpus of ``cfg.data`` when the caller has loaded it already (``loom train`` checks it
+            before the ranks communicate); default: loaded here.
     """
 
     def __init__(self, cfg: Config, comm: Communicator | None = None, *, resume: bool = False,
-                 out: str | Path | None = None, quiet: bool = False):
+                 out: str | Path | None = None, quiet: bool = False, corpus: Any = None):
         self.cfg = cfg
         self.comm = comm or world()
         cfg.validate_world(self.comm.size)
@@ -233,7 +237,7 @@ class Trainer:
         if cfg.compress.policy != "none":
             self.policy, self.hook = compression_hook(
                 cfg.compress.policy, None if cfg.compress.min_kb < 0 else int(cfg.compress.min_kb * 1024))
-        self.corpus = load_corpus(cfg.data)
+        self.corpus = corpus if corpus is not None else load_corpus(cfg.data)
         self._lay_mesh()
         # ZeRO-1 as a reduce-scatter plus an allgather (DDP's bytes) over the zero axes, also under tp (each tp
         # rank's slices are identical over dp) and a pipeline (HybridParallel leaves the dp reduction to it).
@@ -270,8 +274,11 @@ class Trainer:
         if cfg.multipath.enabled and ep_comm is not None:  # [multipath]: expert all-to-allv over planned paths
             from ..parallel.moe import use_multipath
 
-            use_multipath(self.tm.module, ep_comm, topology=cfg.multipath.topology,
-                          min_bytes=cfg.multipath.min_bytes, learn=cfg.multipath.learn)
+            try:
+                use_multipath(self.tm.module, ep_comm, topology=cfg.multipath.topology,
+                              min_bytes=cfg.multipath.min_bytes, learn=cfg.multipath.learn)
+            except ValueError as exc:  # every rank resolves the same topology: all refuse alike
+                raise ConfigError(f"multipath.topology = {cfg.multipath.topology!r}: {exc}") from None
         self.model = self.tm.module
         if hasattr(self.tm, "tokenize_corpus"):  # a transformers checkpoint's own tokenizer
             self.corpus = self.tm.tokenize_corpus(self.corpus)
@@ -301,6 +308,9 @@ class Trainer:
         self.opt = self._make_optimizer()
         self.start_step = 0
         self.resumed_from_nothing = False
+        # The step at which the cosine reaches min_lr; a resumed run keeps its checkpoint's (see _resume).
+        self.lr_horizon = cfg.optim.decay_steps or cfg.train.steps
+        self.schedule_note: str | None = None
         if resume:
             self._resume()
             self.resumed_from_nothing = self.start_step == 0
@@ -463,22 +473,16 @@ class Trainer:
         if step is None:
             return
         state = ckpt.load(ckpt.stage_path(self.ckpt_dir, step, self.stage))
-        diff = ckpt.config_changes(state.get("config", {}), config_to_dict(self.cfg))
-        if diff:
-            raise ConfigError(f"--resume: the newest checkpoint in {self.ckpt_dir} (step {step}) is of another run "
-                              f"({', '.join(diff)}); resume with the checkpoint's values, or start a new run with "
-                              f"another --train.out")
+        why = ckpt.resume_refusal(state, config_to_dict(self.cfg), f"the newest checkpoint in {self.ckpt_dir} "
+                                                                    f"(step {step})")
+        if why:
+            raise ConfigError(why)
         if state.get("stages", 1) != self.stages or list(state.get("params", self.param_names)) != self.param_names:
             raise ConfigError(f"checkpoint {self.ckpt_dir} step {step} was written with {state.get('stages')} "
                               f"pipeline stages and a different layer split; resume with the same mesh.pp")
         missing = [n for n in self.param_names if n not in state["model"]]
         if missing:
             raise ConfigError(f"checkpoint step {step} lacks parameters {missing[:3]}...; it is not from this model")
-        if (state.get("zero") is not None) != (self.sdp is not None):
-            was = "2-3 (sharded files)" if state.get("zero") else "0-1 (one file)"
-            raise ConfigError(f"checkpoint {self.ckpt_dir} step {step} was written at zero.stage {was} and this run "
-                              f"has zero.stage = {self.cfg.zero.stage}; stages 0-1 and 2-3 keep the optimizer state "
-                              f"in different layouts: resume with a zero.stage in the checkpoint's range")
         if self.sdp is not None:
             self.sdp.load_sharded(self._zero_files(self.ckpt_dir / state["zero"]), self.opt)  # reshards
         else:
@@ -486,6 +490,30 @@ class Trainer:
         self._restore_compression(state, step)
         ckpt.restore_rng(state["rng"], self.device)
         self.start_step = int(state["step"])
+        self._keep_schedule(state)
+
+    def _keep_schedule(self, state: dict[str, Any]) -> None:
+        """The learning-rate schedule of a resumed run: the checkpoint's horizon (the first run's
+        ``train.steps``, or its ``optim.decay_steps``) unless ``optim.decay_steps`` sets one, so a longer or
+        shorter ``train.steps`` continues the rate instead of restarting the cosine. Where the two differ at the
+        resume step, :attr:`schedule_note` says so in one line with both rates."""
+        saved = state.get("lr_horizon") or state.get("config", {}).get("train", {}).get("steps")
+        if not saved:  # written before the horizon was recorded, without a config: nothing to keep
+            return
+        cfg, step, wanted = self.cfg, self.start_step, self.cfg.optim.decay_steps
+        kept = lr_at(step, cfg, int(saved))
+        self.lr_horizon = wanted or int(saved)
+        if cfg.optim.schedule == "constant" or wanted == saved or (not wanted and cfg.train.steps == saved):
+            return
+        if wanted:
+            self.schedule_note = (f"learning rate: optim.decay_steps = {wanted} replaces the checkpoint's horizon of "
+                                  f"{saved} steps: {kept:.2e} -> {lr_at(step, cfg, wanted):.2e} at step {step}")
+        else:
+            self.schedule_note = (f"learning rate: train.steps = {cfg.train.steps} but the schedule keeps the "
+                                  f"checkpoint's horizon of {saved} steps, so it continues at {kept:.2e} (min_lr "
+                                  f"{cfg.optim.min_lr:.2e} from step {saved}); --optim.decay_steps="
+                                  f"{cfg.train.steps} would stretch it: {lr_at(step, cfg, cfg.train.steps):.2e} "
+                                  f"at step {step}")
 
     def _load_full(self, state: dict[str, Any]) -> None:
         """Parameters and optimizer state from a one-file checkpoint (stages 0-1)."""
@@ -595,6 +623,7 @@ class Trainer:
                 "format": ckpt.FORMAT, "step": step, "config": config_to_dict(self.cfg),
                 "stage": self.stage, "stages": self.stages, "params": list(self.param_names),
                 "model": model, "optim": optim, "rng": ckpt.capture_rng(self.device),
+                "lr_horizon": self.lr_horizon,
             }
             if compress is not None:
                 payload["compress"] = compress
@@ -912,6 +941,8 @@ class Trainer:
         display = Display(cfg.train.progress if show else "none", cfg.train.steps, self.start_step)
         if show and self.start_step:
             display.message(f"resumed from {self.ckpt_dir} at step {self.start_step}")
+            if self.schedule_note:
+                display.message(self.schedule_note)
         elif show and self.resumed_from_nothing:
             display.message(f"--resume: no checkpoint in {self.ckpt_dir} yet; starting at step 0")
         tokens = cfg.data.batch * cfg.data.seq_len
@@ -923,7 +954,7 @@ class Trainer:
             before, saved0, off0 = _wire_bytes(), _saved_bytes(), _offload_bytes()
             sp0 = COMM_TIME.get("sp", 0.0) + COMM_TIME.get("tp", 0.0)
             zero0, dp0 = zero_stats(), dp_stats()
-            lr = lr_at(step, cfg)
+            lr = lr_at(step, cfg, self.lr_horizon)
             for g in self.opt.param_groups:
                 g["lr"] = lr
             x, y = self.local_batch(self.corpus.train, step)
@@ -968,6 +999,7 @@ class Trainer:
                          "dp": dp_s, "overlapped": overlapped_s},
                 "bytes": by_axis, "offload_bytes": off1 - off0,
                 "compress_ratio": (raw_all / wire_all) if wire_all else 1.0, "peak_mem": peak,
+                "peak_mem_of": "cuda" if self.device.type == "cuda" else "rss",  # see peak_memory
             }
             records.append(rec)
             if lead:

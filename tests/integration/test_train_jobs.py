@@ -23,14 +23,30 @@ from tests.jobs import TINY, train_job
 
 pytestmark = pytest.mark.mpi
 
+_MOE = ["--model.ffn=moe", "--model.experts=2", "--model.top_k=1", "--mesh.ep=2", "--multipath.enabled=true"]
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 @pytest.mark.parametrize("override, words", [
     ("--model.hiden=64", ["unknown key model.hiden", "valid keys in [model]: layers, hidden"]),
     ("--data.seq_len=33", ["data.seq_len = 33 is not divisible by mesh.sp = 2", "use data.seq_len = 34"]),
-    ("--mesh.dp=4", ["mesh dp=4", "= 4 ranks but the job has 2"]),
+    # the mesh, not the batch of 4 it does not divide either
+    ("--mesh.dp=3", ["mesh dp=3", "= 3 ranks but the job has 2; launch with --ranks 3"]),
+    ("--data.glob=*.nothing", ["has no readable files matching data.glob = '*.nothing'"]),
+    ("--multipath.topology=h100", ["multipath.topology = 'h100' (it routes the experts' all-to-allv over mesh.ep = 2",
+                                   "has 16 ranks but the job has 2"]),
 ])
 def test_bad_config_exits_2_on_every_rank(tmp_path, override, words):
-    extra = ["--mesh.sp=2"] if "seq_len" in override else []
-    proc = train_job(2, f"--train.out={tmp_path}", *extra, override, timeout=120)
+    """Once per job, no traceback, and with --overwrite the previous run in the directory is left as it was."""
+    extra = ["--mesh.sp=2"] if "seq_len" in override else _MOE if "topology" in override else []
+    ckpt.save(ckpt.stage_path(tmp_path / "checkpoints", 2), {"format": ckpt.FORMAT, "step": 2, "stages": 1})
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "step", "step": 2}\n')
+    before = _tree(tmp_path)
+    proc = train_job(2, f"--train.out={tmp_path}", "--overwrite", *extra, override, timeout=120)
+    assert _tree(tmp_path) == before
     assert proc.returncode == 2, proc.stdout + proc.stderr
     # Once per job: rank 0 prints, the other rank exits 2 in silence (the launcher's exit code is the ranks').
     assert proc.stderr.count("loom train: error: ") == 1, proc.stderr

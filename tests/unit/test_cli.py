@@ -17,6 +17,11 @@ HELP = [[], ["demo"], ["bench"], *(["bench", name] for name in BENCHMARKS), ["tr
         ["testbed"], *(["testbed", sub] for sub in ("run", "check", "show", "clean")), ["dask"], ["dask", "run"]]
 
 
+LAUNCHES = ("demo", "bench", "train", "dask")
+"""The commands loom runs on --ranks N local ranks (plan, generate and testbed run one process; ``loom dask``
+lists its subcommand, whose help has the flag)."""
+
+
 @pytest.fixture(autouse=True)
 def _outside_mpi(monkeypatch):
     for var in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "LOOM_LAUNCHED"):
@@ -47,6 +52,9 @@ def test_every_help_renders_and_short_flags_mean_one_thing(argv, monkeypatch):
     rc, out, err = _loom([*argv, "--help"])
     assert rc == 0, err
     assert out.startswith("usage: loom"), out[:200]
+    assert "``" not in out, out  # docstring markup reads as plain `name`
+    if argv and argv[0] in LAUNCHES and argv != ["dask"]:  # a command that runs on ranks says how to ask for them
+        assert "--ranks" in out, out
     if argv:  # the root dispatcher has its own listing; every command below it is argparse
         assert seen and all(isinstance(p, cli_args.ArgumentParser) for p in seen), [p.prog for p in seen]
     for p in seen:
@@ -72,6 +80,8 @@ def test_every_help_renders_and_short_flags_mean_one_thing(argv, monkeypatch):
     (["bench", "allreduce", "--codec", "int8"], "unrecognized arguments: --codec int8"),
     (["bench", "nope"], "invalid choice: 'nope'"),
     (["generate"], "the following arguments are required: --checkpoint"),
+    (["generate", "--checkpoint", "x", "--tokens", "-5"], "--tokens -5 must be >= 1"),
+    (["generate", "--checkpoint", "x", "--top-k", "-1"], "--top-k -1 must be >= 0 (0 = all bytes)"),
     (["testbed", "show", "-N", "x"], "invalid int value"),
     (["dask", "run"], "without a client script the cluster serves outside clients: give --tcp HOST:PORT"),
     (["dask", "run", "--ranks", "0", "x.py"], "--ranks 0 must be >= 1"),
@@ -111,6 +121,9 @@ def test_an_explicit_mesh_is_not_filled(monkeypatch, tmp_path):
     assert rc == 2 and "= 1 ranks but the job has 2" in err, err
     rc, _, err = _loom(["train", "--dry-run", f"--train.out={tmp_path}", "--mesh.sp=4"])
     assert rc == 2 and "which mesh.pp=1 x mesh.sp=4 x mesh.ep=1 = 4 does not divide" in err, err
+    # A mesh of the wrong size is named as such, before the batch it also fails to divide.
+    rc, _, err = _loom(["train", "--dry-run", f"--train.out={tmp_path}", "--mesh.dp=3"])
+    assert rc == 2 and "mesh dp=3 x pp=1 x sp=1 x ep=1 = 3 ranks but the job has 2; launch with --ranks 3" in err, err
 
 
 # A rank's command stopped by a signal: whatever the signal's KeyboardInterrupt meets on its way, the rank ends with

@@ -179,7 +179,7 @@ def test_dry_run_after_the_demo_filled_its_run_directory(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "memory" in out and "run directory: occupied" in out and "step 200" in out, out
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
-    assert main(argv) == 2  # the run itself still refuses it
+    assert main([*argv, "--mesh.dp=1", "--mesh.sp=1"]) == 2  # the run itself (here one rank) still refuses it
     assert "already holds another run" in capsys.readouterr().err
 
 

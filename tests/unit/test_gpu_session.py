@@ -4,6 +4,7 @@ rehearsal runs the same steps. (tests/integration/test_gpu_session.py runs the r
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -61,3 +62,33 @@ def test_rehearsal_runs_the_same_steps_on_the_cpu():
     rehearsed, r_meshes, _ = _plan("--rehearse")
     assert [s[0] for s in rehearsed] == [s[0] for s in steps] and r_meshes == meshes
     assert not any("--device cuda" in s[3] for s in rehearsed)
+
+
+FAKE_RANKS = """
+import sys, time
+meshes = sys.argv[sys.argv.index("--meshes") + 1].split(",")
+for name in meshes:
+    if name == "crash":
+        sys.exit(3)
+    if name == "hang":
+        time.sleep(60)
+    print(f"MESH {name} ok 0.1 loss rel diff 0", flush=True)
+"""
+
+
+def test_one_failing_or_hanging_mesh_does_not_stop_the_others(tmp_path, monkeypatch):
+    """The train step's job reports each mesh; a mesh that crashes the job or goes silent past MESH_S gets its
+    line (fail, timeout) and a new job runs the meshes after it."""
+    from loom.testing import load_checks
+
+    mod, _ = load_checks("scripts/gpu_session.py")
+    monkeypatch.setattr(mod, "MESH_S", 2)
+    monkeypatch.setattr(mod, "GRACE_S", 1)
+    ctx = mod.Ctx(py=sys.executable, out=tmp_path, rehearse=True, env=dict(os.environ),
+                  summary=tmp_path / "summary.tsv")
+    step = mod.Step("train", 60, [sys.executable, "-c", FAKE_RANKS], lambda c, log: "",
+                    meshes=["a", "crash", "b", "hang", "c"])
+    mod.Session(ctx, 60, set(), set()).run(step)
+    rows = [ln.split("\t")[:2] for ln in ctx.summary.read_text().splitlines()]
+    assert rows == [["train:a", "ok"], ["train:crash", "fail (3)"], ["train:b", "ok"], ["train:hang", "timeout"],
+                    ["train:c", "ok"]], rows

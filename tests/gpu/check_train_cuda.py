@@ -97,7 +97,7 @@ def compare_mesh(comm, name: str, device: str = "cuda") -> tuple[list[tuple], fl
     differ beyond the mesh's tolerance, and the largest relative differences of loss and norm over the steps."""
     extra, rtol = _mesh(comm, name)
     cpu = Trainer(_cfg("cpu", extra), comm, out=_dir(comm, f"{name}-cpu"), quiet=True).run()
-    tr = Trainer(_cfg(device, extra), comm, out=_dir(comm, f"{name}-{device}"), quiet=True)
+    tr = Trainer(_cfg(device, extra), comm, out=_dir(comm, f"{name}-on-{device}"), quiet=True)
     assert tr.device.type == device and all(p.device.type == device for p in tr.params), name
     gpu = tr.run()
     bad, d_loss, d_norm = [], 0.0, 0.0

@@ -43,7 +43,9 @@ def test_rehearsal_writes_every_summary_line(tmp_path):
     doc = json.loads((out / "seqlen-p1.json").read_text())
     assert doc["meta"]["partial"] and doc["meta"]["probes"]["ulysses"]["longest_fit"] > 0, doc["meta"]
     assert rows["seqlen-p2"][1] == "ok" and "x" in rows["seqlen-p2"][4]
-    assert not json.loads((out / "seqlen-p2.json").read_text())["meta"]["partial"]
+    meta = json.loads((out / "seqlen-p2.json").read_text())["meta"]  # the search stopped at --max-ratio 17
+    assert not meta["partial"] and meta["search_cap"] <= 17 * meta["results"]["ulysses"]["max_seq"], meta
+    assert meta["results"]["+ offload (FPDT)"]["max_seq"] <= meta["search_cap"], meta
     # the hidden module: named by the import check, a skip for the mesh that needs it, the other meshes ran
     assert "missing: numba" in rows["prepare"][4], rows["prepare"]
     assert rows["train:ep-moe-multipath"][1:2] == ["skip"] and "numba" in rows["train:ep-moe-multipath"][4]

@@ -67,8 +67,7 @@ NEEDS = {
     "test": ("pytest",),
     "dask": ("distributed", "msgpack"),
     "multipath": ("numba",),
-    "compress": ("zstandard",),
-    "optional": ("pytest_timeout", "transformers", "scipy"),
+    "optional": ("pytest_timeout", "transformers", "scipy", "zstandard"),
 }
 """Every module the session imports, by what needs it (``prepare`` and ``--imports`` report the missing ones)."""
 

@@ -5,7 +5,7 @@
 # msgpack and distributed for the Dask check, numpy in case) travels as wheels in ./wheels, made beforehand on a
 # machine that can reach the registry:
 #
-#     PYVERS=3.12 scripts/prepare_gpu.sh --download   # the GPU machine's version (`python3 -V` there): ~43 MiB
+#     PYVERS=3.12 scripts/prepare_gpu.sh --download   # the GPU machine's version (`python3 -V` there): ~42 MiB
 #
 # (`wheels/` is git-ignored; no torch, and nothing large: scipy and numba stay behind, and the steps that need
 # them are skips.) Then, on the GPU machine, from the checkout:

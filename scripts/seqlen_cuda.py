@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
@@ -67,8 +66,8 @@ def _copy_time(nbytes: int, device: torch.device) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
-        print("seqlen_cuda.py needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
-        return 2
+        print("SKIP: seqlen_cuda.py needs a CUDA device (torch.cuda.is_available() is False)", flush=True)
+        return 0
     from loom.bench import seqlen
     from loom.comm import world
     from loom.parallel.offload import reset_transfer_stats, transfer_stats

@@ -13,7 +13,11 @@ within ``max(step, 1/32)`` of the length. The peak grows with the length only at
 chunks (each holds at most ``--attn-chunk`` tokens per rank, so one more chunk shrinks every block): before
 the attention-pipeline rows stop, the first lengths of the next two chunk counts are run too, and the search
 goes on above any that fits. Every reported length was actually run and fit; the next step up was run and
-did not (or hit ``--max-seq``).
+did not (or hit ``--max-seq``, or ``--max-ratio`` times the first row's length).
+
+With ``--json`` the document is rewritten after every probe (``meta.partial`` true, the finished rows'
+``results`` and every probe so far under ``meta.probes``), so a run stopped by a time limit still leaves the
+longest lengths found; the last write is the full result.
 
 Configurations, cumulative (each row adds one FPDT ingredient to the previous one): ``ulysses`` (with
 per-block activation checkpointing, the usual long-context setting); ``+ loss chunking`` (LM head +
@@ -28,7 +32,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -58,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=64, help="tokens per rank in one FFN / loss chunk")
     p.add_argument("--attn-chunk", type=int, default=128, help="tokens per rank in one attention chunk")
     p.add_argument("--max-seq", type=int, default=1 << 20, help="stop searching beyond this global length")
+    p.add_argument("--max-ratio", type=float, default=0.0,
+                   help="stop searching the later rows beyond this multiple of the first row's longest length "
+                        "(17: enough to show FPDT's 16x goal without climbing further; 0: no cap)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--no-breakdown", action="store_true", help="only Ulysses and full FPDT")
     p.add_argument("--repeats", type=int, default=3, help="timed steps at the equal length (best kept)")
@@ -125,6 +132,8 @@ def _device() -> torch.device:
 
 class _Runner:
     PIPELINED = STEPS[3:]  # the rows whose attention runs as FPDT chunks (a sawtooth peak)
+    on_probe: Callable[[str, dict[int, dict[str, float]]], None] | None = None
+    """Called after every probe with the row and its probes so far (length -> measurements)."""
 
     def __init__(self, args, comm):
         self.args, self.comm = args, comm
@@ -169,9 +178,11 @@ class _Runner:
         return {"peak": peak, "secs": secs, "a2a": alltoall_stats()["count"], "to_host": tr["to_host"],
                 "to_device": tr["to_device"]}
 
-    def longest(self, step: str) -> tuple[int, dict[str, float], int]:
-        """The longest fitting global length, its measurements, and the number of probes run."""
+    def longest(self, step: str, max_seq: int | None = None) -> tuple[int, dict[str, float], int]:
+        """The longest fitting global length up to ``max_seq`` (default ``--max-seq``), its measurements, and
+        the number of probes run."""
         args, p = self.args, self.comm.size
+        max_seq = args.max_seq if max_seq is None else max_seq
         gran = _granule(args, p, step)
         budget = args.budget
         seen: dict[int, dict[str, float]] = {}
@@ -183,6 +194,8 @@ class _Runner:
                     m = seen[seq]
                     print(f"#   probe {step}: seq {seq} peak {m['peak'] / 2**20:.2f} MiB ({m['secs']:.1f} s)",
                           flush=True)
+                if self.on_probe is not None:
+                    self.on_probe(step, seen)
             return seen[seq]["peak"] <= budget
 
         s1 = gran
@@ -203,7 +216,7 @@ class _Runner:
                 return []
             out, n = [], seq
             u = chunk_counts(seq // p, args)[1]
-            while len(out) < 2 and n + gran <= args.max_seq:
+            while len(out) < 2 and n + gran <= max_seq:
                 n += gran
                 if chunk_counts(n // p, args)[1] > u:
                     out.append(n)
@@ -227,7 +240,7 @@ class _Runner:
                 a_, b_ = (ok[-2], lo) if len(ok) > 1 else (lo, lo)
                 slope = (seen[b_]["peak"] - seen[a_]["peak"]) / max(b_ - a_, 1)
                 nxt = lo + (budget - seen[lo]["peak"]) / slope if slope > 0 else 4 * lo
-                nxt = min(max(rnd(nxt), lo + tol), 4 * lo, rnd(args.max_seq))
+                nxt = min(max(rnd(nxt), lo + tol), 4 * lo, rnd(max_seq))
                 if nxt <= lo:  # reached --max-seq
                     break
             else:  # interpolate between the bracket's ends, kept strictly inside it
@@ -322,6 +335,7 @@ def _main_hf(args, comm) -> int:
     table.widths = [20, 10, 11, 9, 10, 8]
     table.header()
     results: dict[str, Any] = {}
+    progress = _progress(table, args, run, results)
     for st in HF_STEPS:
         seq, m, probes = run.longest(st)
         results[st] = {"max_seq": seq, "probes": probes, **m}
@@ -332,8 +346,25 @@ def _main_hf(args, comm) -> int:
         r["us_per_token"] = best / max(seq_eq, 1) * 1e6
         table.add(st, r["max_seq"], r["peak"] / 2**20, f"{r['max_seq'] / results[HF_STEPS[0]]['max_seq']:.2f}x",
                   f"{r['us_per_token']:.1f}", r["probes"])
-    table.write_json(args.json, results=results, equal_length=seq_eq)
+    table.write_json(args.json, partial=False, results=results, equal_length=seq_eq, probes=progress)
     return 0
+
+
+def _progress(table: Table, args, run: _Runner, results: dict[str, Any]) -> dict[str, Any]:
+    """With ``--json``, rewrite the document after every probe (rank 0): ``partial`` true, the finished rows in
+    ``results`` (filled in by the caller) and each row's probes so far (length -> peak bytes) with the longest
+    that fit. Returns the probes dict, which the caller adds to its final document."""
+    probes: dict[str, Any] = {}
+
+    def on_probe(step: str, seen: dict[int, dict[str, float]]) -> None:
+        fit = [k for k, m in seen.items() if m["peak"] <= args.budget]
+        probes[step] = {"longest_fit": max(fit, default=0),
+                        "peaks": {str(k): m["peak"] for k, m in sorted(seen.items())}}
+        table.write_json(args.json, partial=True, results=results, probes=probes)
+
+    if args.json:
+        run.on_probe = on_probe
+    return probes
 
 
 def _budget_note(args, device: torch.device) -> str:
@@ -375,9 +406,13 @@ def main(argv: list[str] | None = None) -> int:
     table.widths = [24, 10, 11, 11, 11, 8]
     table.header()
     results: dict[str, Any] = {}
+    progress = _progress(table, args, run, results)
     base = prev = None
+    cap = args.max_seq
     for st in steps:
-        seq, m, probes = run.longest(st)
+        seq, m, probes = run.longest(st, cap)
+        if base is None and args.max_ratio > 0:
+            cap = max(seq, min(cap, int(args.max_ratio * seq)))
         base = base or seq
         gain = "-" if prev is None else f"{seq / prev:.2f}x"
         table.add(st, seq, m["peak"] / 2**20, f"{seq / base:.2f}x", gain, probes)
@@ -398,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     fp = results[steps[-1]]
     if comm.rank == 0:
         tu, tf = times[steps[0]], times[steps[-1]]
-        print(f"# longest sequence: Ulysses {seq_ul}, FPDT {fp['max_seq']}: {ratio:.1f}x (goal >= 16x)")
+        capped = f" (searched up to {cap}: --max-ratio {args.max_ratio:g})" if cap < args.max_seq else ""
+        print(f"# longest sequence: Ulysses {seq_ul}, FPDT {fp['max_seq']}: {ratio:.1f}x (goal >= 16x){capped}")
         print(f"# equal length {seq_eq}: time/token Ulysses {tu / seq_eq * 1e6:.1f} us, "
               f"FPDT {tf / seq_eq * 1e6:.1f} us; "
               f"FPDT throughput = {tu / tf:.2f}x Ulysses (goal >= 0.8x)")
@@ -410,8 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# host<->device per rank per step: at {seq_eq}: {counts[steps[-1]]['to_host'] / 2**20:.1f} MiB "
               f"to host, {counts[steps[-1]]['to_device'] / 2**20:.1f} MiB back; at {fp['max_seq']}: "
               f"{fp['to_host'] / 2**20:.1f} MiB to host, {fp['to_device'] / 2**20:.1f} MiB back")
-    table.write_json(args.json, ratio=ratio, results=results, times=times,
-                     a2a_per_layer={k: v["a2a"] / args.layers for k, v in counts.items()})
+    table.write_json(args.json, partial=False, ratio=ratio, results=results, times=times,
+                     a2a_per_layer={k: v["a2a"] / args.layers for k, v in counts.items()}, probes=progress,
+                     search_cap=cap)
     return 0
 
 

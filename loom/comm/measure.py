@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -178,13 +179,15 @@ class Table:
         doc = {"title": self.title, "columns": self.columns, "rows": self.rows, "meta": {**self.meta, **extra},
                "machine": machine_info(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "command": " ".join(sys.argv)}
-        with open(path, "w") as f:
+        # Written whole, then renamed over the old file: a benchmark that writes after every probe and is killed
+        # mid-write still leaves its last complete document.
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
             json.dump(doc, f, indent=2)
+        os.replace(tmp, path)
 
 
 def machine_info() -> dict[str, Any]:
-    import os
-
     import torch
     from mpi4py import MPI  # version strings only
 

@@ -15,8 +15,6 @@ import time
 import zlib
 
 import numpy as np
-import scipy.sparse as sp
-from scipy.optimize import linprog
 
 from .planner import Candidates, Plan, _static_flows, candidates, plan_from_flows
 from .topology import Topology
@@ -75,12 +73,16 @@ def stripe(topology: Topology, demand: np.ndarray) -> Plan:
 
 
 def lp_optimum(topology: Topology, demand: np.ndarray, *, max_paths: int = 200_000) -> Plan:
-    """The exact minimum-congestion split over the candidate paths (HiGHS).
+    """The exact minimum-congestion split over the candidate paths (HiGHS; the one baseline that needs scipy,
+    imported here so that the planner and the training job run without it).
 
     Raises:
         ValueError: more than ``max_paths`` candidate paths (the LP would not fit this machine's time).
         RuntimeError: HiGHS did not find the optimum.
     """
+    import scipy.sparse as sp
+    from scipy.optimize import linprog
+
     t0 = time.perf_counter()
     c = candidates(topology, demand)
     n = len(c.pair_of)

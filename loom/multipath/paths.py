@@ -16,11 +16,14 @@ demand has 261,632 pairs, of which only the ~14,000 above the splitting threshol
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import scipy.sparse as sp
 
 from .topology import Path, Topology
+
+if TYPE_CHECKING:  # scipy only where a sparse incidence is built: training's planner path runs without it
+    import scipy.sparse as sp
 
 __all__ = ["Candidates", "Cuts", "PathTable", "candidates", "check_demand", "cuts", "path_table"]
 
@@ -235,6 +238,8 @@ def check_demand(topology: Topology, demand) -> np.ndarray:
 
 
 def _incidence(links: np.ndarray, n_links: int) -> sp.csr_matrix:
+    import scipy.sparse as sp
+
     """``(paths, n_links)`` 0/1 matrix of -1 padded link rows."""
     m = links >= 0
     ptr = np.concatenate([[0], np.cumsum(m.sum(1))])

@@ -12,11 +12,14 @@ finished (one rate computation per batch instead of per flow; see :func:`simulat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import scipy.sparse as sp
 
 from .planner import Plan
+
+if TYPE_CHECKING:  # imported where simulate() runs, so that importing loom.multipath needs no scipy
+    import scipy.sparse as sp
 
 __all__ = ["SimResult", "simulate", "maxmin_rates"]
 
@@ -76,6 +79,8 @@ def simulate(plan: Plan, *, batch: float = 0.0, max_events: int = 100_000) -> Si
     size = np.concatenate([plan.flows[on], c.fixed_volume[fixed]]).astype(np.float64)
     if not len(size):
         return SimResult(0.0, 0, 0)
+    import scipy.sparse as sp
+
     inc = sp.vstack([c.incidence[on], c.fixed_incidence()[fixed]], format="csr")
     left = size.copy()
     cap = plan.topology.capacity

@@ -104,3 +104,32 @@ def test_candidates_split_flexible_and_fixed_pairs(name):
             candidates(t, E)
     with pytest.raises(ValueError, match="shape"):
         candidates(t, D[:, :-1])
+
+
+def test_planner_runs_without_scipy():
+    """scipy is imported only by the LP baseline and the simulator: loom.multipath imports and plans without it
+    (a GPU machine's python may lack it), and the LP then names it."""
+    import subprocess
+    import sys
+
+    from loom.testing import ROOT
+
+    code = """
+import sys
+sys.modules["scipy"] = None  # import scipy now fails, as where it is not installed
+import numpy as np
+from loom.multipath import lp_optimum, plan, preset
+topo = preset("testbed")
+demand = np.arange(16, dtype=float).reshape(4, 4) * 1e6
+np.fill_diagonal(demand, 0)
+p = plan(topo, demand)
+assert p.congestion > 0, p
+try:
+    lp_optimum(topo, demand)
+except ImportError as e:
+    print("lp needs scipy:", e)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "lp needs scipy: " in proc.stdout and "scipy" in proc.stdout.split(":", 1)[1], proc.stdout

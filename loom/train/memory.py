@@ -25,7 +25,7 @@ The prediction follows what the code keeps alive, term by term, for the most loa
   - recompute (``sequence.recompute``): ``e t h`` per block (its input) and one block's plain activations
     while it is recomputed; with ``sequence.offload_checkpoints`` (or FPDT's ``sequence.offload``) the inputs
     live in host memory instead, and backward holds two of them on the device: the block's it recomputes and
-    the previous block's, prefetched meanwhile (the device bytes saved: ``(blocks - 1) e t h``, where the peak
+    the previous block's, prefetched meanwhile (the device bytes saved: ``(blocks - 2) e t h``, where the peak
     is at the start of backward);
   - FPDT: each block is one chunk pipeline that keeps its input and output chunks and the head-layout
     q/k/v/out chunks, ``e t (4 h + 2 kv)``, in the chunk store: on the device, or in host memory with
@@ -189,9 +189,9 @@ def _block(cfg: Config, d: dict[str, int]) -> tuple[int, int, int]:
         inp = e * t * h
         on_host = getattr(s, "offload_checkpoints", False) or fpdt and s.offload
         # backward brings the input back and recomputes the block: its activations and its output; from the
-        # host, the previous block's input is prefetched meanwhile
+        # host, the input comes back as a new tensor and the previous block's is prefetched meanwhile
         return ((0 if on_host else inp), (inp if on_host else 0),
-                work + plain + (2 if fpdt else 1) * inp + (inp if on_host else 0))
+                work + plain + (2 if fpdt else 1) * inp + (2 * inp if on_host else 0))
     return plain, host, work
 
 

@@ -188,10 +188,11 @@ def _block(cfg: Config, d: dict[str, int]) -> tuple[int, int, int]:
     if s.recompute:  # only the block input stays (in host memory with checkpoint offload or FPDT offload)
         inp = e * t * h
         on_host = getattr(s, "offload_checkpoints", False) or fpdt and s.offload
-        # backward brings the input back and recomputes the block: its activations and its output; from the
-        # host, the input comes back as a new tensor and the previous block's is prefetched meanwhile
-        return ((0 if on_host else inp), (inp if on_host else 0),
-                work + plain + (2 if fpdt else 1) * inp + (2 * inp if on_host else 0))
+        # backward brings the input back and recomputes the block: its activations and its output (FPDT: and
+        # the input back from the host); from the host, the previous block's input is prefetched meanwhile
+        # and, outside FPDT, the block's own comes back as a new tensor
+        back = (inp + (0 if fpdt else inp)) if on_host else 0
+        return (0 if on_host else inp), (inp if on_host else 0), work + plain + (2 if fpdt else 1) * inp + back
     return plain, host, work
 
 
@@ -433,7 +434,7 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
         f"{d.batch * d.seq_len:,} tokens/step",
         *memory_lines(cfg),
         f"  data       {'Python stdlib sources' if not d.path else d.path}, max {d.max_bytes:,} bytes, "
-        f"held-out {d.heldout:.0%}",
+        f"held-out {d.heldout:.0%}" + (", packed documents (one per file)" if getattr(d, "pack", False) else ""),
         f"  compress   policy {cfg.compress.policy!r} on dp, buckets of {cfg.compress.bucket_mb} MiB",
     ]
     return "\n".join(lines + _traffic_lines(cfg, max(sum(units[lo:hi]) for lo, hi in split)))

@@ -86,7 +86,7 @@ def test_paper_scale_config_fits_with_fpdt_and_zero3_not_with_plain_ulysses(caps
     assert "ZeRO-3 over sp: yes" in out and "longest    plain Ulysses" in out
 
 
-@pytest.mark.parametrize("name", ["1 rank", "1 rank, recompute", "1 rank, ckpt offload"])
+@pytest.mark.parametrize("name", ["1 rank", "1 rank, recompute", "1 rank, ckpt on host"])
 def test_prediction_matches_measured_peak(name):
     from loom.bench.memory import CONFIGS, _config, measure
     from loom.comm import world

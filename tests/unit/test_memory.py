@@ -84,6 +84,13 @@ def test_paper_scale_config_fits_with_fpdt_and_zero3_not_with_plain_ulysses(caps
     assert main(["--config", "configs/llama3-8b-2m.toml", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "ZeRO-3 over sp: yes" in out and "longest    plain Ulysses" in out
+    # checkpoints on the host beat them on the device at this budget (the logits dominate: not by much)
+    assert "longest    Ulysses + recompute, checkpoints on host:" in out, out
+    with_host = longest_sequence(cfg, budget, (3, ("sp",)), algorithm="ulysses", chunks=1, offload=False,
+                                 recompute=True, offload_checkpoints=True)
+    on_device = longest_sequence(cfg, budget, (3, ("sp",)), algorithm="ulysses", chunks=1, offload=False,
+                                 recompute=True, offload_checkpoints=False)
+    assert with_host > on_device, (with_host, on_device)
 
 
 @pytest.mark.parametrize("name", ["1 rank", "1 rank, recompute", "1 rank, ckpt on host"])

@@ -246,8 +246,8 @@ class DataConfig:
     """Pipeline micro-batches per step (``mesh.pp`` > 1)."""
     pack: bool = False
     """Packed documents: each file is a document; every sequence starts at a document and runs on through the
-    next ones, positions restart at each, attention stays inside each, and the loss is the mean over the
-    targets inside a document (loom's Llama, without ``mesh.pp`` or ``mesh.tp``)."""
+    next ones, positions restart at each, attention stays inside each, and the loss is the mean over the real
+    targets (none predicts across a boundary) of the whole batch (loom's Llama, without ``mesh.pp``/``mesh.tp``)."""
 
     def __post_init__(self) -> None:
         _at_least(self, "data", seq_len=2, batch=1, micro_batches=1)

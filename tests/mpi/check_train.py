@@ -101,11 +101,12 @@ def _matches_one_rank(comm, extra: dict, base: dict = BASE):
 
 
 # Packed documents of uneven lengths (tests/jobs.py uneven_documents): Ulysses and FPDT at sp = 2 and 4, dp
-# (replicas whose real-target counts differ), and checkpoints on the host under Ulysses and FPDT.
+# (replicas whose real-target counts differ; also under ZeRO-3), and checkpoints on the host under Ulysses and FPDT.
 PACKED = {
     2: [{"mesh": {"sp": 2}},
         {"mesh": {"sp": 2}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}},
         {"mesh": {"dp": 2}},
+        {"mesh": {"dp": 2}, "zero": {"stage": 3}},
         {"mesh": {"sp": 2}, "sequence": {"recompute": True, "offload_checkpoints": True}}],
     4: [{"mesh": {"sp": 4}},
         {"mesh": {"sp": 4}, "sequence": {"algorithm": "fpdt", "chunks": 2}},

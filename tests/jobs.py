@@ -13,7 +13,7 @@ import tempfile
 from loom.comm import launch
 from loom.testing import ROOT
 
-__all__ = ["train_config", "SharedDir", "tiny_hf_llama", "TINY", "train_job"]
+__all__ = ["train_config", "SharedDir", "tiny_hf_llama", "TINY", "train_job", "uneven_documents"]
 
 TINY = str(ROOT / "configs" / "train-tiny.toml")
 """The small ``loom train`` config the integration tests start from."""
@@ -74,3 +74,17 @@ def tiny_hf_llama(comm, path: str, *, tie: bool = False) -> str | None:
                     tie_word_embeddings=tie).to_json_file(path)
     comm.barrier()
     return path
+
+
+def uneven_documents(path: str, *, files: int = 60, longest: int = 40, seed: int = 0) -> dict:
+    """A folder of ``files`` documents of 1 to ``longest`` random bytes (uneven lengths, so that packed rows hold
+    several documents whose boundaries fall anywhere in the sp layout); returns the ``[data]`` section that
+    packs them. Call it on one rank and share the folder."""
+    import random
+
+    rng = random.Random(seed)
+    os.makedirs(path, exist_ok=True)
+    for i in range(files):
+        with open(os.path.join(path, f"doc{i:03d}.txt"), "wb") as f:
+            f.write(bytes(rng.randrange(256) for _ in range(rng.randrange(1, longest + 1))))
+    return {"path": path, "glob": "*.txt", "pack": True, "max_bytes": 0, "heldout": 0.25}

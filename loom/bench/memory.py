@@ -31,9 +31,11 @@ _FPDT = {"algorithm": "fpdt", "chunks": 4, "offload": True}
 CONFIGS: dict[str, tuple[int, dict[str, dict[str, Any]]]] = {
     "1 rank": (1, {}),
     "1 rank, recompute": (1, {"sequence": {"recompute": True}}),
+    "1 rank, ckpt on host": (1, {"sequence": {"recompute": True, "offload_checkpoints": True}}),
     "1 rank, moe": (1, {"model": {"ffn": "moe", "experts": 4, "top_k": 2}}),
     "dp=2": (2, {"mesh": {"dp": 2}}),
     "sp=2 ulysses": (2, {"mesh": {"sp": 2}}),
+    "sp=2 ckpt on host": (2, {"mesh": {"sp": 2}, "sequence": {"recompute": True, "offload_checkpoints": True}}),
     "sp=2 fpdt offload": (2, {"mesh": {"sp": 2}, "sequence": _FPDT}),
     "sp=2 fpdt no offload": (2, {"mesh": {"sp": 2}, "sequence": {**_FPDT, "offload": False}}),
     "sp=2 fpdt recompute": (2, {"mesh": {"sp": 2}, "sequence": {**_FPDT, "recompute": True}}),
@@ -86,9 +88,9 @@ def measure(cfg, comm, steps: int) -> int:
     with MemoryTracker() as mem:
         mem.track(*[p for p in tr.model.parameters() if not p.is_meta])
         for step in range(steps):
-            x, y = tr.local_batch(tr.corpus.train, step)
+            x, y, packed = tr.local_batch(tr.corpus.train, step)
             tr.opt.zero_grad(set_to_none=True)
-            tr.forward_backward(x, y)
+            tr.forward_backward(x, y, packed)
             tr.sync_grads()
             tr.clip()
             tr.update()  # the optimizer step (ZeRO 2-3: and the gathers after it)

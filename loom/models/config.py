@@ -98,6 +98,9 @@ class LlamaConfig(LlamaShape):
     """LM-head + loss chunks along the local sequence (1 = full logits). Default: ``chunks`` for fpdt, else 1."""
     checkpoint: bool = False
     """Recompute each block in backward, keeping only its input."""
+    offload_checkpoints: bool = False
+    """With ``checkpoint``: keep the block inputs in host memory (in every sequence mode), each brought back
+    while the block after it recomputes."""
 
     def __post_init__(self) -> None:
         LlamaShape.__post_init__(self)  # zero-argument super() does not work in a slots dataclass

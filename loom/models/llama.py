@@ -21,8 +21,9 @@ Memory knobs, usable in every mode (``"fpdt"`` turns them on by default, FPDT pa
   ``[seq, ffn_hidden]`` intermediates exist for one chunk at a time, in forward and in backward.
 * ``loss_chunks``: LM head + cross-entropy chunk by chunk, recomputed in backward; the full
   ``[seq, vocab]`` logits are never materialised (:func:`chunked_lm_loss`).
-* ``checkpoint``: each block keeps only its input and recomputes in backward; with ``offload`` that input
-  lives in host memory (:class:`~loom.parallel.offload.HostPool`) until the block's backward.
+* ``checkpoint``: each block keeps only its input and recomputes in backward; with ``offload`` (FPDT) or
+  ``offload_checkpoints`` (any mode) that input lives in host memory (:class:`~loom.parallel.offload.HostPool`:
+  pinned buffers, copied on a side stream) and comes back while the block after it recomputes.
 
 Loss normalisation (what ``Llama.loss`` returns): ``sum of token cross-entropies on this rank`` divided by the
 number of non-ignored targets over the *whole* sequence, i.e. summed over the ``sp`` ranks (one small
@@ -77,12 +78,17 @@ class RMSNorm(nn.Module):
 
 
 def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of ``[B, S, H, D]`` at the global positions ``pos`` (``[S]``), interleaved pairs."""
+    """Rotary embedding of ``[B, S, H, D]`` at the positions ``pos``, interleaved pairs.
+
+    ``pos`` is ``[S]`` (the same for every row: global positions) or ``[B, S]`` (per row: packed documents,
+    whose positions restart at each document)."""
     d = x.shape[-1]
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d))
-    ang = pos.to(torch.float64)[:, None] * inv[None, :]
-    cos = ang.cos().to(x.dtype)[None, :, None, :]
-    sin = ang.sin().to(x.dtype)[None, :, None, :]
+    ang = pos.to(torch.float64)[..., None] * inv
+    if ang.dim() == 2:
+        ang = ang[None]
+    cos = ang.cos().to(x.dtype)[:, :, None, :]
+    sin = ang.sin().to(x.dtype)[:, :, None, :]
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
@@ -90,14 +96,19 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
 class _Recompute(torch.autograd.Function):
     """Run ``fn(x)`` without saving activations; recompute it in backward (gradients returned out of place).
 
-    ``x``'s value is kept in ``store`` (host memory when offloading). Parameters are explicit inputs so their
-    gradients are returned by this function, never accumulated behind autograd's back.
+    ``x``'s value is kept in ``store`` (host memory when offloading: the copy out starts at once, on the side
+    stream). ``chain`` lists the handles of the blocks run before this one in the same store: backward takes
+    this block's input back, then starts bringing the previous block's input back (``store.prefetch``) so that
+    its copy overlaps this block's recompute, as FPDT's chunk loops prefetch one chunk ahead. Parameters are
+    explicit inputs so their gradients are returned by this function, never accumulated behind autograd's back.
     """
 
     @staticmethod
-    def forward(ctx, x, fn, store, *params):
+    def forward(ctx, x, fn, store, chain, *params):
         ctx.fn, ctx.store, ctx.n = fn, store, len(params)
+        ctx.prev = chain[-1] if chain else None
         ctx.handle = store.put(x.detach())
+        chain.append(ctx.handle)
         ctx.save_for_backward(*params)
         with torch.no_grad():
             return fn(x)
@@ -106,20 +117,27 @@ class _Recompute(torch.autograd.Function):
     def backward(ctx, g):
         params = ctx.saved_tensors
         x = ctx.store.pop(ctx.handle).detach().requires_grad_()
+        if ctx.prev is not None:
+            ctx.store.prefetch(ctx.prev)  # the previous block's input comes back while this one recomputes
         with torch.enable_grad():
             out = ctx.fn(x)
         want = [x] + [p for p in params if p.requires_grad]
         got = iter(torch.autograd.grad(out, want, g, allow_unused=True))
         gx = next(got)
         gp = [next(got) if p.requires_grad else None for p in params]
-        return (gx, None, None, *gp)
+        return (gx, None, None, None, *gp)
 
 
-def recompute(fn, x: torch.Tensor, params: list[nn.Parameter], store=None) -> torch.Tensor:
-    """``fn(x)`` whose activations are recomputed in backward; ``x`` kept in ``store`` (default: in place)."""
+def recompute(fn, x: torch.Tensor, params: list[nn.Parameter], store=None,
+              chain: list[int] | None = None) -> torch.Tensor:
+    """``fn(x)`` whose activations are recomputed in backward; ``x`` kept in ``store`` (default: in place).
+
+    ``chain``: one list shared by consecutive calls on the same ``store`` (a model's blocks): each backward
+    prefetches the input of the call before it (see :class:`_Recompute`)."""
     if not torch.is_grad_enabled():
         return fn(x)
-    return _Recompute.apply(x, fn, store if store is not None else chunk_store(False, x.device), *params)
+    store = store if store is not None else chunk_store(False, x.device)
+    return _Recompute.apply(x, fn, store, chain if chain is not None else [], *params)
 
 
 class _ChunkedMap(torch.autograd.Function):
@@ -401,7 +419,7 @@ class Block(nn.Module):
         """q, k, v ``[B, c, heads|kv_heads, D]`` of local chunk ``i`` (kv replicated to split over sp ranks)."""
         cfg, a = self.cfg, self.attn
         b, c, _ = xc.shape
-        packed = a.qkv(self.attn_norm(xc), self.pos[i * c:(i + 1) * c])
+        packed = a.qkv(self.attn_norm(xc), self.pos[..., i * c:(i + 1) * c])
         nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         q = packed[..., :nq].unflatten(-1, (cfg.heads, cfg.head_dim))
         k = packed[..., nq:nq + nk].unflatten(-1, (cfg.kv_heads, cfg.head_dim))
@@ -423,7 +441,8 @@ class Block(nn.Module):
                            [self.ffn_norm.weight, *self.ffn.parameters()], what="ffn_chunks")
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``x`` ``[B, s, hidden]`` at global positions ``pos``; ``doc_ids`` ``[B, s]`` for packed sequences."""
+        """``x`` ``[B, s, hidden]`` at positions ``pos`` (``[s]``, or ``[B, s]`` for packed documents);
+        ``doc_ids`` ``[B, s]`` for packed sequences."""
         cfg, a = self.cfg, self.attn
         self.pos = pos
         if cfg.sequence_parallel == "fpdt":
@@ -503,29 +522,38 @@ class Llama(nn.Module):
             return torch.arange(seq_local, device=device)
         return local_positions(seq_local, self.sp, chunks=self.cfg.layout_chunks, device=device)
 
-    def hidden_states(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
         """Last block's output ``[B, s, hidden]`` (before the final norm) for this rank's tokens ``[B, s]``.
 
         ``doc_ids`` (``[B, s]``, same layout as ``tokens``): packed sequences, attention stays within each
-        document (positions stay global: RoPE is relative, so only the document mask matters).
+        document. ``positions`` (``[B, s]``, same layout): the RoPE position of each token, e.g. restarting at
+        each packed document; default: the global positions of this rank's layout.
+
+        With ``checkpoint`` each block keeps only its input: on the device, or with ``offload`` /
+        ``offload_checkpoints`` in host memory, copied out during forward and brought back one block ahead
+        in backward (:class:`_Recompute`).
         """
         cfg = self.cfg
-        pos = self.positions(tokens.shape[1], tokens.device)
+        pos = self.positions(tokens.shape[1], tokens.device) if positions is None else positions
         h = self.embed(tokens)
-        store = chunk_store(cfg.offload, h.device) if cfg.checkpoint else None
+        store = chunk_store(cfg.offload or cfg.offload_checkpoints, h.device) if cfg.checkpoint else None
+        chain: list[int] = []
         for blk in self.blocks:
             if cfg.checkpoint:
-                h = recompute(lambda x, blk=blk: blk(x, pos, doc_ids), h, list(blk.parameters()), store)
+                h = recompute(lambda x, blk=blk: blk(x, pos, doc_ids), h, list(blk.parameters()), store, chain)
             else:
                 h = blk(h, pos, doc_ids)
         return h
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, s, vocab]`` (materialised: for generation and small checks; train with :meth:`loss`)."""
-        return self.norm(self.hidden_states(tokens, doc_ids)) @ self.head_weight.t()
+        return self.norm(self.hidden_states(tokens, doc_ids, positions)) @ self.head_weight.t()
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
-             doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+             doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+             count: torch.Tensor | float | None = None) -> torch.Tensor:
         """This rank's share of the mean next-token cross-entropy (see the module docstring).
 
         Args:
@@ -533,13 +561,18 @@ class Llama(nn.Module):
             targets: ``[B, s]`` target ids, sharded the same way; ``ignore_index`` entries are skipped.
             ignore_index: target id that contributes nothing (e.g. the last token of each packed document).
             doc_ids: ``[B, s]`` document ids for packed sequences (see :meth:`hidden_states`).
+            positions: ``[B, s]`` RoPE positions (see :meth:`hidden_states`).
+            count: what the summed loss is divided by; default the non-ignored targets over the ``sp`` ranks.
+                A caller whose replicas see different counts (packed documents over ``dp``) passes its own.
 
         Returns:
             ``local loss sum / global target count`` (fp32; fp64 for an fp64 model). Summed over the ``sp``
             ranks it is the mean loss of the whole sequence; with ``none`` it is that mean.
         """
-        h = self.hidden_states(tokens, doc_ids)
+        h = self.hidden_states(tokens, doc_ids, positions)
         total = chunked_lm_loss(h, self.head_weight, targets, self.cfg.loss_chunks, ignore_index, norm=self.norm)
+        if count is not None:
+            return total / count
         # The count stays on the device (no host sync per loss); counts are exact in the loss's dtype.
         count = (targets != ignore_index).sum(dtype=torch.float64).reshape(1)
         if self.sp is not None and self.sp.size > 1:

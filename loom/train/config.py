@@ -159,9 +159,15 @@ class SequenceConfig:
     """FPDT: keep inactive key/value chunks (and recomputed block inputs) in host memory."""
     recompute: bool = False
     """Recompute each block in backward, keeping only its input (loom.models.llama ``checkpoint``)."""
+    offload_checkpoints: bool = False
+    """With ``recompute``, in any sequence mode: the block inputs go to host memory (pinned, copied on a side
+    stream) and come back one block ahead in backward."""
 
     def __post_init__(self) -> None:
         _need(self.algorithm in ("ulysses", "fpdt"), f"sequence.algorithm = {self.algorithm!r}; valid: ulysses, fpdt")
+        _need(self.recompute or not self.offload_checkpoints,
+              "sequence.offload_checkpoints = true needs sequence.recompute = true (a block's input is its "
+              "checkpoint only when the block is recomputed); set --sequence.recompute=true")
         _need(isinstance(self.chunks, int) and self.chunks >= 1, f"sequence.chunks = {self.chunks!r} must be >= 1")
         _need(self.chunks == 1 or self.algorithm == "fpdt",
               f"sequence.chunks = {self.chunks} needs sequence.algorithm = 'fpdt' (Ulysses does not chunk)")
@@ -238,6 +244,10 @@ class DataConfig:
     """Global batch in sequences per step (split over ``mesh.dp`` ranks and pipeline micro-batches)."""
     micro_batches: int = 1
     """Pipeline micro-batches per step (``mesh.pp`` > 1)."""
+    pack: bool = False
+    """Packed documents: each file is a document; every sequence starts at a document and runs on through the
+    next ones, positions restart at each, attention stays inside each, and the loss is the mean over the real
+    targets (none predicts across a boundary) of the whole batch (loom's Llama, without ``mesh.pp``/``mesh.tp``)."""
 
     def __post_init__(self) -> None:
         _at_least(self, "data", seq_len=2, batch=1, micro_batches=1)
@@ -417,6 +427,12 @@ class Config:
         _need(m.heads % mesh.sp == 0,
               f"model.heads = {m.heads} is not divisible by mesh.sp = {mesh.sp}; Ulysses gives each sp rank "
               f"heads/sp heads: choose sp dividing {m.heads}")
+        _need(not d.pack or mesh.pp == mesh.tp == 1 and not (m.hf or m.hf_config),
+              f"data.pack = true with mesh.pp = {mesh.pp}, mesh.tp = {mesh.tp}, model.hf = {m.hf or m.hf_config!r}: "
+              f"packed documents run on loom's Llama without a pipeline or tp so far; set those to 1 / empty")
+        _need(not s.offload_checkpoints or mesh.pp == 1,
+              f"sequence.offload_checkpoints with mesh.pp = {mesh.pp}: pipeline stages do not recompute their "
+              f"blocks, so there is no checkpoint to offload; set mesh.pp = 1 or offload_checkpoints = false")
         _need(mesh.pp <= m.layers,
               f"mesh.pp = {mesh.pp} exceeds model.layers = {m.layers}; every pipeline stage needs a layer")
         _need(self.zero.stage == 0 or mesh.ep == 1,

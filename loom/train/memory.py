@@ -23,7 +23,10 @@ The prediction follows what the code keeps alive, term by term, for the most loa
     output kept by the flash kernel (no ``S x S`` matrix: SDPA's CPU and CUDA kernels keep the
     log-sum-exp), ``wo``'s input and the FFN's intermediates;
   - recompute (``sequence.recompute``): ``e t h`` per block (its input) and one block's plain activations
-    while it is recomputed;
+    while it is recomputed; with ``sequence.offload_checkpoints`` (or FPDT's ``sequence.offload``) the inputs
+    live in host memory instead, and backward holds two of them on the device: the block's it recomputes and
+    the previous block's, prefetched meanwhile (the device bytes saved: ``(blocks - 2) e t h``, where the peak
+    is at the start of backward);
   - FPDT: each block is one chunk pipeline that keeps its input and output chunks and the head-layout
     q/k/v/out chunks, ``e t (4 h + 2 kv)``, in the chunk store: on the device, or in host memory with
     ``sequence.offload`` (then nothing sequence-sized stays on the device between forward and backward);
@@ -182,11 +185,14 @@ def _block(cfg: Config, d: dict[str, int]) -> tuple[int, int, int]:
         host = kept if s.offload else 0
     else:
         host = 0
-    if s.recompute:  # only the block input stays (in host memory under FPDT offload)
+    if s.recompute:  # only the block input stays (in host memory with checkpoint offload or FPDT offload)
         inp = e * t * h
-        on_host = fpdt and s.offload
-        # backward brings the input back and recomputes the block: its activations and its output
-        return (0 if on_host else inp), (inp if on_host else 0), work + plain + (2 if fpdt else 1) * inp
+        on_host = getattr(s, "offload_checkpoints", False) or fpdt and s.offload
+        # backward brings the input back and recomputes the block: its activations and its output (FPDT: and
+        # the input back from the host); from the host, the previous block's input is prefetched meanwhile
+        # and, outside FPDT, the block's own comes back as a new tensor
+        back = (inp + (0 if fpdt else inp)) if on_host else 0
+        return (0 if on_host else inp), (inp if on_host else 0), work + plain + (2 if fpdt else 1) * inp + back
     return plain, host, work
 
 
@@ -330,8 +336,12 @@ def memory_lines(cfg: Config) -> list[str]:
 
 
 _WHAT_IF = (("as configured", {}),
-            ("plain Ulysses", {"algorithm": "ulysses", "chunks": 1, "offload": False, "recompute": False}),
-            ("Ulysses + recompute", {"algorithm": "ulysses", "chunks": 1, "offload": False, "recompute": True}))
+            ("plain Ulysses", {"algorithm": "ulysses", "chunks": 1, "offload": False, "recompute": False,
+                               "offload_checkpoints": False}),
+            ("Ulysses + recompute", {"algorithm": "ulysses", "chunks": 1, "offload": False, "recompute": True,
+                                     "offload_checkpoints": False}),
+            ("Ulysses + recompute, checkpoints on host", {"algorithm": "ulysses", "chunks": 1, "offload": False,
+                                                          "recompute": True, "offload_checkpoints": True}))
 
 
 def _fit_lines(cfg: Config, budget: int, zero: tuple[int, tuple[str, ...]], zero3: tuple[int, tuple[str, ...]]):
@@ -418,12 +428,13 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
         f"  stages     {stages}" + (" (HybridParallel's split: min-max parameters)" if mesh.pp > 1 else ""),
         f"  sequence   {seq.algorithm}, seq_len {d.seq_len:,} -> {d.seq_len // mesh.sp:,} tokens per sp rank, "
         f"chunks {seq.chunks}, offload {seq.offload}, recompute {seq.recompute}"
+        + (", checkpoints on host" if getattr(seq, "offload_checkpoints", False) else "")
         + (f", attention kernel {attention_kernel(cfg)}" if seq.algorithm == "fpdt" and mesh.sp > 1 else ""),
         f"  batch      {d.batch} sequences/step global, {d.batch // (mesh.dp * mesh.ep)} per dp replica, "
         f"{d.batch * d.seq_len:,} tokens/step",
         *memory_lines(cfg),
         f"  data       {'Python stdlib sources' if not d.path else d.path}, max {d.max_bytes:,} bytes, "
-        f"held-out {d.heldout:.0%}",
+        f"held-out {d.heldout:.0%}" + (", packed documents (one per file)" if getattr(d, "pack", False) else ""),
         f"  compress   policy {cfg.compress.policy!r} on dp, buckets of {cfg.compress.bucket_mb} MiB",
     ]
     return "\n".join(lines + _traffic_lines(cfg, max(sum(units[lo:hi]) for lo, hi in split)))

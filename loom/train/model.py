@@ -18,6 +18,7 @@ every rank and every stage split, so per-stage checkpoints merge into one model.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +28,22 @@ from torch import nn
 from ..models.llama import Llama, LlamaConfig
 from .config import Config, ConfigError
 
-__all__ = ["Positions", "StageView", "TrainModel", "build_model", "llama_config"]
+__all__ = ["Packed", "Positions", "StageView", "TrainModel", "build_model", "llama_config"]
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """What packed documents add to this rank's ``(inputs, targets)`` (``data.pack``; see
+    :func:`loom.train.data.packed_windows`)."""
+
+    doc_ids: torch.Tensor
+    """``[rows, seq_local]`` document ids, in the layout of the inputs."""
+    positions: torch.Tensor
+    """``[rows, seq_local]`` positions inside each document (RoPE)."""
+    count: float
+    """What this rank's summed loss is divided by: the real targets of the whole global batch over the
+    replicas (``dp x ep``) that average their gradients, so that the average is the gradient of the global
+    mean over real targets, whatever each replica's count."""
 
 
 class Positions:
@@ -125,9 +141,11 @@ class TrainModel:
     def __init__(self, module: Llama, pipeline: nn.Sequential, positions: Positions, sp_sum: bool):
         self.module, self.pipeline, self.positions, self.sp_sum = module, pipeline, positions, sp_sum
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The whole-model loss on this rank's tokens (see ``sp_sum``)."""
-        return self.module.loss(x, y)
+    def loss(self, x: torch.Tensor, y: torch.Tensor, packed: "Packed | None" = None) -> torch.Tensor:
+        """The whole-model loss on this rank's tokens (see ``sp_sum``); ``packed``: packed documents."""
+        if packed is None:
+            return self.module.loss(x, y)
+        return self.module.loss(x, y, doc_ids=packed.doc_ids, positions=packed.positions, count=packed.count)
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -141,7 +159,8 @@ def llama_config(cfg: Config, sp: int = 1) -> LlamaConfig:
     fpdt = mode == "fpdt"
     try:
         return LlamaConfig.from_any(cfg.model, sequence_parallel=mode, chunks=cfg.sequence.chunks if fpdt else 1,
-                                    offload=cfg.sequence.offload and fpdt, checkpoint=cfg.sequence.recompute)
+                                    offload=cfg.sequence.offload and fpdt, checkpoint=cfg.sequence.recompute,
+                                    offload_checkpoints=cfg.sequence.offload_checkpoints)
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
 

@@ -81,8 +81,8 @@ from ..parallel.offload import transfer_stats
 from ..parallel.zero import zero_stats
 from . import checkpoint as ckpt
 from .config import Config, ConfigError, config_to_dict
-from .data import batch_windows, load_corpus
-from .model import build_model
+from .data import IGNORE, batch_windows, load_corpus, packed_windows
+from .model import Packed, build_model
 
 __all__ = ["Trainer", "TimedComm", "sp_layout", "lr_at", "compression_hook", "peak_memory", "COMM_TIME"]
 
@@ -665,16 +665,29 @@ class Trainer:
         return [b for b in out if b[1]]
 
     def local_batch(self, stream: torch.Tensor, step: int, stream_id: int = 0):
-        """This rank's ``(inputs, targets)`` of the global batch of ``step`` (rows by dp, columns by sp layout)."""
+        """This rank's ``(inputs, targets, packed)`` of the global batch of ``step`` (rows by dp, columns by sp
+        layout); ``packed`` is a :class:`~loom.train.model.Packed` with ``data.pack``, else None."""
         d = self.cfg.data
-        x, y = batch_windows(stream, seed=self.cfg.train.seed, step=step, batch=d.batch, seq_len=d.seq_len,
-                             stream_id=stream_id)
+        docs = self.corpus.docs(stream) if d.pack else None
+        if docs is not None:
+            x, y, doc, pos = packed_windows(stream, docs, seed=self.cfg.train.seed, step=step, batch=d.batch,
+                                            seq_len=d.seq_len, stream_id=stream_id)
+        else:
+            x, y = batch_windows(stream, seed=self.cfg.train.seed, step=step, batch=d.batch, seq_len=d.seq_len,
+                                 stream_id=stream_id)
         m = self.cfg.mesh
         b = d.batch // (m.dp * m.ep)
         r0 = (self.dp_rank * m.ep + self.ep_rank) * b  # ep ranks take different rows, like dp replicas
         cols = self.positions.cpu()
-        x, y = x[r0:r0 + b][:, cols], y[r0:r0 + b][:, cols]
-        return x.to(self.device), y.to(self.device)
+
+        def mine(t: torch.Tensor) -> torch.Tensor:
+            return t[r0:r0 + b][:, cols].to(self.device)
+
+        if docs is None:
+            return mine(x), mine(y), None
+        # The global count is known on every rank (each draws the whole batch): no collective for it.
+        count = max(1, int((y != IGNORE).sum())) / (m.dp * m.ep)
+        return mine(x), mine(y), Packed(doc_ids=mine(doc), positions=mine(pos), count=count)
 
     def _flat_sync(self, comm: Communicator | None, *, use_hook: bool, op: str = "avg", expert: bool | None = None,
                    scale: float = 1.0) -> None:
@@ -883,18 +896,25 @@ class Trainer:
                     p.grad.mul_(scale)
         return norm
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
         """Loss (mean over this rank's tokens, or over dp x pp under a pipeline) after filling ``.grad``: a
-        detached tensor on the model's device, read on the host once per step with the gradient norm."""
+        detached tensor on the model's device, read on the host once per step with the gradient norm.
+        ``packed``: packed documents (``local_batch``'s third value)."""
         if self.hybrid is not None:
             return self.hybrid.train_step(x, y, self.tm.loss_fn)
         if self.reducer is not None:
             self.reducer.start(1)
-        loss = self.sdp.call(self.tm.loss, x, y) if self.sdp is not None else self.tm.loss(x, y)
+        loss = self._loss(x, y, packed)
         if self.reducer is not None:
             self.reducer.prepare(loss)  # a tensor this loss cannot reach does not hold back its bucket
         loss.backward()
         return self._as_mean(loss.detach())
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, packed: Packed | None) -> torch.Tensor:
+        """The whole model's loss (in ZeRO 2-3's context); packed documents only where there are some (a
+        transformers model's loss takes none: the config refuses ``data.pack`` there)."""
+        args = (x, y) if packed is None else (x, y, packed)
+        return self.sdp.call(self.tm.loss, *args) if self.sdp is not None else self.tm.loss(*args)
 
     @property
     def _sp_share(self) -> bool:
@@ -903,7 +923,8 @@ class Trainer:
 
     def _as_mean(self, loss):
         # A share of the sequence mean times sp is this rank's local mean (equal token counts per sp rank),
-        # so averaging over all ranks gives the global mean either way.
+        # so averaging over all ranks gives the global mean either way. (Packed documents: the shares are of
+        # the global count, times dp x ep; the average over all ranks is again the global mean.)
         # A tensor is widened first: the product is then the one float(loss) * sp gives on the host.
         if isinstance(loss, torch.Tensor):
             loss = loss.to(torch.float64)
@@ -915,13 +936,11 @@ class Trainer:
         self.model.eval()
         parts = []  # device scalars, read on the host together
         for k in range(self.cfg.train.eval_batches):
-            x, y = self.local_batch(self.corpus.heldout, k, stream_id=1)
+            x, y, packed = self.local_batch(self.corpus.heldout, k, stream_id=1)
             if self.hybrid is not None:
                 parts.append(self.hybrid.eval_step(x, y, self.tm.loss_fn))
-            elif self.sdp is not None:
-                parts.append(self._as_mean(self.sdp.call(self.tm.loss, x, y)))
             else:
-                parts.append(self._as_mean(self.tm.loss(x, y)))
+                parts.append(self._as_mean(self._loss(x, y, packed)))
         tot = sum(_host_floats(*parts)) if parts else 0.0
         self.model.train()
         return self.comm.allreduce_object(tot / self.cfg.train.eval_batches) / self.comm.size
@@ -957,9 +976,9 @@ class Trainer:
             lr = lr_at(step, cfg, self.lr_horizon)
             for g in self.opt.param_groups:
                 g["lr"] = lr
-            x, y = self.local_batch(self.corpus.train, step)
+            x, y, packed = self.local_batch(self.corpus.train, step)
             self.opt.zero_grad(set_to_none=True)
-            loss = self.forward_backward(x, y)
+            loss = self.forward_backward(x, y, packed)
             sync_s = self.sync_grads()
             gnorm = self.clip()
             self.update()

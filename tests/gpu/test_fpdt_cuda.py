@@ -4,7 +4,8 @@ One process (an sp communicator of one rank: FPDT is then chunked attention with
 and merges). bf16 results are compared with SDPA in fp32 on the same inputs, and must be as close as SDPA's
 own bf16 result is (twice its error plus 2e-3: FPDT merges its blocks in fp32); fp32 (the memory-efficient
 kernel) within 2e-5 of the fp32 reference with TF32 off; the fp64 torch fallback within 1e-10.
-Memory: ``torch.cuda.max_memory_allocated`` of ``loom bench seqlen``'s runner.
+Memory: ``torch.cuda.max_memory_allocated`` of ``loom bench seqlen``'s runner; last, activation checkpoints on the host
+(``offload_checkpoints``) against checkpoints on the device.
 """
 
 from __future__ import annotations
@@ -121,3 +122,34 @@ def test_fpdt_peak_grows_linearly_on_the_cuda_allocator(kernel, monkeypatch):
     d1, d2 = peaks[1] - peaks[0], peaks[2] - peaks[1]
     assert abs(d2 / 2 - d1) <= 0.1 * d1, (sizes, peaks)
     assert peaks[2] < run.step(seqlen.STEPS[0], sizes[2])["peak"], peaks
+
+
+def test_checkpoints_on_the_host_on_cuda():
+    """``offload_checkpoints`` on the device: block inputs copied to pinned host buffers on the side stream and
+    prefetched one block ahead give the loss of recompute on the device bit for bit and its gradients to the
+    order of the attention backward's atomic adds (the copies are exact; fp32, TF32 off), and the CUDA
+    allocator's peak falls by at least half of ``(blocks - 2)`` block inputs (the CPU test in
+    tests/unit/test_memory.py holds the memory model to the measured drop)."""
+    from loom.models.llama import Llama, LlamaConfig
+    from loom.parallel.offload import MemoryTracker
+
+    layers, b, s, hidden = 8, 1, 8192, 256
+    g = torch.Generator().manual_seed(3)
+    tok = torch.randint(0, 256, (b, s), generator=g).cuda()
+    tgt = torch.randint(0, 256, (b, s), generator=g).cuda()
+    got, peaks = [], []
+    for on_host in (False, True):
+        cfg = LlamaConfig(layers=layers, hidden=hidden, heads=4, kv_heads=2, vocab=256, checkpoint=True,
+                          offload_checkpoints=on_host, loss_chunks=8, ffn_chunks=8)
+        m = Llama(cfg).cuda()
+        with MemoryTracker("cuda") as mem:
+            loss = m.loss(tok, tgt)
+            grads = torch.autograd.grad(loss, list(m.parameters()))
+        got.append((loss.detach(), grads))
+        peaks.append(mem.peak)
+        del m, loss, grads
+    assert torch.equal(got[0][0], got[1][0])
+    for a, r in zip(got[0][1], got[1][1]):  # fp32 attention backward may add with atomics: not bit for bit
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-7)
+    inp = 4 * b * s * hidden
+    assert peaks[0] - peaks[1] >= 0.5 * (layers - 2) * inp, (peaks, inp)

@@ -13,7 +13,7 @@ import torch
 
 from loom.testing import mpi_checks
 from loom.train.trainer import Trainer
-from tests.jobs import SharedDir
+from tests.jobs import SharedDir, uneven_documents
 from tests.jobs import train_config as _cfg
 
 BASE = {
@@ -56,13 +56,13 @@ def _params(tr: Trainer) -> dict[str, torch.Tensor]:
     return {n: named[n].detach().clone() for n in tr.param_names}
 
 
-def _reference(comm, extra: dict):
+def _reference(comm, extra: dict, base: dict = BASE):
     """The same run on one rank (sp-independent parts of ``extra`` kept: sequence algorithm, micro-batches)."""
     solo = comm.split(comm.rank, 0, name="solo")
     keep = {k: v for k, v in extra.items() if k not in ("mesh", "mesh_schedule", "sequence")}
-    if "recompute" in extra.get("sequence", {}):
-        keep["sequence"] = {"recompute": extra["sequence"]["recompute"]}
-    tr = Trainer(_cfg(BASE, keep), solo, out=_tmp(comm, f"ref{comm.rank}"), quiet=True)
+    keep["sequence"] = {k: v for k, v in extra.get("sequence", {}).items()
+                        if k in ("recompute", "offload_checkpoints")}
+    tr = Trainer(_cfg(base, keep), solo, out=_tmp(comm, f"ref{comm.rank}"), quiet=True)
     recs = tr.run()
     return recs, _params(tr)
 
@@ -73,25 +73,58 @@ def _close(a: float, b: float, rtol: float) -> bool:
 
 def check_meshes_match_one_rank(comm):
     for extra in MESHES[comm.size]:
-        ref_recs, ref_params = _reference(comm, extra)
-        tr = Trainer(_cfg(BASE, extra), comm, out=_tmp(comm, "mesh"), quiet=True)
-        recs = tr.run()
-        assert len(recs) == len(ref_recs) == BASE["train"]["steps"]
-        for r, q in zip(recs, ref_recs):
-            assert _close(r["loss"], q["loss"], 1e-9), (extra, r["step"], r["loss"], q["loss"])
-            if q["eval_loss"] is not None:
-                assert _close(r["eval_loss"], q["eval_loss"], 1e-9), (extra, r["eval_loss"], q["eval_loss"])
-        mine = _params(tr)
-        assert mine, "this rank trains no parameters"
-        if tr.hybrid is not None:  # built on meta: only this rank's stage was materialised
-            assert all(p.is_meta == (n not in mine) for n, p in tr.model.named_parameters()), extra
-        for name, t in mine.items():
-            err = float((t - tr._my_shard(name, ref_params[name])).abs().max())
-            assert err < 1e-9, (extra, name, err)
-        # the mesh axes that are on actually moved bytes
-        for axis, n in extra.get("mesh", {}).items():
-            if n > 1:
-                assert recs[-1]["bytes"].get(axis, {}).get("wire", 0) > 0, (extra, axis, recs[-1]["bytes"])
+        _matches_one_rank(comm, extra)
+
+
+def _matches_one_rank(comm, extra: dict, base: dict = BASE):
+    """Losses (train and held-out) and parameters after AdamW steps of ``base`` + ``extra`` on this job's mesh
+    equal the one-rank run's, 1e-9 (fp64)."""
+    ref_recs, ref_params = _reference(comm, extra, base)
+    tr = Trainer(_cfg(base, extra), comm, out=_tmp(comm, "mesh"), quiet=True)
+    recs = tr.run()
+    assert len(recs) == len(ref_recs) == base["train"]["steps"]
+    for r, q in zip(recs, ref_recs):
+        assert _close(r["loss"], q["loss"], 1e-9), (extra, r["step"], r["loss"], q["loss"])
+        if q["eval_loss"] is not None:
+            assert _close(r["eval_loss"], q["eval_loss"], 1e-9), (extra, r["eval_loss"], q["eval_loss"])
+    mine = _params(tr)
+    assert mine, "this rank trains no parameters"
+    if tr.hybrid is not None:  # built on meta: only this rank's stage was materialised
+        assert all(p.is_meta == (n not in mine) for n, p in tr.model.named_parameters()), extra
+    for name, t in mine.items():
+        err = float((t - tr._my_shard(name, ref_params[name])).abs().max())
+        assert err < 1e-9, (extra, name, err)
+    # the mesh axes that are on actually moved bytes
+    for axis, n in extra.get("mesh", {}).items():
+        if n > 1:
+            assert recs[-1]["bytes"].get(axis, {}).get("wire", 0) > 0, (extra, axis, recs[-1]["bytes"])
+
+
+# Packed documents of uneven lengths (tests/jobs.py uneven_documents): Ulysses and FPDT at sp = 2 and 4, dp
+# (replicas whose real-target counts differ; also under ZeRO-3), and checkpoints on the host under Ulysses and FPDT.
+PACKED = {
+    2: [{"mesh": {"sp": 2}},
+        {"mesh": {"sp": 2}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}},
+        {"mesh": {"dp": 2}},
+        {"mesh": {"dp": 2}, "zero": {"stage": 3}},
+        {"mesh": {"sp": 2}, "sequence": {"recompute": True, "offload_checkpoints": True}}],
+    4: [{"mesh": {"sp": 4}},
+        {"mesh": {"sp": 4}, "sequence": {"algorithm": "fpdt", "chunks": 2}},
+        {"mesh": {"dp": 2, "sp": 2},
+         "sequence": {"algorithm": "fpdt", "chunks": 2, "recompute": True, "offload_checkpoints": True}}],
+}
+
+
+def check_packed_documents_match_one_rank(comm):
+    """``data.pack``: the loss over real targets (none across a boundary), the held-out loss and the
+    parameters after AdamW equal the one-rank run on the same packed batches, 1e-9 (fp64). The one-rank run
+    itself equals each document run alone: tests/unit/test_packing.py."""
+    path = _tmp(comm, "docs")
+    data = uneven_documents(path) if comm.rank == 0 else None
+    data = comm.bcast_object(data)
+    base = {**BASE, "data": {**BASE["data"], **data}, "train": {**BASE["train"], "steps": 2, "eval_every": 2}}
+    for extra in PACKED[comm.size]:
+        _matches_one_rank(comm, extra, base)
 
 
 def check_dp_reduces_during_backward(comm):

@@ -160,3 +160,72 @@ def test_pinned_cache_reuses_buffers_across_steps():
     assert cache.allocated == 5 and cache.cached <= cache.high == 360
     step([300, 60], "d")
     assert cache.allocated == 5 and cache.cached + cache.in_use <= cache.high
+
+
+class _Recording(HostPool):
+    """A host pool that logs its calls: ``("put" | "prefetch" | "get", handle, already back on the device)``."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.log: list[tuple[str, int, bool]] = []
+        self._inside_get = False
+
+    def put(self, t):
+        h = super().put(t)
+        self.log.append(("put", h, False))
+        return h
+
+    def prefetch(self, h):
+        if not self._inside_get:
+            self.log.append(("prefetch", h, h in self._ready))
+        super().prefetch(h)
+
+    def get(self, h):
+        self.log.append(("get", h, h in self._ready))
+        self._inside_get = True  # HostPool.get starts the copy itself when nothing was prefetched
+        try:
+            return super().get(h)
+        finally:
+            self._inside_get = False
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(sequence_parallel="ulysses"),
+                                  dict(sequence_parallel="fpdt", chunks=2, offload=False)])
+def test_checkpoints_on_the_host_are_exact_and_come_back_one_block_ahead(mode, monkeypatch):
+    """``offload_checkpoints``: loss and gradients bit for bit those of recompute on the device (fp64); every
+    block input goes to the host once in forward, and in backward each block's input is already on its way
+    back (prefetched while the block after it recomputed) when its own backward asks for it."""
+    import loom.models.llama as llama
+
+    g = torch.Generator().manual_seed(2)
+    tok = torch.randint(0, 31, (2, 16), generator=g)
+    tgt = torch.randint(0, 31, (2, 16), generator=g)
+    base = dict(layers=4, hidden=16, heads=4, kv_heads=2, vocab=31, checkpoint=True, **mode)
+    pools: list[_Recording] = []
+    real = llama.chunk_store
+
+    def store(offload, device):
+        if not offload:
+            return real(offload, device)
+        pools.append(_Recording(device))
+        return pools[-1]
+
+    monkeypatch.setattr(llama, "chunk_store", store)
+    got = []
+    for on_host in (False, True):
+        m = Llama(LlamaConfig(**base, offload_checkpoints=on_host)).double()
+        loss = m.loss(tok, tgt)
+        got.append((loss.detach(), torch.autograd.grad(loss, list(m.parameters()))))
+    assert torch.equal(got[0][0], got[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(got[0][1], got[1][1]))
+    assert len(pools) == 1  # one pool for the model's checkpoints (FPDT's chunks stay on the device here)
+    log = pools[0].log
+    puts = [h for op, h, _ in log if op == "put"]
+    assert len(puts) == 4
+    backward = log[len(puts):]
+    want = []
+    for i in reversed(range(4)):  # block i's input comes back (prefetched unless it is the last block's)...
+        want.append(("get", puts[i], i < 3))
+        if i:  # ... and block i-1's starts back before block i recomputes
+            want.append(("prefetch", puts[i - 1], False))
+    assert backward == want, backward

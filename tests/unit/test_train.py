@@ -253,7 +253,7 @@ def test_clip_reads_nothing_on_the_host_at_any_zero_stage(stage, tmp_path, monke
                             "optim": {"grad_clip": 1e-3}, "zero": {"stage": stage},
                             "train": {"steps": 1, "eval_every": 0, "progress": "none", "plots": False}})
     tr = Trainer(cfg, out=tmp_path, quiet=True)
-    x, y = tr.local_batch(tr.corpus.train, 0)
+    x, y, _ = tr.local_batch(tr.corpus.train, 0)
     tr.opt.zero_grad(set_to_none=True)
     tr.forward_backward(x, y)
     tr.sync_grads()

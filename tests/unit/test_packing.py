@@ -1,0 +1,80 @@
+"""Packed documents in ``loom train`` (``data.pack``) on one rank: the batch, and the loss against each document
+run on its own. The meshes against one rank: ``check_packed_documents_match_one_rank`` in tests/mpi/check_train.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loom.train.config import ConfigError, config_from_dict
+from loom.train.data import IGNORE, load_corpus, packed_windows
+from loom.train.trainer import Trainer
+from tests.jobs import train_config, uneven_documents
+
+TOL = 1e-12  # fp64, one process: only the order of the sums differs
+
+
+def _cfg(tmp_path, **sections):
+    data = uneven_documents(str(tmp_path / "docs"))
+    return train_config({"model": {"layers": 2, "hidden": 16, "heads": 2, "kv_heads": 1},
+                         "data": {**data, "seq_len": 32, "batch": 3},
+                         "train": {"steps": 1, "dtype": "float64", "eval_every": 0, "progress": "none",
+                                   "plots": False}}, sections)
+
+
+def test_packed_rows_start_at_documents_and_never_cross_a_boundary(tmp_path):
+    cfg = _cfg(tmp_path)
+    corpus = load_corpus(cfg.data)
+    lengths = sorted({f.stat().st_size for f in (tmp_path / "docs").iterdir()})
+    assert corpus.files == 60 and len(lengths) > 10  # uneven documents
+    starts = corpus.train_docs
+    for step in range(5):
+        x, y, doc, pos = packed_windows(corpus.train, starts, seed=0, step=step, batch=3, seq_len=32)
+        assert torch.isin(x[:, 0], corpus.train[starts].long()).all()
+        for b in range(3):
+            new = torch.nonzero(doc[b, 1:] != doc[b, :-1]).flatten() + 1  # each document's first token
+            assert (pos[b, new] == 0).all() and pos[b, 0] == 0
+            assert (y[b, new - 1] == IGNORE).all()  # the target that would predict the next document
+            assert int((y[b, :-1] == IGNORE).sum()) == len(new)  # (the last target may cross out of the row)
+            assert (torch.diff(doc[b]) >= 0).all() and (torch.diff(pos[b])[doc[b, 1:] == doc[b, :-1]] == 1).all()
+        assert int((doc[:, -1] > 0).sum()) > 0, "rows hold several documents"
+
+
+def _per_document_loss(model, x, y, doc):
+    """Sum over every document of the loss of that document run alone (positions from 0, no mask), over the
+    count of real targets: what packing must give."""
+    total, count = 0.0, 0
+    for b in range(x.shape[0]):
+        for d in doc[b].unique():
+            sel = doc[b] == d
+            xs, ys = x[b, sel][None], y[b, sel][None]
+            n = int((ys != IGNORE).sum())
+            if n:
+                total = total + model.loss(xs, ys) * n
+                count += n
+    return total / count
+
+
+@pytest.mark.parametrize("sequence", [{}, {"recompute": True, "offload_checkpoints": True}])
+def test_packed_loss_is_the_mean_over_each_documents_own_targets(tmp_path, sequence):
+    tr = Trainer(_cfg(tmp_path, sequence=sequence), out=tmp_path / "run", quiet=True)
+    for step in range(3):
+        x, y, packed = tr.local_batch(tr.corpus.train, step)
+        assert packed is not None and packed.count == int((y != IGNORE).sum())
+        loss = tr.tm.loss(x, y, packed)
+        grads = torch.autograd.grad(loss, list(tr.model.parameters()))
+        want = _per_document_loss(tr.model, x, y, packed.doc_ids)
+        wgrads = torch.autograd.grad(want, list(tr.model.parameters()))
+        assert abs(loss.item() - want.item()) <= TOL, (step, loss.item(), want.item())
+        for g, w in zip(grads, wgrads):
+            assert float((g - w).abs().max()) <= TOL
+
+
+def test_pack_and_checkpoint_offload_are_validated():
+    with pytest.raises(ConfigError, match="needs sequence.recompute = true"):
+        config_from_dict({"sequence": {"offload_checkpoints": True}})
+    with pytest.raises(ConfigError, match="data.pack = true with mesh.pp = 2"):
+        config_from_dict({"data": {"pack": True, "micro_batches": 2}, "mesh": {"pp": 2}})
+    with pytest.raises(ConfigError, match="offload_checkpoints with mesh.pp = 2"):
+        config_from_dict({"sequence": {"recompute": True, "offload_checkpoints": True}, "mesh": {"pp": 2},
+                          "data": {"micro_batches": 2}})

@@ -23,7 +23,8 @@ Memory knobs, usable in every mode (``"fpdt"`` turns them on by default, FPDT pa
   ``[seq, vocab]`` logits are never materialised (:func:`chunked_lm_loss`).
 * ``checkpoint``: each block keeps only its input and recomputes in backward; with ``offload`` (FPDT) or
   ``offload_checkpoints`` (any mode) that input lives in host memory (:class:`~loom.parallel.offload.HostPool`:
-  pinned buffers, copied on a side stream) and comes back while the block after it recomputes.
+  pinned buffers, copied on a side stream); with ``offload_checkpoints`` it comes back while the block after it
+  recomputes (one more input on the device), under FPDT's ``offload`` alone when its block's backward starts.
 
 Loss normalisation (what ``Llama.loss`` returns): ``sum of token cross-entropies on this rank`` divided by the
 number of non-ignored targets over the *whole* sequence, i.e. summed over the ``sp`` ranks (one small
@@ -538,7 +539,9 @@ class Llama(nn.Module):
         pos = self.positions(tokens.shape[1], tokens.device) if positions is None else positions
         h = self.embed(tokens)
         store = chunk_store(cfg.offload or cfg.offload_checkpoints, h.device) if cfg.checkpoint else None
-        chain: list[int] = []
+        # Prefetching one block ahead holds a second block input on the device during backward: asked for with
+        # offload_checkpoints; FPDT's own offload keeps one (its 8B / 2M-token fit depends on it).
+        chain: list[int] | None = [] if cfg.offload_checkpoints else None
         for blk in self.blocks:
             if cfg.checkpoint:
                 h = recompute(lambda x, blk=blk: blk(x, pos, doc_ids), h, list(blk.parameters()), store, chain)

@@ -24,9 +24,9 @@ The prediction follows what the code keeps alive, term by term, for the most loa
     log-sum-exp), ``wo``'s input and the FFN's intermediates;
   - recompute (``sequence.recompute``): ``e t h`` per block (its input) and one block's plain activations
     while it is recomputed; with ``sequence.offload_checkpoints`` (or FPDT's ``sequence.offload``) the inputs
-    live in host memory instead, and backward holds two of them on the device: the block's it recomputes and
-    the previous block's, prefetched meanwhile (the device bytes saved: ``(blocks - 2) e t h``, where the peak
-    is at the start of backward);
+    live in host memory instead; with ``offload_checkpoints`` backward holds two of them on the device: the
+    block's it recomputes and the previous block's, prefetched meanwhile (the device bytes saved:
+    ``(blocks - 2) e t h``, where the peak is at the start of backward), FPDT's offload alone one;
   - FPDT: each block is one chunk pipeline that keeps its input and output chunks and the head-layout
     q/k/v/out chunks, ``e t (4 h + 2 kv)``, in the chunk store: on the device, or in host memory with
     ``sequence.offload`` (then nothing sequence-sized stays on the device between forward and backward);
@@ -191,7 +191,7 @@ def _block(cfg: Config, d: dict[str, int]) -> tuple[int, int, int]:
         # backward brings the input back and recomputes the block: its activations and its output (FPDT: and
         # the input back from the host); from the host, the previous block's input is prefetched meanwhile
         # and, outside FPDT, the block's own comes back as a new tensor
-        back = (inp + (0 if fpdt else inp)) if on_host else 0
+        back = (inp + (0 if fpdt else inp)) if getattr(s, "offload_checkpoints", False) else 0
         return (0 if on_host else inp), (inp if on_host else 0), work + plain + (2 if fpdt else 1) * inp + back
     return plain, host, work
 

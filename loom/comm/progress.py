@@ -462,10 +462,11 @@ class Ticket:
         tests: how many times the thread tested the task's request before it completed.
     """
 
-    __slots__ = ("_event", "result", "error", "posted_at", "done_at", "tests", "stream")
+    __slots__ = ("_event", "result", "error", "posted_at", "done_at", "tests", "stream", "then")
 
-    def __init__(self, stream: Any = None) -> None:
+    def __init__(self, stream: Any = None, then: Callable[["Ticket"], None] | None = None) -> None:
         self.stream = stream  # the submitter's current CUDA stream (None without CUDA): the task runs on it
+        self.then = then  # called with the ticket on the thread that completes it, after it is marked done
         self._event = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
@@ -481,6 +482,9 @@ class Ticket:
         self.result, self.error = result, error
         self.done_at = time.perf_counter()
         self._event.set()
+        then, self.then = self.then, None
+        if then is not None:
+            then(self)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block (sleeping, no MPI call on this thread) until the task completed; its result, or its error raised."""
@@ -518,8 +522,11 @@ class ProgressThread:
     MPI on other communicators meanwhile. Requests handed to the thread belong to it: nobody else tests them.
     """
 
-    def __init__(self, name: str = "loom-progress"):
+    def __init__(self, name: str = "loom-progress", backoff: Backoff | None = None):
         self.name = name
+        # None: yield between passes (a busy core while anything is in flight); a Backoff: passes that complete
+        # nothing sleep as Request.wait does (for ranks that share their cores: the computing thread keeps them)
+        self.backoff = backoff
         self._cv = threading.Condition()
         self._queue: list[tuple[Callable[[], Any], Ticket]] = []
         self._thread: threading.Thread | None = None
@@ -531,9 +538,10 @@ class ProgressThread:
         """True when MPI runs at ``MPI_THREAD_MULTIPLE`` (a second thread may call MPI at any time)."""
         return bool(MPI.Is_initialized()) and MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
-    def submit(self, task: Callable[[], Any]) -> Ticket:
-        """Run ``task`` on the thread after every task submitted before it; its ticket."""
-        ticket = Ticket(_caller_stream())
+    def submit(self, task: Callable[[], Any], then: Callable[[Ticket], None] | None = None) -> Ticket:
+        """Run ``task`` on the thread after every task submitted before it; its ticket. ``then(ticket)`` runs on
+        the thread once the ticket is done (its result or error set), e.g. to complete a future."""
+        ticket = Ticket(_caller_stream(), then)
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"progress thread {self.name!r} is closed; make a new one")
@@ -563,12 +571,21 @@ class ProgressThread:
                     return  # closed and drained
                 task = self._queue.pop(0) if self._queue else None
             if task is not None:
+                if self.backoff is not None:
+                    self.backoff.reset()
                 self._start(*task, inflight)
                 task = None
                 continue  # post everything queued first: MPI progresses all posted operations together
             self.passes += 1
+            before = len(inflight)
             inflight = self._pass(inflight)
-            time.sleep(0)  # yield the GIL to the computing thread
+            backoff = self.backoff
+            if backoff is None:
+                time.sleep(0)  # yield the GIL to the computing thread
+            elif len(inflight) < before:
+                backoff.reset()
+            else:
+                time.sleep(backoff.next_delay())
 
     # Posting and testing live in their own frames: a loop variable left bound in _run would keep the last
     # task's closure and request, and with them its buffers (a reduce-scatter's padded input), alive after

@@ -292,18 +292,28 @@ class _nullctx:
         return False
 
 
+def _mesh(shape, names, backend):
+    """A DeviceMesh over every rank on ``backend``. The gloo mesh's dims get other names: DTensor caches its
+    redistribution plans by mesh, and meshes of equal shape and names compare equal whatever their groups, so
+    the gloo run would reuse the loom mesh's groups (and compare loom with itself)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if backend == "loom":
+        return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    names = tuple(f"{n}_gloo" for n in names)
+    return init_device_mesh("cpu", shape, mesh_dim_names=names, backend_override={n: "gloo" for n in names})
+
+
 def check_fsdp2_matches_gloo(comm):
     """fully_shard per layer (reshard_after_forward True, then False) plus the root, whose own group covers the
     unsharded last layer; 3 steps of Adam."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     _groups()
     batches = _batches(comm.rank, 3)
     for reshard in (True, False):
         def run(backend):
-            mesh = init_device_mesh("cpu", (comm.size,), mesh_dim_names=("dp",),
-                                    backend_override=None if backend == "loom" else {"dp": "gloo"})
+            mesh = _mesh((comm.size,), ("dp",), backend)
             model = _mlp(1)
             fully_shard(model[0], mesh=mesh, reshard_after_forward=reshard)
             fully_shard(model[2], mesh=mesh, reshard_after_forward=not reshard)
@@ -325,7 +335,6 @@ def check_fsdp2_matches_gloo(comm):
 
 def check_dtensor_tp_on_a_2d_mesh_matches_gloo(comm):
     """ColwiseParallel / RowwiseParallel on tp, gradients averaged over dp by fully_shard, dp x tp = P/2 x 2."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -334,11 +343,10 @@ def check_dtensor_tp_on_a_2d_mesh_matches_gloo(comm):
     batches = _batches(comm.rank // 2, 3)  # tp peers see the same batch
 
     def run(backend):
-        mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"),
-                                backend_override=None if backend == "loom" else {"dp": "gloo", "tp": "gloo"})
+        mesh = _mesh((dp, 2), ("dp", "tp"), backend)
         model = _mlp(2)
-        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        fully_shard(model, mesh=mesh["dp"])
+        parallelize_module(model, mesh[mesh.mesh_dim_names[1]], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh[mesh.mesh_dim_names[0]])
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses = []
         for x, y in batches:
@@ -352,6 +360,22 @@ def check_dtensor_tp_on_a_2d_mesh_matches_gloo(comm):
     (la, pa), (lb, pb) = run("loom"), run("gloo")
     _close(la, lb, "tp loss")
     _close(pa, pb, "tp params")
+    # and both against one process: the same model on every dp shard's batch, the gradients averaged
+    ref = _mlp(2)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    shards = [_batches(i, 3) for i in range(dp)]
+    want = []
+    for step in range(3):
+        for i in range(dp):
+            x, y = shards[i][step]
+            loss = ((ref(x) - y) ** 2).mean() / dp
+            loss.backward()
+            if i == comm.rank // 2:
+                want.append(loss.detach() * dp)
+        opt.step()
+        opt.zero_grad()
+    _close(la, want, "tp loss vs one process")
+    _close(pa, _params(ref), "tp params vs one process")
 
 
 def check_pipelining_gpipe_and_1f1b_match_gloo(comm):

@@ -522,11 +522,8 @@ class ProgressThread:
     MPI on other communicators meanwhile. Requests handed to the thread belong to it: nobody else tests them.
     """
 
-    def __init__(self, name: str = "loom-progress", backoff: Backoff | None = None):
+    def __init__(self, name: str = "loom-progress"):
         self.name = name
-        # None: yield between passes (a busy core while anything is in flight); a Backoff: passes that complete
-        # nothing sleep as Request.wait does (for ranks that share their cores: the computing thread keeps them)
-        self.backoff = backoff
         self._cv = threading.Condition()
         self._queue: list[tuple[Callable[[], Any], Ticket]] = []
         self._thread: threading.Thread | None = None
@@ -571,21 +568,12 @@ class ProgressThread:
                     return  # closed and drained
                 task = self._queue.pop(0) if self._queue else None
             if task is not None:
-                if self.backoff is not None:
-                    self.backoff.reset()
                 self._start(*task, inflight)
                 task = None
                 continue  # post everything queued first: MPI progresses all posted operations together
             self.passes += 1
-            before = len(inflight)
             inflight = self._pass(inflight)
-            backoff = self.backoff
-            if backoff is None:
-                time.sleep(0)  # yield the GIL to the computing thread
-            elif len(inflight) < before:
-                backoff.reset()
-            else:
-                time.sleep(backoff.next_delay())
+            time.sleep(0)  # yield the GIL to the computing thread
 
     # Posting and testing live in their own frames: a loop variable left bound in _run would keep the last
     # task's closure and request, and with them its buffers (a reduce-scatter's padded input), alive after

@@ -12,13 +12,15 @@ every rank; so collectives on one communicator are posted in the same order ever
 
 * results land where torch expects them: in place for ``all_reduce``/``broadcast``, in the output tensors
   for the gathers, scatters and all-to-alls, non-contiguous tensors through a contiguous copy;
-* payloads of at least :data:`ASYNC_MIN_BYTES` (allreduce, allgather, reduce-scatter, all-to-all, send,
-  recv) are posted non-blocking and handed to one progress thread per process
-  (:class:`loom.comm.ProgressThread` with a back-off, so a rank that shares its core keeps it) that tests
-  them while the caller computes and completes the work's future when they are done (the copy into the
-  caller's tensors included): ``async_op=True`` overlaps, and DDP's reducer, which only chains on futures,
-  gets its buckets reduced during backward. Smaller payloads, and the rooted operations (broadcast, gather,
-  scatter, reduce, barrier), run blocking and return completed work: a 1-byte allreduce costs one MPI call;
+* asynchronous calls (``async_op=True``, and every call from torch's C++: DDP's reducer, the functional
+  collectives of DTensor and FSDP2) of at least :data:`ASYNC_MIN_BYTES` (allreduce, allgather,
+  reduce-scatter, all-to-all), and every send and recv, are posted non-blocking and handed to one progress
+  thread per process (:class:`loom.comm.ProgressThread`), which tests them while the caller computes (MPICH
+  moves a posted collective only inside an MPI call) and completes the work's future when they are done, the
+  copy into the caller's tensors included: ``async_op=True`` overlaps, and DDP's reducer, which only chains
+  on futures, gets its buckets reduced during backward. Blocking calls, small payloads and the rooted
+  operations (broadcast, gather, scatter, reduce, barrier) run MPI's blocking collective and return completed
+  work: a 1-byte allreduce costs one MPI call, a blocking 64 MiB one gets MPI's faster blocking algorithms;
 * reductions: ``SUM``, ``AVG`` (floating dtypes), ``MIN``, ``MAX``, ``PRODUCT`` and ``PREMUL_SUM`` (scaled,
   then summed); bf16/fp16 are reduced in float32 and rounded once (loom.comm); ``bool`` reduces as
   logical or (``SUM``, ``MAX``) or and (``MIN``, ``PRODUCT``); ``BAND``/``BOR``/``BXOR`` raise
@@ -61,7 +63,7 @@ def _engine() -> ProgressThread | None:
     """The process's progress thread, or ``None`` where MPI allows no second thread (then every op blocks)."""
     global _ENGINE
     if _ENGINE is None and ProgressThread.available():
-        _ENGINE = ProgressThread(name="loom-torch-progress", backoff=Backoff(spin_s=50e-6, max_sleep_s=200e-6))
+        _ENGINE = ProgressThread(name="loom-torch-progress")  # spins while anything is in flight
     return _ENGINE
 
 
@@ -202,8 +204,13 @@ def _later(req: Request, outputs: list, after: Callable[[Any], None] | None = No
     return LoomWork(outputs, fut)
 
 
-def _big(t: torch.Tensor) -> bool:
-    return t.numel() * t.element_size() >= ASYNC_MIN_BYTES and _engine() is not None
+def _big(t: torch.Tensor, opts: Any = None) -> bool:
+    """Whether to post ``t``'s operation non-blocking for the progress thread: large, and asked for
+    asynchronously (``async_op=True``; torch's C++ callers, DDP's reducer and the functional collectives that
+    DTensor and FSDP2 use, always ask so). A blocking call runs MPI's blocking collective, whose algorithms
+    are faster than its non-blocking ones for large payloads."""
+    return (t.numel() * t.element_size() >= ASYNC_MIN_BYTES and getattr(opts, "asyncOp", True)
+            and _engine() is not None)
 
 
 # ---------------------------------------------------------------------------------------------- process group
@@ -304,20 +311,20 @@ class LoomProcessGroup(dist.ProcessGroup):
         return _all(works)
 
     # -------------------------------------------------------------------- reductions
-    def _allreduce_one(self, t: torch.Tensor, op: str, factor: Any) -> LoomWork | None:
+    def _allreduce_one(self, t: torch.Tensor, op: str, factor: Any, opts: Any = None) -> LoomWork | None:
         if t.numel() == 0:
             return None
         x, xop = _reducible(t, op, "all_reduce")
         if factor is not None:
             x.mul_(factor.item() if isinstance(factor, torch.Tensor) else factor)
-        if _big(x):
+        if _big(x, opts):
             return _later(self.comm.iallreduce(x, xop, out=x), [t])
         self.comm.allreduce(x, xop, out=x)
         return None
 
     def allreduce(self, tensors, opts=None) -> LoomWork:
         op, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
-        works = [w for t in tensors if (w := self._allreduce_one(t, op, factor)) is not None]
+        works = [w for t in tensors if (w := self._allreduce_one(t, op, factor, opts)) is not None]
         return self._record(_all(works, list(tensors)))
 
     def allreduce_coalesced(self, tensors, opts=None) -> LoomWork:
@@ -335,7 +342,7 @@ class LoomProcessGroup(dist.ProcessGroup):
                 for t, piece in zip(group, flat.split([t.numel() for t in group])):
                     t.copy_(piece.view(t.shape))
 
-            w = self._allreduce_one(flat, op, factor)
+            w = self._allreduce_one(flat, op, factor, opts)
             if w is None:
                 unpack(None)
             else:
@@ -356,7 +363,7 @@ class LoomProcessGroup(dist.ProcessGroup):
         return self._record(LoomWork(list(tensors)))
 
     def _reduce_scatter_into(self, output: torch.Tensor, inp: torch.Tensor, op: str, factor: Any,
-                             what: str) -> LoomWork | None:
+                             what: str, opts: Any = None) -> LoomWork | None:
         p = self.comm.size
         if inp.numel() != output.numel() * p:
             raise ValueError(f"{what}: the input has {inp.numel()} elements, not {p} x the output's {output.numel()}; "
@@ -367,7 +374,7 @@ class LoomProcessGroup(dist.ProcessGroup):
         if factor is not None:
             x = _scale(x, factor)
         back = _into(output.view(torch.uint8) if output.dtype == torch.bool else output)
-        if _big(x):
+        if _big(x, opts):
             return _later(self.comm.ireduce_scatter(x, xop), [output], back)
         back(self.comm.reduce_scatter(x, xop))
         return None
@@ -375,13 +382,14 @@ class LoomProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output, inp, opts=None) -> LoomWork:
         op, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
         return self._record(_all([w for w in [self._reduce_scatter_into(output, inp, op, factor,
-                                                                       "reduce_scatter_tensor")] if w], [output]))
+                                                                       "reduce_scatter_tensor", opts)] if w], [output]))
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> LoomWork:
         op, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
-        works = [self._reduce_scatter_into(o, i, op, factor, "reduce_scatter_tensor") for o, i in zip(outputs, inputs)]
+        works = [self._reduce_scatter_into(o, i, op, factor, "reduce_scatter_tensor", opts)
+                 for o, i in zip(outputs, inputs)]
         return self._record(_all([w for w in works if w], list(outputs)))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -397,11 +405,11 @@ class LoomProcessGroup(dist.ProcessGroup):
                 raise ValueError(f"reduce_scatter: the inputs' shapes {[tuple(p.shape) for p in pieces]} differ from "
                                  f"the output's {tuple(out.shape)}; the loom backend needs them equal")
             stacked = torch.stack([p.reshape(out.shape) for p in pieces]) if out.numel() else pieces[0]
-            works.append(self._reduce_scatter_into(out, stacked, op, factor, "reduce_scatter"))
+            works.append(self._reduce_scatter_into(out, stacked, op, factor, "reduce_scatter", opts))
         return self._record(_all([w for w in works if w], list(outputs)))
 
     # -------------------------------------------------------------------- gathers and all-to-alls
-    def _allgather_into(self, output: torch.Tensor, inp: torch.Tensor, what: str) -> LoomWork | None:
+    def _allgather_into(self, output: torch.Tensor, inp: torch.Tensor, what: str, opts: Any = None) -> LoomWork | None:
         p = self.comm.size
         if output.numel() != inp.numel() * p:
             raise ValueError(f"{what}: the output has {output.numel()} elements, not {p} x the input's {inp.numel()}; "
@@ -413,7 +421,7 @@ class LoomProcessGroup(dist.ProcessGroup):
         x = _unaliased(inp.reshape(1, -1), output)  # FSDP2 gathers in place: its input is its block of the output
         out = output.view(p, -1) if output.is_contiguous() else None
         back = None if out is not None else _into(output)
-        if _big(x):
+        if _big(x, opts):
             return _later(self.comm.iallgather(x, out=out), [output], back)
         res = self.comm.allgather(x, out=out)
         if back is not None:
@@ -421,13 +429,13 @@ class LoomProcessGroup(dist.ProcessGroup):
         return None
 
     def all_gather_single(self, output, inp, opts=None) -> LoomWork:
-        w = self._allgather_into(output, inp, "all_gather_into_tensor")
+        w = self._allgather_into(output, inp, "all_gather_into_tensor", opts)
         return self._record(_all([w] if w else [], [output]))
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> LoomWork:
-        works = [self._allgather_into(o, i, "all_gather_into_tensor") for o, i in zip(outputs, inputs)]
+        works = [self._allgather_into(o, i, "all_gather_into_tensor", opts) for o, i in zip(outputs, inputs)]
         return self._record(_all([w for w in works if w], list(outputs)))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -448,7 +456,7 @@ class LoomProcessGroup(dist.ProcessGroup):
                 for o, row in zip(outs, flat):
                     o.copy_(row.view(o.shape))
 
-            w = self._allgather_into(flat, inp, "all_gather")
+            w = self._allgather_into(flat, inp, "all_gather", opts)
             if w is None:
                 unpack(None)
             else:
@@ -474,7 +482,7 @@ class LoomProcessGroup(dist.ProcessGroup):
         if x.shape[1] == 0:
             return self._record(LoomWork([output]))
         back = _into(output)
-        if _big(x):
+        if _big(x, opts):
             return self._record(_later(self.comm.ialltoallv(x, sc, rc), [output], lambda r: back(r[0])))
         back(self.comm.alltoallv(x, sc, rc)[0])
         return self._record(LoomWork([output]))

@@ -47,6 +47,11 @@ def _same(a, b, what):
     assert torch.equal(a, b), f"{what}: loom {a.flatten()[:6]} != gloo {b.flatten()[:6]}"
 
 
+def _wait(work) -> None:
+    if work is not None:
+        work.wait()
+
+
 def _rand(shape, dtype, gen):
     if dtype == torch.bool:
         return torch.rand(shape, generator=gen) > 0.5
@@ -69,9 +74,9 @@ def check_all_reduce_every_op_dtype_and_layout_matches_gloo(comm):
             base = _rand(shape, dtype, gen)
             for op in ops:
                 for layout in ("contiguous", "transposed"):
-                    def run(g):
+                    def run(g):  # the transposed one asynchronously (the progress thread's path when large)
                         x = base.clone() if layout == "contiguous" else base.t().contiguous().t()
-                        dist.all_reduce(x, op=op, group=g)
+                        _wait(dist.all_reduce(x, op=op, group=g, async_op=layout == "transposed"))
                         return x
                     _same(*_both(run), f"all_reduce {op} {dtype} {shape} {layout}")
 
@@ -98,18 +103,19 @@ def check_gathers_scatters_and_all_to_all_match_gloo(comm):
     p, r = comm.size, comm.rank
     gen = torch.Generator().manual_seed(300 + r)
     for dtype in (torch.float64, torch.int32, torch.bool):
-        for rows in (2, 200):  # 200 x 64 fp64 = 100 KiB: the non-blocking path
+        for rows in (2, 200):  # 200 x 64 fp64 = 100 KiB, asynchronously: the progress thread's path
             x = _rand((rows, 64), dtype, gen)
+            aop = rows == 200
 
             def ag(g):
                 outs = [torch.empty_like(x) for _ in range(p)]
-                dist.all_gather(outs, x, group=g)
+                _wait(dist.all_gather(outs, x, group=g, async_op=aop))
                 return outs
             _same(*_both(ag), f"all_gather {dtype}")
 
             def agt(g):
                 out = torch.empty((p * rows, 64), dtype=dtype)
-                dist.all_gather_into_tensor(out, x.t().contiguous().t(), group=g)  # non-contiguous input
+                _wait(dist.all_gather_into_tensor(out, x.t().contiguous().t(), group=g, async_op=aop))  # non-contiguous
                 return out
             _same(*_both(agt), f"all_gather_into_tensor {dtype}")
 
@@ -118,19 +124,19 @@ def check_gathers_scatters_and_all_to_all_match_gloo(comm):
 
                 def rst(g):
                     out = torch.empty((rows, 64), dtype=dtype)
-                    dist.reduce_scatter_tensor(out, big, group=g)
+                    _wait(dist.reduce_scatter_tensor(out, big, group=g, async_op=aop))
                     return out
                 _same(*_both(rst), f"reduce_scatter_tensor {dtype}")
 
                 def rs(g):
                     out = torch.empty((rows, 64), dtype=dtype)
-                    dist.reduce_scatter(out, list(big.chunk(p)), group=g)
+                    _wait(dist.reduce_scatter(out, list(big.chunk(p)), group=g, async_op=aop))
                     return out
                 _same(*_both(rs), f"reduce_scatter {dtype}")
 
             def a2a(g):
                 out = torch.empty((p * rows, 64), dtype=dtype)
-                dist.all_to_all_single(out, torch.cat([x] * p), group=g)
+                _wait(dist.all_to_all_single(out, torch.cat([x] * p), group=g, async_op=aop))
                 return out
             _same(*_both(a2a), f"all_to_all_single even {dtype}")
 

@@ -205,6 +205,11 @@ def check_send_recv_and_recv_from_any_source(comm):
         for q in reqs:
             q.wait()
         assert torch.equal(out, torch.arange(n, dtype=torch.float64) + 1000 * ((r - 1) % p))
+        back = torch.empty(n, dtype=torch.float64)
+        ops = [dist.P2POp(dist.isend, x, (r - 1) % p), dist.P2POp(dist.irecv, back, (r + 1) % p)]
+        for q in dist.batch_isend_irecv(ops):
+            q.wait()
+        assert torch.equal(back, torch.arange(n, dtype=torch.float64) + 1000 * ((r + 1) % p))
     if r == 0:
         got = set()
         for _ in range(p - 1):

@@ -9,7 +9,10 @@ Existing DDP, FSDP2, DTensor and pipelining code runs on MPI by changing its bac
 and launching the script with ``loom run --ranks N script.py`` or ``mpiexec -n N python script.py``.
 
 * :mod:`loom.torchdist.backend`: the process group (:class:`~loom.torchdist.backend.LoomProcessGroup`), its work
-  objects, and the creator torch calls for every group (the default one and each sub-group).
+  objects, and the creator torch calls for every group (the default one and each sub-group);
+  :func:`set_compression` / ``LOOM_TORCH_COMPRESS`` choose a codec per group, :func:`exact` keeps reductions
+  uncompressed.
+* :mod:`loom.torchdist.cli`: ``loom run --ranks N script.py``.
 
 Registration without weight: ``import loom`` must not import torch, and torch has no entry-point group for
 process-group backends (its ``torch.backends`` entry points load device extensions on every ``import torch``).
@@ -25,7 +28,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-__all__ = ["BACKEND", "install", "register"]
+__all__ = ["BACKEND", "exact", "install", "register", "set_compression"]
 
 BACKEND = "loom"
 _REGISTERED = False
@@ -61,6 +64,15 @@ def register() -> None:
 
         env_or_mpi._loom = True  # type: ignore[attr-defined]
         rdzv._rendezvous_handlers["env"] = env_or_mpi
+
+
+def __getattr__(name: str):
+    # torch and MPI load only when used: exact() and set_compression() live with the process group
+    if name in ("exact", "set_compression"):
+        from . import backend
+
+        return getattr(backend, name)
+    raise AttributeError(f"module 'loom.torchdist' has no attribute {name!r}")
 
 
 def _create(dist_opts, pg_opts):

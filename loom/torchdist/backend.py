@@ -28,6 +28,10 @@ every rank; so collectives on one communicator are posted in the same order ever
 * gather, scatter and the point-to-point legs of rooted operations travel on the group's private duplicate
   (``comm.sub("rooted")``), so they never match the user's ``send``/``recv`` on the same tags.
 
+Compression (:func:`set_compression`, ``LOOM_TORCH_COMPRESS``): a codec per group, keyed by DeviceMesh dim
+name, applied by :func:`loom.compress.allreduce` to that group's floating SUM/AVG allreduces outside
+:func:`exact`; reduce-scatters and all-gathers stay uncompressed.
+
 Check mode (``LOOM_CHECK=1``) and the watchdog (``LOOM_TIMEOUT``) are loom.comm's: every collective here is a
 Communicator method, so a shape or dtype mismatch across ranks raises on every rank instead of hanging.
 """
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
 import time
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlparse
@@ -46,7 +51,8 @@ from torch.futures import Future
 
 from loom.comm import ANY_SOURCE, Backoff, Communicator, ProgressThread, Request, wait_all, world
 
-__all__ = ["ASYNC_MIN_BYTES", "LoomProcessGroup", "LoomWork", "create_process_group", "mpi_rendezvous"]
+__all__ = ["ASYNC_MIN_BYTES", "LoomProcessGroup", "LoomWork", "create_process_group", "exact", "mpi_rendezvous",
+           "set_compression"]
 
 #: payloads at least this large are posted non-blocking and completed by the progress thread
 ASYNC_MIN_BYTES = 64 * 1024
@@ -56,6 +62,65 @@ _REDUCE = {_R.SUM: "sum", _R.AVG: "avg", _R.MIN: "min", _R.MAX: "max", _R.PRODUC
 _BOOL = {"sum": "max", "max": "max", "min": "min", "prod": "min"}  # or / and on 0-1 bytes
 
 _ENGINE: ProgressThread | None = None
+_POLICY: dict[str, str] | None = None  # group key -> codec spec (None: read LOOM_TORCH_COMPRESS when first needed)
+_EXACT = threading.local()
+
+
+def set_compression(policy: "dict[str, str] | str | None") -> None:
+    """Codecs for the allreduces of groups made from now on: ``{"dp": "int8", "tp": "bf16"}`` or the text form
+    of ``LOOM_TORCH_COMPRESS`` (``"dp=int8;tp=bf16"``); ``None``/``{}`` for none. Keys are DeviceMesh dim names
+    (a group described ``mesh_dp`` is ``dp``) or ``world`` (the default group: also a 1-D mesh over every rank,
+    which torch serves with the default group).
+
+    A compressed allreduce is :func:`loom.compress.allreduce` (its plan and error bound) of a floating tensor
+    of at least the codec's minimum size under SUM, AVG or PREMUL_SUM, with error feedback per buffer (DDP's
+    buckets keep theirs across steps); MIN, MAX, PRODUCT, integers, and everything inside :func:`exact` run
+    uncompressed. Bytes raw and on the wire per group: ``loom.compress.stats()`` (the ``compress`` kind of
+    ``loom.stats``), under the group's communicator name (``torch.mesh_dp``, ``torch`` for the world).
+    """
+    global _POLICY
+    _POLICY = _parse_policy(policy, "set_compression") if isinstance(policy, str) else dict(policy or {})
+    from loom.compress import get_codec
+
+    for spec in _POLICY.values():
+        get_codec(spec)  # a bad codec name fails here, on every rank, not at the first step
+
+
+def _parse_policy(text: str, where: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        key, eq, spec = item.partition("=")
+        if not eq or not key.strip() or not spec.strip():
+            raise ValueError(f"{where}: {item!r} is not GROUP=CODEC; write e.g. dp=int8;tp=bf16")
+        if "," in spec.partition(":")[0]:
+            raise ValueError(f"{where}: {item!r}: separate groups with ';' (codec options use ','), e.g. "
+                             f"dp=int8;tp=bf16")
+        out[key.strip()] = spec.strip()
+    return out
+
+
+def _policy() -> dict[str, str]:
+    if _POLICY is None:
+        from loom import settings
+
+        set_compression(_parse_policy(settings.get("torch_compress") or "", "LOOM_TORCH_COMPRESS"))
+    return _POLICY or {}
+
+
+class exact:
+    """A context in which this thread's reductions on the loom backend are never compressed (a loss, a norm,
+    a count: anything that must stay exact)::
+
+        with loom.torchdist.exact():
+            dist.all_reduce(total_tokens)
+    """
+
+    def __enter__(self) -> "exact":
+        _EXACT.depth = getattr(_EXACT, "depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _EXACT.depth -= 1
 _WORLD: Communicator | None = None
 
 
@@ -276,6 +341,8 @@ class LoomProcessGroup(dist.ProcessGroup):
         self._name = ""
         self._desc = ""
         self._coalesced: list[LoomWork] | None = None
+        self._codec = None  # this group's codec under the compression policy (set_compression), from its name
+        self._feedback = None
 
     # -------------------------------------------------------------------- identity (torch reads these)
     def getBackendName(self) -> str:
@@ -294,6 +361,12 @@ class LoomProcessGroup(dist.ProcessGroup):
         self._desc = desc
         if self.comm.name.startswith("torch.") and desc and desc != "undefined":
             self.comm.rename(f"torch.{desc}")
+        key = "world" if desc == "default_pg" else desc.removeprefix("mesh_")
+        spec = _policy().get(key)
+        if spec is not None and self.comm.size > 1:
+            from loom.compress import ErrorFeedback, get_codec
+
+            self._codec, self._feedback = get_codec(spec), ErrorFeedback()
 
     def __repr__(self) -> str:
         return f"LoomProcessGroup({self.comm!r}, name={self._name!r}, desc={self._desc!r})"
@@ -314,6 +387,10 @@ class LoomProcessGroup(dist.ProcessGroup):
     def _allreduce_one(self, t: torch.Tensor, op: str, factor: Any, opts: Any = None) -> LoomWork | None:
         if t.numel() == 0:
             return None
+        if self._codec is not None and op in ("sum", "avg") and t.is_floating_point() \
+                and not getattr(_EXACT, "depth", 0):
+            self._compressed(t, op, factor)
+            return None
         x, xop = _reducible(t, op, "all_reduce")
         if factor is not None:
             x.mul_(factor.item() if isinstance(factor, torch.Tensor) else factor)
@@ -321,6 +398,16 @@ class LoomProcessGroup(dist.ProcessGroup):
             return _later(self.comm.iallreduce(x, xop, out=x), [t])
         self.comm.allreduce(x, xop, out=x)
         return None
+
+    def _compressed(self, t: torch.Tensor, op: str, factor: Any) -> None:
+        """``t`` reduced in place by :func:`loom.compress.allreduce` with this group's codec (blocking)."""
+        from loom.compress import allreduce
+
+        x = t if factor is None else _scale(t, factor)
+        out = allreduce(x, self.comm, self._codec, error_feedback=self._feedback, key=(t.data_ptr(), t.numel()))
+        if op == "avg":
+            out /= self.comm.size
+        t.copy_(out)
 
     def allreduce(self, tensors, opts=None) -> LoomWork:
         op, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")

@@ -316,8 +316,8 @@ def _mesh(shape, names, backend):
 
 
 def check_fsdp2_matches_gloo(comm):
-    """fully_shard per layer (reshard_after_forward True, then False) plus the root, whose own group covers the
-    unsharded last layer; 3 steps of Adam."""
+    """fully_shard on two layers (reshard_after_forward True on one, False on the other, then swapped) plus the
+    root, whose group holds the last layer, not sharded on its own; 3 steps of Adam."""
     from torch.distributed.fsdp import fully_shard
 
     _groups()

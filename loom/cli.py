@@ -38,6 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("loom.multipath.cli", "plan multi-path routes for an all-to-all demand and compare baselines"),
     "testbed": ("loom.testbed.cli", "emulated multi-node, multi-rail cluster (needs root)"),
     "dask": ("loom.dask.cli", "run a Dask script over MPI (scheduler, client and workers as ranks)"),
+    "run": ("loom.torchdist.cli", "run a torch.distributed script on MPI ranks (backend \"loom\"; torchrun's role)"),
 }
 
 def _inside_mpi() -> bool:
@@ -254,10 +255,28 @@ def _dispatch_ranks(name: str, module, rest: list[str]) -> list[str] | int:
     """Handle ``--ranks``: relaunch on N ranks (an exit code), or the arguments left for the command."""
     if getattr(module, "OWN_RANKS", False):
         return rest  # the command's own parser reads --ranks
+    tail: list[str] = []
+    if getattr(module, "SCRIPT_ARGS", False):  # `loom run --ranks 2 x.py -n 5`: -n 5 is the script's
+        rest, tail = _before_script(rest)
     ranks, rest_wo = pop_ranks(rest)
+    rest_wo += tail
     if ranks is not None and not _inside_mpi() and getattr(module, "RELAUNCH", True):
         return relaunch(ranks, [name, *rest_wo])
     return rest_wo
+
+
+def _before_script(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` split at its first positional argument (a command's script): loom's options, then the script's."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("--ranks", "-n"):
+            i += 2
+        elif a.startswith("-"):
+            i += 1
+        else:
+            break
+    return argv[:i], argv[i:]
 
 
 def _module(module_name: str):

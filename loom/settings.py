@@ -137,6 +137,9 @@ _DECLARED = (
             "cores)", minimum=1),
     Setting("progress", "str", "auto", "`loom train` progress display: bar, lines, none, or auto (a bar on a "
             "terminal, lines otherwise)", choices=("auto", "bar", "lines", "none")),
+    # loom.torchdist
+    Setting("torch_compress", "str", None, "codecs for the \"loom\" torch.distributed backend's allreduces, per "
+            "group: GROUP=CODEC;GROUP=CODEC, GROUP a DeviceMesh dim name or world (e.g. dp=int8;tp=bf16)"),
     # loom.dask
     Setting("dask_spin_us", "float", None, "microseconds the Dask backend's poller tests at full speed after "
             "activity before backing off (unset: 1000 with a core per rank; when oversubscribed 0 with "

@@ -27,4 +27,6 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "moe": ("loom.bench.moe", "main", "MoE layer step time: direct vs multi-path dispatch"),
     "zero": ("loom.bench.zero", "main", "sharded data parallel (ZeRO 0-3): capacity at a budget, vs FSDP2 and DDP"),
     "dask": ("loom.bench.dask", "main", "Dask comm latency/bandwidth and applications: mpi:// vs tcp://"),
+    "torch": ("loom.bench.torchdist", "main", "the \"loom\" torch.distributed backend vs gloo: latency, bandwidth, "
+              "DDP and FSDP2 steps"),
 }

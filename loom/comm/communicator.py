@@ -163,6 +163,11 @@ class Communicator:
     def __repr__(self) -> str:
         return f"Communicator(name={self.name!r}, rank={self.rank}, size={self.size})"
 
+    def rename(self, name: str) -> None:
+        """Count this communicator's bytes under ``name`` from now on (a group named after it was made)."""
+        self.name = name
+        self.bytes_sent = _stats.counters("comm", name)
+
     def _count(self, op: str, n: int) -> None:
         d = self.bytes_sent
         d[op] = d.get(op, 0) + n
@@ -615,6 +620,21 @@ class Communicator:
         """Ranks with the same ``color`` form a new communicator, ordered by ``key`` (default: rank)."""
         sub = self.mpi.Split(int(color), self.rank if key is None else int(key))
         return Communicator(sub, name=name or f"{self.name}.split{color}")
+
+    def group(self, ranks: Sequence[int], *, name: str | None = None) -> "Communicator":
+        """A communicator of ``ranks`` of this one (their order is the new ranks' order), made by those ranks only
+        (``MPI_Comm_create_group``: ranks outside it make no call, as torch's sub-group creators run only on
+        members). Members must create their groups in the same order."""
+        ranks = [int(r) for r in ranks]
+        if self.rank not in ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.size for r in ranks):
+            raise ValueError(f"group(): ranks {ranks} must be distinct ranks of {self.name!r} (size {self.size}) "
+                             f"and include this rank ({self.rank})")
+        grp = self.mpi.Get_group().Incl(ranks)
+        try:
+            sub = self.mpi.Create_group(grp)
+        finally:
+            grp.Free()
+        return Communicator(sub, name=name or f"{self.name}.group")
 
     def dup(self, *, name: str | None = None) -> "Communicator":
         """A communicator with the same ranks and an isolated message space."""

@@ -462,10 +462,11 @@ class Ticket:
         tests: how many times the thread tested the task's request before it completed.
     """
 
-    __slots__ = ("_event", "result", "error", "posted_at", "done_at", "tests", "stream")
+    __slots__ = ("_event", "result", "error", "posted_at", "done_at", "tests", "stream", "then")
 
-    def __init__(self, stream: Any = None) -> None:
+    def __init__(self, stream: Any = None, then: Callable[["Ticket"], None] | None = None) -> None:
         self.stream = stream  # the submitter's current CUDA stream (None without CUDA): the task runs on it
+        self.then = then  # called with the ticket on the thread that completes it, after it is marked done
         self._event = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
@@ -481,6 +482,9 @@ class Ticket:
         self.result, self.error = result, error
         self.done_at = time.perf_counter()
         self._event.set()
+        then, self.then = self.then, None
+        if then is not None:
+            then(self)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block (sleeping, no MPI call on this thread) until the task completed; its result, or its error raised."""
@@ -531,9 +535,10 @@ class ProgressThread:
         """True when MPI runs at ``MPI_THREAD_MULTIPLE`` (a second thread may call MPI at any time)."""
         return bool(MPI.Is_initialized()) and MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
-    def submit(self, task: Callable[[], Any]) -> Ticket:
-        """Run ``task`` on the thread after every task submitted before it; its ticket."""
-        ticket = Ticket(_caller_stream())
+    def submit(self, task: Callable[[], Any], then: Callable[[Ticket], None] | None = None) -> Ticket:
+        """Run ``task`` on the thread after every task submitted before it; its ticket. ``then(ticket)`` runs on
+        the thread once the ticket is done (its result or error set), e.g. to complete a future."""
+        ticket = Ticket(_caller_stream(), then)
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"progress thread {self.name!r} is closed; make a new one")

@@ -59,9 +59,12 @@ def _abort_hook(exc_type, exc, tb, where: str = "") -> None:
         os._exit(128 + signum)
     rank = MPI.COMM_WORLD.Get_rank()
     lines = traceback.format_exception(exc_type, exc, tb)
-    sys.stderr.write("".join(f"[rank {rank}] {ln}" for chunk in lines for ln in chunk.splitlines(True)))
-    sys.stderr.write(f"[rank {rank}] loom: uncaught {exc_type.__name__}{where}; aborting the job (MPI_Abort)\n")
-    sys.stderr.flush()
+    # The process's own stderr: a hook that wraps this one may have swapped sys.stderr for a buffer it prints
+    # only after this returns (torch.distributed's excepthook does), and this never returns.
+    err = sys.__stderr__ or sys.stderr
+    err.write("".join(f"[rank {rank}] {ln}" for chunk in lines for ln in chunk.splitlines(True)))
+    err.write(f"[rank {rank}] loom: uncaught {exc_type.__name__}{where}; aborting the job (MPI_Abort)\n")
+    err.flush()
     sys.stdout.flush()
     # The launcher forwards a rank's output from a pipe; on MPI_Abort it kills the ranks and may exit before
     # reading what is still in that pipe. A moment's grace lets the traceback reach the user; it costs nothing

@@ -71,6 +71,8 @@ SMALL: dict[str, list[str]] = {
     "bench dask": [*_OMB_SMALL, "--array", "400", "--chunk", "100", "--rows", "4000", "--partitions", "2",
                    "--app-rounds", "1", "--tasks", "20", "--cycles", "1"],
     "testbed check": ["--seconds", "0.5", "--classes", "intra,rail", "--no-reference"],
+    "bench torch": ["--size", "256K", "-w", "32", "-d", "2", "-i", "20", "--iterations-large", "2", "-x", "1",
+                    "--rounds", "1"],
 }
 """Flags appended to a ``loom`` command (keyed by its command words) so it runs in seconds."""
 

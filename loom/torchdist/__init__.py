@@ -1,0 +1,109 @@
+"""loom.torchdist: a ``torch.distributed`` backend named ``"loom"`` over loom.comm.
+
+Existing DDP, FSDP2, DTensor and pipelining code runs on MPI by changing its backend name::
+
+    import loom                                   # registers the backend (see below)
+    import torch.distributed as dist
+    dist.init_process_group("loom")               # rank and size from MPI; no MASTER_ADDR needed
+
+and launching the script with ``loom run --ranks N script.py`` or ``mpiexec -n N python script.py``.
+
+* :mod:`loom.torchdist.backend`: the process group (:class:`~loom.torchdist.backend.LoomProcessGroup`), its work
+  objects, and the creator torch calls for every group (the default one and each sub-group);
+  :func:`set_compression` / ``LOOM_TORCH_COMPRESS`` choose a codec per group, :func:`exact` keeps reductions
+  uncompressed.
+* :mod:`loom.torchdist.cli`: ``loom run --ranks N script.py``.
+
+Registration without weight: ``import loom`` must not import torch, and torch has no entry-point group for
+process-group backends (its ``torch.backends`` entry points load device extensions on every ``import torch``).
+So ``import loom`` calls :func:`install`: where ``torch.distributed`` is already imported it registers at once;
+otherwise an import hook registers right after ``torch.distributed`` finishes importing. Registering imports
+neither loom.comm nor MPI: MPI starts when a ``"loom"`` group is first created.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
+__all__ = ["BACKEND", "exact", "install", "register", "set_compression"]
+
+BACKEND = "loom"
+_REGISTERED = False
+
+
+def register() -> None:
+    """Register the ``"loom"`` backend with ``torch.distributed`` (idempotent; imports torch.distributed).
+
+    Also lets ``env://`` (``init_process_group``'s default) work without ``MASTER_ADDR``: inside an MPI job the
+    rank and size come from MPI and rank 0 hosts the key-value store torch wants, its address sent over MPI
+    (:func:`loom.torchdist.backend.mpi_rendezvous`). With ``MASTER_ADDR`` set, ``env://`` is torch's own.
+    """
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module (the package re-exports a function)
+    _REGISTERED = True
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+    env = rdzv._rendezvous_handlers.get("env")
+    if env is not None and not getattr(env, "_loom", False):
+        def env_or_mpi(url, **kwargs):
+            import os
+
+            if "MASTER_ADDR" in os.environ or "MASTER_PORT" in os.environ:
+                return env(url, **kwargs)
+            from .backend import mpi_rendezvous
+
+            return mpi_rendezvous(url, **kwargs)
+
+        env_or_mpi._loom = True  # type: ignore[attr-defined]
+        rdzv._rendezvous_handlers["env"] = env_or_mpi
+
+
+def __getattr__(name: str):
+    # torch and MPI load only when used: exact() and set_compression() live with the process group
+    if name in ("exact", "set_compression"):
+        from . import backend
+
+        return getattr(backend, name)
+    raise AttributeError(f"module 'loom.torchdist' has no attribute {name!r}")
+
+
+def _create(dist_opts, pg_opts):
+    from .backend import create_process_group
+
+    return create_process_group(dist_opts, pg_opts)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`register` once ``torch.distributed`` has finished importing (a post-import hook)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "torch.distributed":
+            return None
+        sys.meta_path.remove(self)  # once; and find the real spec without meeting this finder again
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            register()
+
+        spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        return spec
+
+
+def install() -> None:
+    """Register now if ``torch.distributed`` is imported, else when it is (called by ``import loom``)."""
+    if "torch.distributed" in sys.modules:
+        register()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())

@@ -1,0 +1,707 @@
+"""The ``"loom"`` process group: torch.distributed's collectives over loom.comm's communicators.
+
+Groups: torch calls :func:`create_process_group` for the default group (``global_ranks_in_group`` empty: a
+duplicate of COMM_WORLD named ``"torch"``, so torch's traffic never meets loom's own) and for each sub-group
+(``new_group``, ``init_device_mesh``'s dimensions, FSDP2's and DTensor's groups), on the member ranks only:
+those ranks make an MPI communicator of exactly them (:meth:`loom.comm.Communicator.group`). torch then sets
+the group's name and description (``setGroupName``/``setGroupDesc``); the description (``mesh_dp``, ...)
+becomes the communicator's name in ``loom.stats``.
+
+Plan of an operation (every one runs on the caller's thread, in the caller's order, which is the same on
+every rank; so collectives on one communicator are posted in the same order everywhere):
+
+* results land where torch expects them: in place for ``all_reduce``/``broadcast``, in the output tensors
+  for the gathers, scatters and all-to-alls, non-contiguous tensors through a contiguous copy;
+* asynchronous calls (``async_op=True``, and every call from torch's C++: DDP's reducer, the functional
+  collectives of DTensor and FSDP2) of at least :data:`ASYNC_MIN_BYTES` (allreduce, allgather,
+  reduce-scatter, all-to-all), and every send and recv, are posted non-blocking and handed to one progress
+  thread per process (:class:`loom.comm.ProgressThread`), which tests them while the caller computes (MPICH
+  moves a posted collective only inside an MPI call) and completes the work's future when they are done, the
+  copy into the caller's tensors included: ``async_op=True`` overlaps, and DDP's reducer, which only chains
+  on futures, gets its buckets reduced during backward. Blocking calls, small payloads and the rooted
+  operations (broadcast, gather, scatter, reduce, barrier) run MPI's blocking collective and return completed
+  work: a 1-byte allreduce costs one MPI call, a blocking 64 MiB one gets MPI's faster blocking algorithms;
+* reductions: ``SUM``, ``AVG`` (floating dtypes), ``MIN``, ``MAX``, ``PRODUCT`` and ``PREMUL_SUM`` (scaled,
+  then summed); bf16/fp16 are reduced in float32 and rounded once (loom.comm); ``bool`` reduces as
+  logical or (``SUM``, ``MAX``) or and (``MIN``, ``PRODUCT``); ``BAND``/``BOR``/``BXOR`` raise
+  ``NotImplementedError``;
+* gather, scatter and the point-to-point legs of rooted operations travel on the group's private duplicate
+  (``comm.sub("rooted")``), so they never match the user's ``send``/``recv`` on the same tags.
+
+Compression (:func:`set_compression`, ``LOOM_TORCH_COMPRESS``): a codec per group, keyed by DeviceMesh dim
+name, applied by :func:`loom.compress.allreduce` to that group's floating SUM/AVG allreduces outside
+:func:`exact`; reduce-scatters and all-gathers stay uncompressed.
+
+Check mode (``LOOM_CHECK=1``) and the watchdog (``LOOM_TIMEOUT``) are loom.comm's: every collective here is a
+Communicator method, so a shape or dtype mismatch across ranks raises on every rank instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+import time
+from typing import Any, Callable
+from urllib.parse import parse_qs, urlparse
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from loom.comm import ANY_SOURCE, Backoff, Communicator, ProgressThread, Request, wait_all, world
+
+__all__ = ["ASYNC_MIN_BYTES", "LoomProcessGroup", "LoomWork", "create_process_group", "exact", "mpi_rendezvous",
+           "set_compression"]
+
+#: payloads at least this large are posted non-blocking and completed by the progress thread
+ASYNC_MIN_BYTES = 64 * 1024
+
+_R = dist.ReduceOp.RedOpType
+_REDUCE = {_R.SUM: "sum", _R.AVG: "avg", _R.MIN: "min", _R.MAX: "max", _R.PRODUCT: "prod", _R.PREMUL_SUM: "sum"}
+_BOOL = {"sum": "max", "max": "max", "min": "min", "prod": "min"}  # or / and on 0-1 bytes
+
+_ENGINE: ProgressThread | None = None
+_POLICY: dict[str, str] | None = None  # group key -> codec spec (None: read LOOM_TORCH_COMPRESS when first needed)
+_EXACT = threading.local()
+
+
+def set_compression(policy: "dict[str, str] | str | None") -> None:
+    """Codecs for the allreduces of groups made from now on: ``{"dp": "int8", "tp": "bf16"}`` or the text form
+    of ``LOOM_TORCH_COMPRESS`` (``"dp=int8;tp=bf16"``); ``None``/``{}`` for none. Keys are DeviceMesh dim names
+    (a group described ``mesh_dp`` is ``dp``) or ``world`` (the default group: also a 1-D mesh over every rank,
+    which torch serves with the default group).
+
+    A compressed allreduce is :func:`loom.compress.allreduce` (its plan and error bound) of a floating tensor
+    of at least the codec's minimum size under SUM, AVG or PREMUL_SUM, with error feedback per buffer (DDP's
+    buckets keep theirs across steps); MIN, MAX, PRODUCT, integers, and everything inside :func:`exact` run
+    uncompressed. Bytes raw and on the wire per group: ``loom.compress.stats()`` (the ``compress`` kind of
+    ``loom.stats``), under the group's communicator name (``torch.mesh_dp``, ``torch`` for the world).
+    """
+    global _POLICY
+    _POLICY = _parse_policy(policy, "set_compression") if isinstance(policy, str) else dict(policy or {})
+    from loom.compress import get_codec
+
+    for spec in _POLICY.values():
+        get_codec(spec)  # a bad codec name fails here, on every rank, not at the first step
+
+
+def _parse_policy(text: str, where: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        key, eq, spec = item.partition("=")
+        if not eq or not key.strip() or not spec.strip():
+            raise ValueError(f"{where}: {item!r} is not GROUP=CODEC; write e.g. dp=int8;tp=bf16")
+        if "," in spec.partition(":")[0]:
+            raise ValueError(f"{where}: {item!r}: separate groups with ';' (codec options use ','), e.g. "
+                             f"dp=int8;tp=bf16")
+        out[key.strip()] = spec.strip()
+    return out
+
+
+def _policy() -> dict[str, str]:
+    if _POLICY is None:
+        from loom import settings
+
+        set_compression(_parse_policy(settings.get("torch_compress") or "", "LOOM_TORCH_COMPRESS"))
+    return _POLICY or {}
+
+
+class exact:
+    """A context in which this thread's reductions on the loom backend are never compressed (a loss, a norm,
+    a count: anything that must stay exact)::
+
+        with loom.torchdist.exact():
+            dist.all_reduce(total_tokens)
+    """
+
+    def __enter__(self) -> "exact":
+        _EXACT.depth = getattr(_EXACT, "depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _EXACT.depth -= 1
+_WORLD: Communicator | None = None
+
+
+def _engine() -> ProgressThread | None:
+    """The process's progress thread, or ``None`` where MPI allows no second thread (then every op blocks)."""
+    global _ENGINE
+    if _ENGINE is None and ProgressThread.available():
+        _ENGINE = ProgressThread(name="loom-torch-progress")  # spins while anything is in flight
+    return _ENGINE
+
+
+def _torch_world() -> Communicator:
+    global _WORLD
+    if _WORLD is None:
+        _WORLD = world().dup(name="torch")
+    return _WORLD
+
+
+# ---------------------------------------------------------------------------------------------- rendezvous
+def mpi_rendezvous(url: str, timeout: datetime.timedelta = datetime.timedelta(minutes=30), **kwargs):
+    """``env://`` without ``MASTER_ADDR``: rank and size from MPI; rank 0 hosts a ``TCPStore`` on a free port
+    and sends its address to the others over MPI. torch keeps small metadata there, and other backends of the
+    same job (``new_group(backend="gloo")``) rendezvous through it; loom's own traffic never touches it.
+
+    Yields ``(store, rank, world_size)`` once, as torch's rendezvous handlers do.
+    """
+    comm = world()
+    query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
+    for key, mine in (("rank", comm.rank), ("world_size", comm.size)):
+        if key in query and int(query[key]) != mine:
+            raise ValueError(f"init_process_group({key}={query[key]}) but MPI says {key} {mine}: the loom backend "
+                             f"takes rank and size from MPI; pass neither, or launch with loom run / mpiexec")
+    if comm.rank == 0:
+        hosts = comm.allgather_object(socket.gethostname())
+        host = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostname()
+        store = dist.TCPStore(host, 0, comm.size, is_master=True, timeout=timeout, wait_for_workers=False)
+        comm.bcast_object((host, store.port), root=0)
+    else:
+        comm.allgather_object(socket.gethostname())
+        host, port = comm.bcast_object(None, root=0)
+        store = dist.TCPStore(host, port, comm.size, is_master=False, timeout=timeout)
+    yield store, comm.rank, comm.size
+    raise RuntimeError("the loom backend's rendezvous cannot run again in one process")
+
+
+def create_process_group(dist_opts, pg_opts=None) -> "LoomProcessGroup":
+    """torch's creator for the ``"loom"`` backend (``register_backend(..., extended_api=True)``)."""
+    base = _torch_world()
+    ranks = list(dist_opts.global_ranks_in_group)
+    if not ranks:
+        if (dist_opts.group_rank, dist_opts.group_size) != (base.rank, base.size):
+            raise ValueError(
+                f"the loom backend was given rank {dist_opts.group_rank} of {dist_opts.group_size}, but this is MPI "
+                f"rank {base.rank} of {base.size}; launch with loom run --ranks N or mpiexec and let MPI set them")
+        comm = base
+    else:
+        comm = base.group(ranks, name=f"torch.{dist_opts.group_id}")
+        if comm.rank != dist_opts.group_rank:
+            raise ValueError(f"group of ranks {ranks}: torch says this is group rank {dist_opts.group_rank}, MPI "
+                             f"says {comm.rank}")
+    return LoomProcessGroup(comm)
+
+
+# ---------------------------------------------------------------------------------------------- work
+def _done_future(value: Any) -> Future:
+    fut = Future()
+    fut.set_result(value)
+    return fut
+
+
+class LoomWork(dist.Work):
+    """An operation of the loom process group: done at once, or completed by the progress thread.
+
+    ``wait()`` blocks (without MPI calls of its own) until the future is complete and raises its error;
+    ``result()`` gives the output tensors; ``_source_rank()`` the sender of a ``recv`` from any source.
+    """
+
+    def __init__(self, outputs: list, fut: Future | None = None, source: int = -1):
+        super().__init__()
+        self._outputs = outputs
+        self._fut = _done_future(outputs) if fut is None else fut
+        self._source = source
+
+    def wait(self, timeout=None) -> bool:
+        self._fut.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        if not self._fut.done():
+            return False
+        try:
+            self._fut.value()
+        except Exception:  # noqa: BLE001 - the work failed
+            return False
+        return True
+
+    def exception(self):
+        try:
+            self._fut.wait()
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            return exc
+        return None
+
+    def get_future(self) -> Future:
+        return self._fut
+
+    def result(self) -> list:
+        self.wait()
+        return self._outputs
+
+    def _source_rank(self) -> int:
+        return self._source
+
+    def source_rank(self) -> int:
+        return self._source
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+def _later(req: Request, outputs: list, after: Callable[[Any], None] | None = None) -> LoomWork:
+    """Work for a posted request: the progress thread tests it, runs ``after(result)`` (copies into the caller's
+    tensors) and completes the future; or, without a thread, the request completes here."""
+    engine = _engine()
+    if engine is None or req.test():
+        res = req.wait()
+        if after is not None:
+            after(res)
+        return LoomWork(outputs)
+    fut = Future()
+
+    def then(ticket) -> None:
+        try:
+            if ticket.error is not None:
+                raise ticket.error
+            if after is not None:
+                after(ticket.result)
+            fut.set_result(outputs)
+        except BaseException as exc:  # noqa: BLE001 - delivered to whoever waits on the work
+            fut.set_exception(exc)
+
+    engine.submit(lambda: req, then)
+    return LoomWork(outputs, fut)
+
+
+def _big(t: torch.Tensor, opts: Any = None) -> bool:
+    """Whether to post ``t``'s operation non-blocking for the progress thread: large, and asked for
+    asynchronously (``async_op=True``; torch's C++ callers, DDP's reducer and the functional collectives that
+    DTensor and FSDP2 use, always ask so). A blocking call runs MPI's blocking collective, whose algorithms
+    are faster than its non-blocking ones for large payloads."""
+    return (t.numel() * t.element_size() >= ASYNC_MIN_BYTES and getattr(opts, "asyncOp", True)
+            and _engine() is not None)
+
+
+# ---------------------------------------------------------------------------------------------- process group
+def _reduce_op(rop, what: str) -> tuple[str, Any]:
+    """``(loom op, premul factor or None)`` for a torch ReduceOp; NotImplementedError for the bitwise ones."""
+    kind = getattr(rop, "op", rop)
+    name = _REDUCE.get(kind)
+    if name is None:
+        raise NotImplementedError(
+            f"the loom backend does not implement {what} with ReduceOp.{kind.name}; supported: SUM, AVG, MIN, MAX, "
+            f"PRODUCT, PREMUL_SUM (bitwise ops: reduce 0/1 bytes with MIN/MAX, or use a gloo group for them)")
+    factor = getattr(rop, "factor", None) if kind == _R.PREMUL_SUM else None
+    return name, factor
+
+
+def _reducible(t: torch.Tensor, op: str, what: str) -> tuple[torch.Tensor, str]:
+    """The tensor to reduce (bool as its 0/1 bytes) and the op on it."""
+    if t.dtype == torch.bool:
+        if op == "avg":
+            raise TypeError(f"{what}: ReduceOp.AVG of a bool tensor has no meaning; use SUM (logical or) or MIN "
+                            f"(logical and), or cast to a float dtype")
+        return t.view(torch.uint8), _BOOL[op]
+    if op == "avg" and not (t.dtype.is_floating_point or t.dtype.is_complex):
+        raise TypeError(f"{what}: ReduceOp.AVG needs a floating dtype, got {t.dtype}; use SUM and divide, or cast "
+                        f"to a float dtype")
+    return t, op
+
+
+def _scale(t: torch.Tensor, factor: Any) -> torch.Tensor:
+    """``t`` times a PREMUL_SUM factor (a number or a one-element tensor), as a new tensor."""
+    f = factor.item() if isinstance(factor, torch.Tensor) else factor
+    return t * f
+
+
+def _flat_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` as ``rows`` rows (a view when contiguous, else a contiguous copy)."""
+    return t.reshape(rows, -1) if t.numel() else t.reshape(rows, 0)
+
+
+def _unaliased(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``x``, copied when it shares memory with ``out`` (MPI forbids aliased send and receive buffers)."""
+    if x.numel() and out.numel() and x.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+        return x.clone()
+    return x
+
+
+def _into(dst: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    def copy(res: torch.Tensor) -> None:
+        dst.copy_(res.reshape(dst.shape))
+    return copy
+
+
+class LoomProcessGroup(dist.ProcessGroup):
+    """A torch process group whose every operation runs on one loom :class:`~loom.comm.Communicator`.
+
+    Args:
+        comm: the group's communicator (its rank and size are the group's).
+    """
+
+    def __init__(self, comm: Communicator):
+        super().__init__(comm.rank, comm.size)
+        self.comm = comm
+        self._name = ""
+        self._desc = ""
+        self._coalesced: list[LoomWork] | None = None
+        self._codec = None  # this group's codec under the compression policy (set_compression), from its name
+        self._feedback = None
+
+    # -------------------------------------------------------------------- identity (torch reads these)
+    def getBackendName(self) -> str:
+        return "loom"
+
+    def getGroupName(self) -> str:
+        return self._name
+
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    def getGroupDesc(self) -> str:
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._desc = desc
+        if self.comm.name.startswith("torch.") and desc and desc != "undefined":
+            self.comm.rename(f"torch.{desc}")
+        key = "world" if desc == "default_pg" else desc.removeprefix("mesh_")
+        spec = _policy().get(key)
+        if spec is not None and self.comm.size > 1:
+            from loom.compress import ErrorFeedback, get_codec
+
+            self._codec, self._feedback = get_codec(spec), ErrorFeedback()
+
+    def __repr__(self) -> str:
+        return f"LoomProcessGroup({self.comm!r}, name={self._name!r}, desc={self._desc!r})"
+
+    def _record(self, work: LoomWork) -> LoomWork:
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
+    def start_coalescing(self, device=None) -> None:
+        self._coalesced = []
+
+    def end_coalescing(self, device=None) -> LoomWork:
+        works, self._coalesced = self._coalesced or [], None
+        return _all(works)
+
+    # -------------------------------------------------------------------- reductions
+    def _allreduce_one(self, t: torch.Tensor, op: str, factor: Any, opts: Any = None) -> LoomWork | None:
+        if t.numel() == 0:
+            return None
+        if self._codec is not None and op in ("sum", "avg") and t.is_floating_point() \
+                and not getattr(_EXACT, "depth", 0):
+            self._compressed(t, op, factor)
+            return None
+        x, xop = _reducible(t, op, "all_reduce")
+        if factor is not None:
+            x.mul_(factor.item() if isinstance(factor, torch.Tensor) else factor)
+        if _big(x, opts):
+            return _later(self.comm.iallreduce(x, xop, out=x), [t])
+        self.comm.allreduce(x, xop, out=x)
+        return None
+
+    def _compressed(self, t: torch.Tensor, op: str, factor: Any) -> None:
+        """``t`` reduced in place by :func:`loom.compress.allreduce` with this group's codec (blocking)."""
+        from loom.compress import allreduce
+
+        x = t if factor is None else _scale(t, factor)
+        out = allreduce(x, self.comm, self._codec, error_feedback=self._feedback, key=(t.data_ptr(), t.numel()))
+        if op == "avg":
+            out /= self.comm.size
+        t.copy_(out)
+
+    def allreduce(self, tensors, opts=None) -> LoomWork:
+        op, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
+        works = [w for t in tensors if (w := self._allreduce_one(t, op, factor, opts)) is not None]
+        return self._record(_all(works, list(tensors)))
+
+    def allreduce_coalesced(self, tensors, opts=None) -> LoomWork:
+        """One allreduce per dtype over the tensors packed into one flat buffer, unpacked when done."""
+        op, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce_coalesced")
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            if t.numel():
+                by_dtype.setdefault(t.dtype, []).append(t)
+        works = []
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+
+            def unpack(_res, flat=flat, group=group) -> None:
+                for t, piece in zip(group, flat.split([t.numel() for t in group])):
+                    t.copy_(piece.view(t.shape))
+
+            w = self._allreduce_one(flat, op, factor, opts)
+            if w is None:
+                unpack(None)
+            else:
+                works.append(_chain(w, unpack))
+        return self._record(_all(works, list(tensors)))
+
+    def reduce(self, tensors, opts=None) -> LoomWork:
+        """The reduction on every rank, kept on the root (the other ranks' tensors are left as they were)."""
+        op, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce")
+        root = opts.rootRank if opts is not None else 0
+        for t in tensors:
+            if t.numel() == 0:
+                continue
+            x, xop = _reducible(t if self.comm.rank == root else t.clone(), op, "reduce")
+            if factor is not None:
+                x.mul_(factor.item() if isinstance(factor, torch.Tensor) else factor)
+            self.comm.allreduce(x, xop, out=x)
+        return self._record(LoomWork(list(tensors)))
+
+    def _reduce_scatter_into(self, output: torch.Tensor, inp: torch.Tensor, op: str, factor: Any,
+                             what: str, opts: Any = None) -> LoomWork | None:
+        p = self.comm.size
+        if inp.numel() != output.numel() * p:
+            raise ValueError(f"{what}: the input has {inp.numel()} elements, not {p} x the output's {output.numel()}; "
+                             f"give an input of the world size times the output")
+        if output.numel() == 0:
+            return None
+        x, xop = _reducible(_unaliased(_flat_rows(inp, p), output), op, what)
+        if factor is not None:
+            x = _scale(x, factor)
+        back = _into(output.view(torch.uint8) if output.dtype == torch.bool else output)
+        if _big(x, opts):
+            return _later(self.comm.ireduce_scatter(x, xop), [output], back)
+        back(self.comm.reduce_scatter(x, xop))
+        return None
+
+    def reduce_scatter_single(self, output, inp, opts=None) -> LoomWork:
+        op, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
+        return self._record(_all([w for w in [self._reduce_scatter_into(output, inp, op, factor,
+                                                                       "reduce_scatter_tensor", opts)] if w], [output]))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> LoomWork:
+        op, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
+        works = [self._reduce_scatter_into(o, i, op, factor, "reduce_scatter_tensor", opts)
+                 for o, i in zip(outputs, inputs)]
+        return self._record(_all([w for w in works if w], list(outputs)))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def reduce_scatter(self, outputs, input_lists, opts=None) -> LoomWork:
+        op, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter")
+        works = []
+        for out, pieces in zip(outputs, input_lists):
+            if len(pieces) != self.comm.size:
+                raise ValueError(f"reduce_scatter: {len(pieces)} input tensors for {self.comm.size} ranks; give one "
+                                 f"per rank")
+            if any(p.shape != out.shape for p in pieces):
+                raise ValueError(f"reduce_scatter: the inputs' shapes {[tuple(p.shape) for p in pieces]} differ from "
+                                 f"the output's {tuple(out.shape)}; the loom backend needs them equal")
+            stacked = torch.stack([p.reshape(out.shape) for p in pieces]) if out.numel() else pieces[0]
+            works.append(self._reduce_scatter_into(out, stacked, op, factor, "reduce_scatter", opts))
+        return self._record(_all([w for w in works if w], list(outputs)))
+
+    # -------------------------------------------------------------------- gathers and all-to-alls
+    def _allgather_into(self, output: torch.Tensor, inp: torch.Tensor, what: str, opts: Any = None) -> LoomWork | None:
+        p = self.comm.size
+        if output.numel() != inp.numel() * p:
+            raise ValueError(f"{what}: the output has {output.numel()} elements, not {p} x the input's {inp.numel()}; "
+                             f"give an output of the world size times the input")
+        if inp.numel() == 0:
+            return None
+        if output.dtype != inp.dtype:
+            raise TypeError(f"{what}: output dtype {output.dtype} differs from the input's {inp.dtype}")
+        x = _unaliased(inp.reshape(1, -1), output)  # FSDP2 gathers in place: its input is its block of the output
+        out = output.view(p, -1) if output.is_contiguous() else None
+        back = None if out is not None else _into(output)
+        if _big(x, opts):
+            return _later(self.comm.iallgather(x, out=out), [output], back)
+        res = self.comm.allgather(x, out=out)
+        if back is not None:
+            back(res)
+        return None
+
+    def all_gather_single(self, output, inp, opts=None) -> LoomWork:
+        w = self._allgather_into(output, inp, "all_gather_into_tensor", opts)
+        return self._record(_all([w] if w else [], [output]))
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> LoomWork:
+        works = [self._allgather_into(o, i, "all_gather_into_tensor", opts) for o, i in zip(outputs, inputs)]
+        return self._record(_all([w for w in works if w], list(outputs)))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather(self, output_lists, inputs, opts=None) -> LoomWork:
+        works = []
+        for outs, inp in zip(output_lists, inputs):
+            if len(outs) != self.comm.size:
+                raise ValueError(f"all_gather: {len(outs)} output tensors for {self.comm.size} ranks; one per rank")
+            if any(o.numel() != inp.numel() for o in outs):
+                raise ValueError(f"all_gather: output sizes {[o.numel() for o in outs]} differ from the input's "
+                                 f"{inp.numel()}; the loom backend gathers equal sizes")
+            if inp.numel() == 0:
+                continue
+            flat = torch.empty((self.comm.size, inp.numel()), dtype=inp.dtype, device=inp.device)
+
+            def unpack(_res, outs=outs, flat=flat) -> None:
+                for o, row in zip(outs, flat):
+                    o.copy_(row.view(o.shape))
+
+            w = self._allgather_into(flat, inp, "all_gather", opts)
+            if w is None:
+                unpack(None)
+            else:
+                works.append(_chain(w, unpack))
+        return self._record(_all(works, [o for outs in output_lists for o in outs]))
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None) -> LoomWork:
+        return self.allgather(output_lists, inputs, opts)
+
+    def all_to_all_single(self, output, inp, output_splits, input_splits, opts=None) -> LoomWork:
+        """Even or uneven: the splits count rows of dim 0 (empty: equal parts)."""
+        p = self.comm.size
+        if output.dtype != inp.dtype:
+            raise TypeError(f"all_to_all_single: output dtype {output.dtype} differs from the input's {inp.dtype}")
+        n_in = inp.shape[0] if inp.dim() else 1
+        n_out = output.shape[0] if output.dim() else 1
+        sc = [int(c) for c in input_splits] if len(input_splits) else _even(n_in, p, "input")
+        rc = [int(c) for c in output_splits] if len(output_splits) else _even(n_out, p, "output")
+        if sum(sc) != n_in or sum(rc) != n_out or len(sc) != p or len(rc) != p:
+            raise ValueError(f"all_to_all_single: input splits {sc} / output splits {rc} must have {p} entries "
+                             f"summing to dim 0 of the input ({n_in}) / output ({n_out})")
+        x = _unaliased(_flat_rows(inp, n_in), output)
+        if x.shape[1] == 0:
+            return self._record(LoomWork([output]))
+        back = _into(output)
+        if _big(x, opts):
+            return self._record(_later(self.comm.ialltoallv(x, sc, rc), [output], lambda r: back(r[0])))
+        back(self.comm.alltoallv(x, sc, rc)[0])
+        return self._record(LoomWork([output]))
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs, inputs, opts=None) -> LoomWork:
+        p = self.comm.size
+        if len(outputs) != p or len(inputs) != p:
+            raise ValueError(f"all_to_all: {len(inputs)} inputs and {len(outputs)} outputs for {p} ranks; give one "
+                             f"per rank")
+        dtypes = {t.dtype for t in (*outputs, *inputs)}
+        if len(dtypes) != 1:
+            raise TypeError(f"all_to_all: tensors of dtypes {sorted(map(str, dtypes))}; the loom backend needs one")
+        flat = torch.cat([t.reshape(-1) for t in inputs])
+        res, _ = self.comm.alltoallv(flat, [t.numel() for t in inputs], [t.numel() for t in outputs])
+        for o, piece in zip(outputs, res.split([t.numel() for t in outputs])):
+            o.copy_(piece.view(o.shape))
+        return self._record(LoomWork(list(outputs)))
+
+    # -------------------------------------------------------------------- rooted
+    def broadcast(self, tensors, opts=None) -> LoomWork:
+        root = opts.rootRank if opts is not None else 0
+        for t in tensors:
+            if t.numel():
+                self.comm.bcast(t, root)
+        return self._record(LoomWork(list(tensors)))
+
+    def gather(self, output_lists, inputs, opts=None) -> LoomWork:
+        root = opts.rootRank if opts is not None else 0
+        rooted = self.comm.sub("rooted")
+        inp = inputs[0]
+        if self.comm.rank != root:
+            rooted.send(inp, root, tag=1)
+            return self._record(LoomWork([]))
+        outs = output_lists[0]
+        if len(outs) != self.comm.size:
+            raise ValueError(f"gather: {len(outs)} output tensors on the root for {self.comm.size} ranks")
+        reqs = [rooted.irecv(o, r, tag=1) for r, o in enumerate(outs) if r != root]
+        outs[root].copy_(inp)
+        wait_all(reqs)
+        return self._record(LoomWork(list(outs)))
+
+    def scatter(self, outputs, input_lists, opts=None) -> LoomWork:
+        root = opts.rootRank if opts is not None else 0
+        rooted = self.comm.sub("rooted")
+        out = outputs[0]
+        if self.comm.rank != root:
+            rooted.recv(out, root, tag=2)
+            return self._record(LoomWork([out]))
+        pieces = input_lists[0]
+        if len(pieces) != self.comm.size:
+            raise ValueError(f"scatter: {len(pieces)} input tensors on the root for {self.comm.size} ranks")
+        reqs = [rooted.isend(x, r, tag=2) for r, x in enumerate(pieces) if r != root]
+        out.copy_(pieces[root])
+        wait_all(reqs)
+        return self._record(LoomWork([out]))
+
+    def barrier(self, opts=None) -> LoomWork:
+        self.comm.barrier()
+        return self._record(LoomWork([]))
+
+    # -------------------------------------------------------------------- point to point
+    def send(self, tensors, dst: int, tag: int = 0) -> LoomWork:
+        t = tensors[0]
+        return self._record(_later(self.comm.isend(t, dst, tag), [t]))
+
+    def recv(self, tensors, src: int, tag: int = 0) -> LoomWork:
+        t = tensors[0]
+        work = _later(self.comm.irecv(t, src, tag), [t])
+        work._source = src
+        return self._record(work)
+
+    def recv_anysource(self, tensors, tag: int = 0) -> LoomWork:
+        """Probe for the first message on ``tag`` from any rank (backing off while none is there), receive it."""
+        t = tensors[0]
+        backoff = Backoff()
+        while (msg := self.comm.improbe(ANY_SOURCE, tag)) is None:
+            d = backoff.next_delay()
+            if d:
+                time.sleep(d)
+        msg.recv(t)
+        return self._record(LoomWork([t], source=msg.source))
+
+    recvAnysource = recv_anysource
+
+    # -------------------------------------------------------------------- not implemented
+    def monitored_barrier(self, *args, **kwargs):
+        raise NotImplementedError("the loom backend does not implement monitored_barrier; use barrier (LOOM_TIMEOUT "
+                                  "names a rank that never arrives)")
+
+    def split_group(self, *args, **kwargs):
+        raise NotImplementedError("the loom backend does not implement split_group; use new_group(ranks)")
+
+    def merge_remote_group(self, *args, **kwargs):
+        raise NotImplementedError("the loom backend does not implement merge_remote_group")
+
+
+def _even(n: int, p: int, what: str) -> list[int]:
+    if n % p:
+        raise ValueError(f"all_to_all_single: dim 0 of the {what} ({n}) does not divide by {p} ranks; pad it or pass "
+                         f"split sizes")
+    return [n // p] * p
+
+
+def _chain(work: LoomWork, after: Callable[[Any], None]) -> LoomWork:
+    """Work done when ``work`` is and ``after`` ran (on the thread that completes ``work``)."""
+    fut = Future()
+
+    def then(f) -> None:
+        try:
+            f.wait()
+            after(None)
+            fut.set_result(work._outputs)
+        except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+            fut.set_exception(exc)
+
+    work.get_future().add_done_callback(then)
+    return LoomWork(work._outputs, fut)
+
+
+def _all(works: list[LoomWork], outputs: list | None = None) -> LoomWork:
+    """One work for several: done when all are (the first error wins)."""
+    outputs = [] if outputs is None else outputs
+    pending = [w for w in works if not w.is_completed()]
+    if not pending:
+        for w in works:
+            w.get_future().value()  # raise a failed one's error
+        return LoomWork(outputs)
+    if len(works) == 1:
+        w = works[0]
+        return LoomWork(outputs, w.get_future().then(lambda f: (f.wait(), outputs)[1]))
+    fut = torch.futures.collect_all([w.get_future() for w in works])
+    return LoomWork(outputs, fut.then(lambda f: ([x.wait() for x in f.value()], outputs)[1]))
+

@@ -1,0 +1,54 @@
+"""``loom run SCRIPT [ARGS]``: run a torch.distributed script on an MPI job (torchrun's role for loom).
+
+    loom run --ranks 4 train.py --epochs 3        # or: mpiexec -n 4 python train.py --epochs 3
+
+Every rank runs ``SCRIPT`` as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` after ``import loom``, so
+``dist.init_process_group("loom")`` needs nothing else (rank and size from MPI, no ``MASTER_ADDR``). loom's own
+options (``--ranks N``) come before the script; everything after it is the script's. ``--ranks N`` launches the
+job as ``loom train --ranks N`` does (:func:`loom.cli.relaunch`): Ctrl-C stops every rank with one line and exit
+code 130, and a rank that raises prints its traceback (prefixed with its rank) and ends the job, exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+
+from .. import cli_args, settings
+
+__all__ = ["main", "parser"]
+
+SCRIPT_ARGS = True  # loom/cli.py reads --ranks only before the script: what follows is the script's
+
+
+def parser() -> argparse.ArgumentParser:
+    p = cli_args.ArgumentParser(prog="loom run", description="run a torch.distributed script on MPI ranks, "
+                                "with the \"loom\" backend registered (torchrun's role)")
+    p.add_argument("-n", "--ranks", type=cli_args.parse_ranks, default=None,
+                   help="outside an MPI job: launch this many local ranks (before the script; inside a job: ignored)")
+    p.add_argument("script", help="Python file every rank runs as __main__")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    ns = parser().parse_args(argv)
+    if not os.path.isfile(ns.script):
+        if settings.launch_rank() == 0:
+            print(f"loom run: error: script {ns.script!r} is not a file; give the path of a Python script",
+                  file=sys.stderr)
+        else:
+            cli_args.follower_wait()
+        return 2
+    import loom  # noqa: F401 - registers the "loom" backend (already imported here; kept explicit)
+
+    sys.argv = [ns.script, *ns.args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(ns.script)))
+    try:
+        runpy.run_path(ns.script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    return 0

@@ -1,0 +1,546 @@
+"""The ``"loom"`` torch.distributed backend against gloo, in one job (2 and 4 ranks).
+
+The default process group is ``init_process_group("loom")`` (no MASTER_ADDR: rank, size and the store come from
+MPI); the peer is ``new_group(backend="gloo")`` over the same ranks, so every collective and every training run
+sees the same inputs on both. Exact: every collective's result is ``torch.equal`` (bit for bit) to gloo's, on data
+whose sums and products are exact in any order (the backends add in different orders at 4 ranks); the training runs,
+fp64 on random data, agree to 1e-12 in losses and parameters (the same orders at work).
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import loom  # noqa: F401 - registers the backend
+from loom.comm import CollectiveMismatchError
+from loom.comm import safety
+from loom.testing import mpi_checks
+
+TOL = 1e-12
+_STATE: dict = {}
+
+
+def _groups():
+    """(loom group, gloo group) over every rank; made once per job."""
+    if not _STATE:
+        dist.init_process_group("loom")
+        _STATE["gloo"] = dist.new_group(backend="gloo")
+    return dist.group.WORLD, _STATE["gloo"]
+
+
+def _both(fn):
+    """``fn(group)`` on loom and gloo; both results."""
+    loom_g, gloo_g = _groups()
+    return fn(loom_g), fn(gloo_g)
+
+
+def _same(a, b, what):
+    if isinstance(a, (list, tuple)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{what}[{i}]")
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    assert torch.equal(a, b), f"{what}: loom {a.flatten()[:6]} != gloo {b.flatten()[:6]}"
+
+
+def _wait(work) -> None:
+    if work is not None:
+        work.wait()
+
+
+def _rand(shape, dtype, gen):
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if dtype.is_floating_point:  # multiples of 1/8 below 2: sums and products exact in any order (P <= 4)
+        return (torch.randint(-15, 16, shape, generator=gen) / 8).to(dtype)
+    return torch.randint(-5, 6, shape, generator=gen).to(dtype)
+
+
+DTYPES = (torch.float64, torch.float32, torch.int64, torch.int32, torch.bool)
+# sizes: a small blocking one, a large one (>= 64 KiB: posted non-blocking, completed by the progress thread), empty
+SHAPES = ((3, 4), (96, 128), (0, 4))
+
+
+def check_all_reduce_every_op_dtype_and_layout_matches_gloo(comm):
+    """SUM/MIN/MAX/PRODUCT on every dtype, contiguous and not (a transposed view), small, large and empty."""
+    gen = torch.Generator().manual_seed(100 + comm.rank)
+    ops = (dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT)
+    for dtype in DTYPES:
+        for shape in SHAPES:
+            base = _rand(shape, dtype, gen)
+            for op in ops:
+                for layout in ("contiguous", "transposed"):
+                    def run(g):  # the transposed one asynchronously (the progress thread's path when large)
+                        x = base.clone() if layout == "contiguous" else base.t().contiguous().t()
+                        _wait(dist.all_reduce(x, op=op, group=g, async_op=layout == "transposed"))
+                        return x
+                    _same(*_both(run), f"all_reduce {op} {dtype} {shape} {layout}")
+
+
+def check_avg_premul_and_16_bit_floats_are_exact(comm):
+    """AVG (gloo has none) is SUM / P; PREMUL_SUM scales first; bf16/fp16 are summed widened and rounded once."""
+    _groups()
+    gen = torch.Generator().manual_seed(7)
+    every = [_rand((6, 5), torch.float64, gen) for _ in range(comm.size)]
+    x = every[comm.rank].clone()
+    dist.all_reduce(x, op=dist.ReduceOp.AVG)
+    assert torch.equal(x, sum(every) / comm.size)
+    for dtype in (torch.bfloat16, torch.float16):
+        y = every[comm.rank].to(dtype)
+        dist.all_reduce(y)
+        want = sum(e.to(dtype).double() for e in every).to(dtype)
+        assert torch.equal(y, want), dtype
+    z = every[comm.rank].clone()
+    dist.all_reduce(z, op=dist._make_nccl_premul_sum(0.5))
+    assert torch.equal(z, sum(e * 0.5 for e in every))
+
+
+def check_gathers_scatters_and_all_to_all_match_gloo(comm):
+    p, r = comm.size, comm.rank
+    gen = torch.Generator().manual_seed(300 + r)
+    for dtype in (torch.float64, torch.int32, torch.bool):
+        for rows in (2, 200):  # 200 x 64 fp64 = 100 KiB, asynchronously: the progress thread's path
+            x = _rand((rows, 64), dtype, gen)
+            aop = rows == 200
+
+            def ag(g):
+                outs = [torch.empty_like(x) for _ in range(p)]
+                _wait(dist.all_gather(outs, x, group=g, async_op=aop))
+                return outs
+            _same(*_both(ag), f"all_gather {dtype}")
+
+            def agt(g):
+                out = torch.empty((p * rows, 64), dtype=dtype)
+                _wait(dist.all_gather_into_tensor(out, x.t().contiguous().t(), group=g, async_op=aop))  # non-contiguous
+                return out
+            _same(*_both(agt), f"all_gather_into_tensor {dtype}")
+
+            if dtype != torch.bool:
+                big = _rand((p * rows, 64), dtype, gen)
+
+                def rst(g):
+                    out = torch.empty((rows, 64), dtype=dtype)
+                    _wait(dist.reduce_scatter_tensor(out, big, group=g, async_op=aop))
+                    return out
+                _same(*_both(rst), f"reduce_scatter_tensor {dtype}")
+
+                def rs(g):
+                    out = torch.empty((rows, 64), dtype=dtype)
+                    _wait(dist.reduce_scatter(out, list(big.chunk(p)), group=g, async_op=aop))
+                    return out
+                _same(*_both(rs), f"reduce_scatter {dtype}")
+
+            def a2a(g):
+                out = torch.empty((p * rows, 64), dtype=dtype)
+                _wait(dist.all_to_all_single(out, torch.cat([x] * p), group=g, async_op=aop))
+                return out
+            _same(*_both(a2a), f"all_to_all_single even {dtype}")
+
+            def bc(g):
+                y = x.clone()
+                dist.broadcast(y, src=p - 1, group=g)
+                return y
+            _same(*_both(bc), f"broadcast {dtype}")
+
+    # uneven all_to_all_single: rank r sends (r + j) % 3 + (rows of 1) rows to rank j, including zero rows
+    send = [(r + j) % 3 for j in range(p)]
+    recv = [(j + r) % 3 for j in range(p)]
+    x = torch.randn(sum(send), 5, generator=gen, dtype=torch.float64)
+
+    def uneven(g):
+        out = torch.full((sum(recv), 5), float("nan"), dtype=torch.float64)
+        dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=g)
+        return out
+    _same(*_both(uneven), "all_to_all_single uneven")
+
+    def a2a_list(g):
+        ins = [torch.full((j + 1, 2), float(10 * r + j), dtype=torch.float64) for j in range(p)]
+        outs = [torch.empty((r + 1, 2), dtype=torch.float64) for _ in range(p)]
+        dist.all_to_all(outs, ins, group=g)
+        return outs
+    loom_out = a2a_list(dist.group.WORLD)  # gloo's all_to_all takes equal sizes only: against the expected blocks
+    for j, o in enumerate(loom_out):
+        assert torch.equal(o, torch.full((r + 1, 2), float(10 * j + r), dtype=torch.float64)), j
+
+    y = _rand((4, 3), torch.float64, gen)
+
+    def gather(g):
+        outs = [torch.empty_like(y) for _ in range(p)] if r == 0 else None
+        dist.gather(y, outs, dst=0, group=g)
+        return outs or []
+    _same(*_both(gather), "gather")
+
+    def scatter(g):
+        out = torch.empty_like(y)
+        dist.scatter(out, [y + k for k in range(p)] if r == 1 else None, src=1, group=g)
+        return out
+    _same(*_both(scatter), "scatter")
+
+    def reduce(g):
+        z = y.clone()
+        dist.reduce(z, dst=1, op=dist.ReduceOp.MAX, group=g)
+        return z if r == 1 else y
+    _same(*_both(reduce), "reduce")
+
+    def coalesced(g):
+        ts = [y.clone(), torch.arange(5, dtype=torch.float64) * r]
+        dist.all_reduce_coalesced(ts, group=g)
+        return ts
+    _same(*_both(coalesced), "all_reduce_coalesced")
+    dist.barrier()
+
+
+def check_send_recv_and_recv_from_any_source(comm):
+    """A ring of send/recv (small and large), isend/irecv, and rank 0 receiving from whoever sends first."""
+    _groups()
+    p, r = comm.size, comm.rank
+    for n in (3, 20000):
+        x = torch.arange(n, dtype=torch.float64) + 1000 * r
+        out = torch.empty(n, dtype=torch.float64)
+        reqs = [dist.isend(x, (r + 1) % p), dist.irecv(out, (r - 1) % p)]
+        for q in reqs:
+            q.wait()
+        assert torch.equal(out, torch.arange(n, dtype=torch.float64) + 1000 * ((r - 1) % p))
+        back = torch.empty(n, dtype=torch.float64)
+        ops = [dist.P2POp(dist.isend, x, (r - 1) % p), dist.P2POp(dist.irecv, back, (r + 1) % p)]
+        for q in dist.batch_isend_irecv(ops):
+            q.wait()
+        assert torch.equal(back, torch.arange(n, dtype=torch.float64) + 1000 * ((r + 1) % p))
+    if r == 0:
+        got = set()
+        for _ in range(p - 1):
+            buf = torch.empty(2, dtype=torch.int64)
+            src = dist.recv(buf, tag=5)
+            assert buf.tolist() == [src, src * src], (src, buf)
+            got.add(src)
+        assert got == set(range(1, p))
+    else:
+        dist.send(torch.tensor([r, r * r]), 0, tag=5)
+    dist.barrier()
+
+
+def check_async_work_progresses_while_the_caller_computes(comm):
+    """A large allreduce with async_op=True completes while this thread only computes (no MPI call, no wait):
+    the progress thread moved it. Then its future and wait() give the reduced tensor in place."""
+    _groups()
+    x = torch.full((1 << 18,), float(comm.rank + 1), dtype=torch.float64)  # 2 MiB
+    work = dist.all_reduce(x, async_op=True)
+    a = torch.randn(128, 128, dtype=torch.float64)
+    for _ in range(20000):
+        a = torch.tanh(a @ a * 1e-3)
+        if work.is_completed():
+            break
+    assert work.is_completed(), "the allreduce did not complete while the caller computed"
+    work.wait()
+    assert torch.equal(x, torch.full_like(x, comm.size * (comm.size + 1) / 2))
+    fut = dist.all_reduce(x, async_op=True).get_future()
+    assert torch.equal(fut.wait()[0], torch.full_like(x, comm.size * comm.size * (comm.size + 1) / 2))
+
+
+# ---------------------------------------------------------------------------------------------- training runs
+def _mlp(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+
+
+def _batches(rank: int, steps: int, n: int = 6):
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return [(torch.randn(n, 8, generator=gen, dtype=torch.float64), torch.randn(n, 4, generator=gen,
+                                                                                dtype=torch.float64))
+            for _ in range(steps)]
+
+
+def _close(a, b, what):
+    assert len(a) == len(b), what
+    for i, (x, y) in enumerate(zip(a, b)):
+        x, y = torch.as_tensor(x), torch.as_tensor(y)
+        err = (x - y).abs().max().item() if x.numel() else 0.0
+        assert err <= TOL, f"{what}[{i}]: loom and gloo differ by {err:.3e} > {TOL}"
+
+
+def _params(model):
+    out = []
+    for p in model.parameters():
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out.append(p.detach().clone())
+    return out
+
+
+def check_ddp_matches_gloo_with_and_without_no_sync(comm):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    batches = _batches(comm.rank, 6)
+
+    def run(g):
+        model = DDP(_mlp(0), process_group=g, bucket_cap_mb=0.001)  # several buckets
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(0, len(batches), 2):
+            for i, (x, y) in enumerate(batches[step:step + 2]):
+                ctx = model.no_sync() if i == 0 and step >= 2 else _nullctx()
+                with ctx:
+                    loss = ((model(x) - y) ** 2).mean()
+                    loss.backward()
+                losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        return losses, _params(model)
+
+    (la, pa), (lb, pb) = _both(run)
+    _close(la, lb, "ddp loss")
+    _close(pa, pb, "ddp params")
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _mesh(shape, names, backend):
+    """A DeviceMesh over every rank on ``backend``. The gloo mesh's dims get other names: DTensor caches its
+    redistribution plans by mesh, and meshes of equal shape and names compare equal whatever their groups, so
+    the gloo run would reuse the loom mesh's groups (and compare loom with itself)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if backend == "loom":
+        return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    names = tuple(f"{n}_gloo" for n in names)
+    return init_device_mesh("cpu", shape, mesh_dim_names=names, backend_override={n: "gloo" for n in names})
+
+
+def check_fsdp2_matches_gloo(comm):
+    """fully_shard on two layers (reshard_after_forward True on one, False on the other, then swapped) plus the
+    root, whose group holds the last layer, not sharded on its own; 3 steps of Adam."""
+    from torch.distributed.fsdp import fully_shard
+
+    _groups()
+    batches = _batches(comm.rank, 3)
+    for reshard in (True, False):
+        def run(backend):
+            mesh = _mesh((comm.size,), ("dp",), backend)
+            model = _mlp(1)
+            fully_shard(model[0], mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(model[2], mesh=mesh, reshard_after_forward=not reshard)
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+            losses = []
+            for x, y in batches:
+                loss = ((model(x) - y) ** 2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            return losses, _params(model)
+
+        (la, pa), (lb, pb) = run("loom"), run("gloo")
+        _close(la, lb, f"fsdp2 loss reshard={reshard}")
+        _close(pa, pb, f"fsdp2 params reshard={reshard}")
+
+
+def check_dtensor_tp_on_a_2d_mesh_matches_gloo(comm):
+    """ColwiseParallel / RowwiseParallel on tp, gradients averaged over dp by fully_shard, dp x tp = P/2 x 2."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    _groups()
+    dp = comm.size // 2
+    batches = _batches(comm.rank // 2, 3)  # tp peers see the same batch
+
+    def run(backend):
+        mesh = _mesh((dp, 2), ("dp", "tp"), backend)
+        model = _mlp(2)
+        parallelize_module(model, mesh[mesh.mesh_dim_names[1]], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh[mesh.mesh_dim_names[0]])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for x, y in batches:
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return losses, _params(model)
+
+    (la, pa), (lb, pb) = run("loom"), run("gloo")
+    _close(la, lb, "tp loss")
+    _close(pa, pb, "tp params")
+    # and both against one process: the same model on every dp shard's batch, the gradients averaged
+    ref = _mlp(2)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    shards = [_batches(i, 3) for i in range(dp)]
+    want = []
+    for step in range(3):
+        for i in range(dp):
+            x, y = shards[i][step]
+            loss = ((ref(x) - y) ** 2).mean() / dp
+            loss.backward()
+            if i == comm.rank // 2:
+                want.append(loss.detach() * dp)
+        opt.step()
+        opt.zero_grad()
+    _close(la, want, "tp loss vs one process")
+    _close(pa, _params(ref), "tp params vs one process")
+
+
+def check_pipelining_gpipe_and_1f1b_match_gloo(comm):
+    """One Linear+Tanh stage per rank, 4 micro-batches, GPipe and 1F1B; the last stage's losses and every
+    stage's gradients equal gloo's."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    _, gloo_g = _groups()
+    p, r = comm.size, comm.rank
+    x, y = _batches(0, 1, n=8)[0]
+    x = x[:, :8]
+
+    def stage_module():
+        torch.manual_seed(50 + r)
+        return nn.Sequential(nn.Linear(8, 8), nn.Tanh()).double()
+
+    def loss_fn(out, target):
+        return ((out - target[:, :1].expand_as(out)) ** 2).mean()
+
+    for schedule in (ScheduleGPipe, Schedule1F1B):
+        def run(g):
+            mod = stage_module()
+            stage = PipelineStage(mod, r, p, torch.device("cpu"), group=g)
+            sched = schedule(stage, n_microbatches=4, loss_fn=loss_fn)
+            losses = []
+            if r == 0:
+                sched.step(x)
+            elif r == p - 1:
+                sched.step(target=y, losses=losses)
+            else:
+                sched.step()
+            return losses, [q.grad.clone() for q in mod.parameters()]
+
+        (la, ga), (lb, gb) = _both(run)
+        _close(la, lb, f"{schedule.__name__} losses")
+        _close(ga, gb, f"{schedule.__name__} grads")
+
+
+def check_dcp_save_load_round_trip(comm):
+    """torch.distributed.checkpoint saves an FSDP2 model's sharded state over loom and loads it into a fresh
+    model: every parameter comes back bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _groups()
+    mesh = init_device_mesh("cpu", (comm.size,), mesh_dim_names=("dp",))
+    model = _mlp(3)
+    fully_shard(model, mesh=mesh)
+    path = tempfile.mkdtemp(prefix="loom-dcp-") if comm.rank == 0 else None
+    path = comm.bcast_object(path)
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    fresh = _mlp(4)
+    fully_shard(fresh, mesh=mesh)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_state_dict(state)
+    for a, b in zip(_params(model), _params(fresh)):
+        assert torch.equal(a, b)
+
+
+def check_compression_per_group_within_bound_and_exact_stays_exact(comm):
+    """A group under ``zdp=bf16``: an allreduce within the codec's bound (two bf16 roundings: each input's and
+    the reduced shard's, 2^-8 relative each), half the bytes on the wire; under ``exact()`` bit-exact and not
+    compressed; other groups untouched; DDP over the group trains within 1e-2 of the uncompressed run."""
+    import loom.compress as lc
+    from loom import torchdist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _groups()
+    p, r = comm.size, comm.rank
+    torchdist.set_compression("zdp=bf16")
+    try:
+        g = dist.new_group(list(range(p)), group_desc="mesh_zdp")
+        plain = dist.new_group(list(range(p)), group_desc="mesh_other")
+    finally:
+        torchdist.set_compression(None)
+    gen = torch.Generator().manual_seed(11)
+    every = [torch.randn(1 << 15, generator=gen, dtype=torch.float64) for _ in range(p)]  # 256 KiB each
+    want = sum(every)
+    lc.reset_stats()
+    x = every[r].clone()
+    dist.all_reduce(x, group=g)
+    bound = (sum(e.abs() for e in every) + want.abs()) * 2.0 ** -8
+    assert ((x - want).abs() <= bound).all() and (x != want).any(), "not compressed, or out of the bf16 bound"
+    st = lc.stats()["torch.mesh_zdp"]
+    assert st["wire"] <= 0.3 * st["raw"], st  # bf16 of fp64: a quarter of the bytes, plus metadata
+    dyadic = [_rand((1 << 15,), torch.float64, gen) for _ in range(p)]
+    for group in (g, plain):
+        y = dyadic[r].clone()
+        with torchdist.exact():
+            dist.all_reduce(y, group=group)
+        z = dyadic[r].clone()
+        if group is plain:
+            dist.all_reduce(z, group=group)
+            assert torch.equal(z, sum(dyadic))
+        assert torch.equal(y, sum(dyadic))
+    assert lc.stats()["torch.mesh_zdp"]["calls"] == st["calls"], "an exact reduction was compressed"
+    assert "torch.mesh_other" not in lc.stats()
+
+    batches = _batches(r, 3, n=8)
+
+    def run(group):
+        torch.manual_seed(4)
+        model = DDP(nn.Sequential(nn.Linear(8, 1024), nn.Tanh(), nn.Linear(1024, 4)).double(), process_group=group)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for x, y in batches:
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, _params(model)
+
+    calls = lc.stats()["torch.mesh_zdp"]["calls"]
+    (la, pa), (lb, pb) = run(g), run(plain)
+    assert lc.stats()["torch.mesh_zdp"]["calls"] > calls, "DDP's buckets were not compressed"
+    for a, b in zip(la, lb):
+        assert abs(a - b) <= 1e-2 * abs(b), (la, lb)
+    for a, b in zip(pa, pb):
+        assert (a - b).abs().max() <= 1e-2, (a - b).abs().max()
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def check_unsupported_op_and_mismatch_raise_on_every_rank(comm):
+    _groups()
+    x = torch.ones(3, dtype=torch.int64)
+    try:
+        dist.all_reduce(x, op=dist.ReduceOp.BAND)
+    except NotImplementedError as exc:
+        assert "ReduceOp.BAND" in str(exc) and "loom" in str(exc), exc
+    else:
+        raise AssertionError("ReduceOp.BAND did not raise NotImplementedError")
+    safety.configure(check=True)
+    try:
+        y = torch.ones(3 + comm.rank % 2, dtype=torch.float64)
+        dist.all_reduce(y)
+    except CollectiveMismatchError as exc:
+        assert "disagree" in str(exc), exc
+    else:
+        raise AssertionError("a shape mismatch under LOOM_CHECK did not raise")
+    finally:
+        safety.configure(check=False)
+    z = torch.ones(2, dtype=torch.float64)
+    dist.all_reduce(z)  # the group still works after the error
+    assert torch.equal(z, torch.full((2,), float(comm.size), dtype=torch.float64))
+
+
+def check_teardown(comm):
+    """Last: destroy every group (torch's own shutdown path over loom)."""
+    _groups()
+    dist.destroy_process_group()
+    _STATE.clear()
+
+
+mpi_checks(globals())

@@ -170,8 +170,8 @@ class Communicator:
     # ------------------------------------------------------------------ point-to-point
     # send/recv keep a fast path for the common case (contiguous CPU buffer; a receive also needs no autograd):
     # at 1 byte loom's cost over raw mpi4py is these few lines, and each read of a torch tensor's attribute
-    # costs about as much as a numpy array's whole check (`loom bench latency --vs raw --buffer torch`), so the
-    # send reads each one once (a send only reads: requires_grad does not matter to it).
+    # costs about as much as a numpy array's whole check (`loom bench latency --buffer torch --vs raw-numpy`),
+    # so the send reads each one once (a send only reads: requires_grad does not matter to it).
     def send(self, tensor: _b.Buffer, dest: int, tag: int = 0) -> None:
         """Send a tensor/array to ``dest`` (blocking until the buffer may be reused)."""
         t = type(tensor)

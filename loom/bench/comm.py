@@ -5,8 +5,10 @@
 tensors, in one run.
 
 The raw peer is what a user writes by hand: mpi4py's uppercase calls on the same buffers (numpy arrays, or
-torch tensors handed over through DLPack). This module is the only place outside ``loom.comm`` that calls
-mpi4py directly, because measuring against it is the point.
+torch tensors handed over through DLPack). ``loom bench latency --buffer torch --vs raw-numpy`` times raw
+mpi4py on numpy arrays instead, its fastest path: a tensor's DLPack export costs several times a small
+message's latency, so against it loom's own overhead on tensors would not show. This module is the only
+place outside ``loom.comm`` that calls mpi4py directly, because measuring against it is the point.
 
 Ratios: for latency tables ``loom/raw`` (lower is better, 1.00 = no overhead); for bandwidth tables
 ``loom/raw`` of bandwidths (higher is better).
@@ -123,21 +125,25 @@ def _idle() -> None:
 
 def latency(argv: list[str]) -> int:
     """osu_latency: ping-pong between ranks 0 and 1; half the round trip."""
-    args, comm = _setup("latency", "point-to-point latency (ping-pong between ranks 0 and 1)", argv, min_size=0)
+    args, comm = _setup("latency", "point-to-point latency (ping-pong between ranks 0 and 1)", argv, min_size=0,
+                        vs=("none", "raw", "raw-numpy"))
     if comm.size < 2:
         print("loom bench latency needs 2 ranks: loom bench latency --ranks 2", file=sys.stderr)
         return 2
     r = comm.rank
 
-    def pingpong(ops: _P2P) -> Callable:
+    def pingpong(ops: _P2P, kind: str) -> Callable:
         def make(size):
             if r > 1:
                 return _idle
-            return omb.pingpong(ops.send, ops.recv, _buf(args.buffer, size), 1 - r, first=r == 0)
+            return omb.pingpong(ops.send, ops.recv, _buf(kind, size), 1 - r, first=r == 0)
         return make
 
-    return _table("Latency Test", "Latency (us)", args, comm, pingpong(_P2P.of_loom(comm)),
-                  pingpong(_P2P.of_raw()), omb.sizes(args.min_size, args.max_size), lambda size, t: t / 2 * 1e6)
+    numpy_peer = args.vs == "raw-numpy"  # raw mpi4py's fastest path, whatever loom's --buffer
+    return _table("Latency Test", "Latency (us)", args, comm, pingpong(_P2P.of_loom(comm), args.buffer),
+                  pingpong(_P2P.of_raw(), "numpy" if numpy_peer else args.buffer),
+                  omb.sizes(args.min_size, args.max_size), lambda size, t: t / 2 * 1e6,
+                  peer=("raw mpi4py numpy", "loom/raw") if numpy_peer else None)
 
 
 def _bw(argv: list[str], bidirectional: bool) -> int:

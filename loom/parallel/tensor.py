@@ -36,7 +36,8 @@ partial gradients, summed over tp by the caller (``loom.models.parallelize`` pas
 Compression: the activation allreduces (:func:`copy_to_tp_region` backward, :func:`reduce_from_tp_region`
 forward) and gathers go through :func:`loom.compress.allreduce` / :func:`loom.compress.allgather` when the layer
 is given a codec (``CompressionPolicy.codec_for("tp")``); the per-token reductions of the cross-entropy stay
-exact (a max does not survive a lossy sum, and they are ``O(tokens)`` bytes). Byte counters land under the
+exact (a max does not survive a lossy sum, and they are ``O(tokens)`` bytes): they are marked
+``TPLink.allreduce(..., exact=True)``, which no codec touches. Byte counters land under the
 communicator's name (``"tp"`` for ``mesh["tp"]``) in :mod:`loom.stats`.
 
 These collectives are *not* the ``loom.comm`` ones: those are not autograd-aware; the ones here are
@@ -123,13 +124,23 @@ class TPLink:
         d = _stats.counters("time", self.comm.name)
         d["comm"] = d.get("comm", 0.0) + time.perf_counter() - t0
 
-    def allreduce(self, x: torch.Tensor) -> torch.Tensor:
+    def allreduce(self, x: torch.Tensor, *, op: str = "sum", exact: bool = False) -> torch.Tensor:
+        """The reduction over tp; through the link's codec unless marked ``exact`` (a reduction that no
+        codec may touch: the cross-entropy's max and its per-token sums, :class:`_VocabParallelCE`).
+
+        Raises:
+            ValueError: ``op`` is not ``"sum"`` on a link with a codec and the reduction is not marked exact
+                (codecs only sum).
+        """
         x = x.contiguous()
         if self.comm.size == 1:
             return x
         t0 = time.perf_counter()
-        if self.codec is None:
-            out = self.comm.allreduce(x)
+        if self.codec is None or exact:
+            out = self.comm.allreduce(x, op=op)
+        elif op != "sum":
+            raise ValueError(f"tp allreduce op = {op!r} through codec {self.codec!r}: compressed allreduces "
+                             f"only sum; pass exact=True for this reduction")
         else:
             out = _c_allreduce(x, self.comm, self.codec, min_bytes=self.min_bytes)
         self._timed(t0)
@@ -529,11 +540,11 @@ class _VocabParallelCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, comm, vocab_start, ignore_index):
+    def forward(ctx, logits, targets, link, vocab_start, ignore_index):
         n, v = logits.shape
-        m = logits.max(dim=-1).values
-        if comm.size > 1:
-            m = comm.allreduce(m.contiguous(), op="max")
+        # both reductions are marked exact: a max does not survive a lossy sum, and a codec's error on the
+        # per-token sums goes straight into every token's loss (tests/mpi/check_tensor.py checks both)
+        m = link.allreduce(logits.max(dim=-1).values, op="max", exact=True)
         z = logits - m.unsqueeze(-1)
         ignored = targets == ignore_index
         inside = (targets >= vocab_start) & (targets < vocab_start + v) & ~ignored
@@ -541,9 +552,7 @@ class _VocabParallelCE(torch.autograd.Function):
         rows = torch.arange(n, device=logits.device)
         zt = z[rows, local_t].masked_fill(~inside, 0.0)
         e = z.exp()
-        pair = torch.stack([e.sum(dim=-1), zt])
-        if comm.size > 1:
-            pair = comm.allreduce(pair)
+        pair = link.allreduce(torch.stack([e.sum(dim=-1), zt]), exact=True)
         s, zt = pair[0], pair[1]
         loss = (s.log() - zt).masked_fill(ignored, 0.0)
         e.div_(s.unsqueeze(-1))  # softmax, kept for backward
@@ -583,7 +592,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
                          f"must be logits' shape without the last (vocabulary) dim")
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     flat = logits.reshape(-1, logits.shape[-1]).to(acc)
-    per = _VocabParallelCE.apply(flat, targets.reshape(-1), _link(tp).comm, int(vocab_start), ignore_index)
+    per = _VocabParallelCE.apply(flat, targets.reshape(-1), _link(tp), int(vocab_start), ignore_index)
     if reduction == "none":
         return per.view(targets.shape)
     total = per.sum()

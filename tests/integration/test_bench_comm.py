@@ -26,6 +26,16 @@ def test_bench_table_against_raw(tmp_path, bench, column):
         assert row["loom/raw"] == pytest.approx(loom / raw)
 
 
+def test_latency_of_tensors_against_raw_numpy(tmp_path):
+    """``--buffer torch --vs raw-numpy``: loom's tensors against raw mpi4py's fastest path (numpy arrays) in one
+    table, the peer named in the column and the metadata."""
+    doc, _ = run_bench(tmp_path, "latency", "--buffer", "torch", "--vs", "raw-numpy", *QUICK)
+    assert doc["columns"] == ["Size", "Latency (us)", "raw mpi4py numpy (us)", "loom/raw"]
+    assert doc["meta"]["buffer"] == "torch" and doc["meta"]["peer"] == "raw mpi4py numpy"
+    for row in doc["rows"]:
+        assert row["loom/raw"] == pytest.approx(row["Latency (us)"] / row["raw mpi4py numpy (us)"])
+
+
 @pytest.mark.parametrize("bench,dtype", [("allreduce", "float32"), ("allreduce", "bfloat16"),
                                          ("alltoall", "bfloat16"), ("allgather", "float32")])
 def test_device_against_host(tmp_path, bench, dtype):

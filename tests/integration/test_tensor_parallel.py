@@ -22,9 +22,11 @@ def _losses(out) -> list[float]:
 
 
 def test_tp2_job_matches_one_rank_and_resumes_at_tp1(tmp_path):
-    """fp32, 4 steps: every step's loss within 1e-5 relative of the one-rank job (the tp sums are reordered
-    fp32 sums); the tp = 2 checkpoint resumes at tp = 1 and generates."""
-    args = ["--train.eval_every=0", "--train.progress=lines", "--train.plots=false", "--checkpoint.every=4"]
+    """fp32, 4 steps, heads 8 / kv 4 (two kv heads per tp rank, each shared by two query heads): every step's
+    loss within 1e-5 relative of the one-rank job (the tp sums are reordered fp32 sums); the tp = 2 checkpoint
+    resumes at tp = 1 and generates."""
+    args = ["--train.eval_every=0", "--train.progress=lines", "--train.plots=false", "--checkpoint.every=4",
+            "--model.heads=8", "--model.kv_heads=4"]
     one = train_job(1, f"--train.out={tmp_path / 'one'}", "--train.steps=4", *args)
     assert one.returncode == 0, one.stdout + one.stderr
     out = tmp_path / "tp"

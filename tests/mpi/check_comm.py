@@ -430,8 +430,24 @@ def check_byte_accounting(comm):
     comm.alltoallv(torch.zeros(p, 3, dtype=torch.float64), counts, counts)
     if p % 2 == 0:
         Mesh(dp=p // 2, sp=2)["sp"].allreduce(x)
+    # send counts its bytes on each of its paths: numpy, a plain tensor, one that requires grad, a strided view
+    f32 = torch.float32
+    sent = [np.zeros(3, np.uint8), torch.zeros(5, dtype=f32), torch.zeros(2, dtype=f32, requires_grad=True),
+            torch.zeros(4, 2, dtype=f32)[:, 0]]
+    before = comm.bytes_sent.get("send", 0)
+    if p > 1:
+        nxt, prv = (comm.rank + 1) % p, (comm.rank - 1) % p
+        for i, buf in enumerate(sent):
+            out = np.empty_like(buf) if isinstance(buf, np.ndarray) else torch.empty(buf.shape, dtype=f32)
+            if comm.rank % 2 == 0:
+                comm.send(buf, nxt, tag=i)
+                comm.recv(out, prv, tag=i)
+            else:
+                comm.recv(out, prv, tag=i)
+                comm.send(buf, nxt, tag=i)
     st = stats()
     nb = 16 * p
+    assert comm.bytes_sent.get("send", 0) - before == (3 + 20 + 8 + 16 if p > 1 else 0), st["world"]
     assert st["world"].get("allreduce", 0) == 2 * nb * (p - 1) // p
     assert st["world"].get("allgather", 0) == nb * (p - 1)
     assert st["world"].get("alltoall", 0) == nb * (p - 1) // p

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom import stats
-from loom.compress import get_codec
+from loom.compress import codec_names, get_codec
 from loom.models.llama import Llama, LlamaConfig
 from loom.models.parallelize import validate_tensor_parallel, parallelize_llama
 from loom.parallel.tensor import (
@@ -191,8 +191,47 @@ def check_vocab_parallel_cross_entropy(comm):
         _close(gg, rg[:, lo:hi], f"vocab-parallel logits grad ({red})")
 
 
+def check_exact_reductions_bypass_every_tp_codec(comm):
+    """The cross-entropy's reductions are marked exact (``TPLink.allreduce(..., exact=True)``): with every codec
+    on the tp link (``min_bytes=0``) the vocab-parallel loss and its gradient equal F.cross_entropy (fp64,
+    1e-9) and no compressed collective ran (loom.compress counts each call under the comm's name), while an
+    unmarked allreduce on the same link does go through the codec (so a codec that touched them would show)."""
+    if comm.size == 1:
+        return
+    g = seeded(comm)
+    n, v = 19, 5 * comm.size + 1
+    logits = torch.randn(n, v, generator=g, dtype=torch.float64) * 4
+    targets = torch.randint(0, v, (n,), generator=g)
+    lo, hi = shard_range(v, comm.size, comm.rank)
+    ref, rg = _grad_of(lambda t: F.cross_entropy(t, targets, reduction="sum"), logits, torch.tensor(1.0))
+    tp = comm.dup(name="tp-exact")
+    for name in codec_names():
+        try:
+            codec = get_codec(name)
+        except ImportError:  # zfp without zfpy
+            continue
+        link = TPLink(tp, codec, min_bytes=0)
+        stats.reset("compress")
+        got, gg = _grad_of(lambda t, link=link: vocab_parallel_cross_entropy(t, targets, link, lo), logits[:, lo:hi],
+                           torch.tensor(1.0))
+        calls = stats.snapshot("compress").get("tp-exact", {}).get("calls", 0)
+        assert calls == 0, f"codec {name} ran {calls} times on the cross-entropy's exact reductions"
+        _close(got, ref, f"vocab-parallel loss with codec {name} on the tp link")
+        _close(gg, rg[:, lo:hi], f"vocab-parallel logits grad with codec {name} on the tp link")
+    link = TPLink(tp, "bf16", min_bytes=0)
+    link.allreduce(logits)
+    assert stats.snapshot("compress")["tp-exact"]["calls"] == 1, "an unmarked allreduce skipped the codec"
+    try:
+        link.allreduce(logits, op="max")
+    except ValueError as exc:
+        assert "exact=True" in str(exc), exc
+    else:
+        raise AssertionError("a max allreduce went through a summing codec")
+
+
 def _cfg(p: int, **kw) -> LlamaConfig:
-    # heads 6 divide by 1, 2, 3; kv_heads = p keeps GQA at every size; vocab 101 and FFN width 136 are uneven
+    # heads 6 divide by 1, 2, 3; kv_heads = p keeps GQA at every size (one kv head per tp rank: callers that
+    # need several pass heads and kv_heads); vocab 101 and FFN width 136 are uneven
     kv = p if p in (2, 3) else 3
     return LlamaConfig(**{**dict(layers=2, hidden=48, heads=6, kv_heads=kv, vocab=101), **kw})
 
@@ -221,9 +260,11 @@ def _llama_pair(comm, sequence_parallel=False, **kw):
 def check_llama_forward_backward_and_adamw(comm):
     """Whole model: logits, loss, every gradient and every parameter after 4 AdamW steps equal one rank's
     (untied and tied embeddings; loss and FFN in 2 chunks; packed documents in one step; with and without
-    sequence parallelism)."""
-    for kw in (dict(), dict(tie_embeddings=True, loss_chunks=2, ffn="gelu"),
-               dict(sequence_parallel=True, loss_chunks=2, ffn_chunks=2),
+    sequence parallelism; one and two kv heads per tp rank, two query heads per kv head: a rank must hold
+    its query heads' own kv heads, in order)."""
+    several_kv = dict(heads=4 * comm.size, kv_heads=2 * comm.size)
+    for kw in (dict(), dict(tie_embeddings=True, loss_chunks=2, ffn="gelu", **several_kv),
+               dict(sequence_parallel=True, loss_chunks=2, ffn_chunks=2, **several_kv),
                dict(sequence_parallel=True, tie_embeddings=True, checkpoint=True)):
         pair = _llama_pair(comm, **kw)
         if pair is None:
@@ -260,7 +301,8 @@ def check_llama_forward_backward_and_adamw(comm):
 
 def check_compressed_tp_within_codec_bound(comm):
     """bf16 on the tp activation allreduce: each within sum_i e(y_i) + e(s); the model's loss within 1e-2
-    relative; the bytes land under "tp" with wire < raw."""
+    relative and equal (1e-9) to the exact cross-entropy of the compressed model's own logits (the loss's
+    reductions stay exact); the bytes land under "tp" with wire < raw."""
     g = seeded(comm)
     p, r = comm.size, comm.rank
     codec = get_codec("bf16")
@@ -285,6 +327,10 @@ def check_compressed_tp_within_codec_bound(comm):
     lc.backward()
     rel = abs(lc.item() - lr.item()) / abs(lr.item())
     assert rel < 1e-2, f"bf16 tp loss {lc.item()} vs {lr.item()}: relative {rel:.2e} >= 1e-2"
+    with torch.no_grad():  # the loss is exact on the compressed model's own logits (gathered uncompressed)
+        own = gather_from_tp_region(tpc.head(tpc.norm(tpc.hidden_states(tok))), comm, cfg.vocab)
+        _close(lc.detach(), F.cross_entropy(own.flatten(0, 1), tgt.flatten()),
+               "bf16 tp loss vs the exact cross-entropy of its own logits (a codec on the loss's reductions)")
     if p > 1:
         c = stats.snapshot("compress")["tp"]
         assert c["calls"] > 0 and c["wire"] < c["raw"], f"tp compression counters {c}"
@@ -342,9 +388,11 @@ _tmp = _DIR.path
 
 def _train_meshes(p: int) -> list[dict]:
     kv = {"model": {"kv_heads": 2}} if p == 2 else {}
+    tp = p if p in (2, 3) else 2
+    several_kv = {"heads": 4 * tp, "kv_heads": 2 * tp}  # two kv heads per tp rank: heads 8, kv 4 at tp = 2
     if p in (2, 3):
-        return [{**kv, "mesh": {"tp": p}}, {"mesh": {"tp": p}, "model": {**kv.get("model", {}), "ffn": "gelu",
-                                                                          "vocab": 257}},
+        return [{"mesh": {"tp": p}, "model": several_kv},
+                {"mesh": {"tp": p}, "model": {**kv.get("model", {}), "ffn": "gelu", "vocab": 257}},
                 {**kv, "mesh": {"tp": p, "tp_sequence_parallel": True}, "data": {"seq_len": 18 if p == 3 else 16}}]
     if p == 4:
         kv = {"model": {"kv_heads": 2}}
@@ -352,7 +400,7 @@ def _train_meshes(p: int) -> list[dict]:
                 {**kv, "mesh": {"dp": 2, "tp": 2}, "zero": {"stage": 2}},
                 {**kv, "mesh": {"dp": 2, "tp": 2}, "zero": {"stage": 3, "bucket_mb": 0.01}},
                 {"mesh": {"sp": 2, "tp": 2}, "model": {"heads": 4, "kv_heads": 2}},  # Ulysses: 1 kv head, 2 sp
-                {**kv, "mesh": {"pp": 2, "tp": 2}, "data": {"micro_batches": 2}},
+                {"mesh": {"pp": 2, "tp": 2}, "data": {"micro_batches": 2}, "model": several_kv},
                 {**kv, "mesh": {"pp": 2, "tp": 2, "tp_sequence_parallel": True}, "data": {"micro_batches": 2},
                  "mesh_schedule": "gpipe"}]
     return []
@@ -360,7 +408,7 @@ def _train_meshes(p: int) -> list[dict]:
 
 def check_train_tp_matches_one_rank(comm):
     """loom train at tp (with Megatron-SP; dp x tp, ZeRO-1 over dp; Ulysses sp x tp; pp x tp, 1F1B and GPipe
-    with Megatron-SP): losses, eval losses,
+    with Megatron-SP; one and two kv heads per tp rank, heads 8 / kv 4 at tp = 2): losses, eval losses,
     clipped gradient norms and every parameter equal the one-rank run (fp64, 1e-9); a clipped step is among
     them (grad_clip 0.5); every axis of the mesh moved bytes. dp x tp at ZeRO-1 reduce-scatters over dp (its
     clip sums the tp-split elements of its blocks over tp, the replicated ones once) and sends stage 0's dp

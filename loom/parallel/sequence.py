@@ -58,6 +58,9 @@ from .offload import chunk_store
 
 __all__ = [
     "ulysses_attention",
+    "ring_attention",
+    "ring_groups",
+    "ring_positions",
     "fpdt_attention",
     "shard_sequence",
     "gather_sequence",
@@ -128,7 +131,7 @@ def _pieces(n: int, p: int, chunks: int, what: str) -> int:
     return n // (p * chunks)
 
 
-def shard_sequence(x: torch.Tensor, comm, *, chunks: int = 1, dim: int = 1) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, comm, *, chunks: int = 1, dim: int = 1, ring: int = 1) -> torch.Tensor:
     """This rank's shard of a global tensor along ``dim`` in the FPDT layout (``chunks=1``: Ulysses).
 
     Args:
@@ -136,18 +139,23 @@ def shard_sequence(x: torch.Tensor, comm, *, chunks: int = 1, dim: int = 1) -> t
         comm: the sequence-parallel communicator (only ``rank``/``size`` are read).
         chunks: chunks per rank ``u``; rank ``r`` gets pieces ``r, r+P, ...`` of ``u P`` equal pieces.
         dim: the sequence dim.
+        ring: ring degree ``R`` of 2-D sequence parallelism (:func:`ring_attention`); ``R > 1`` gives the
+            zig-zag layout of :func:`ring_positions` (``chunks`` must be 1).
 
     Returns:
         A new contiguous tensor with ``x.shape[dim] / P`` entries along ``dim``.
     """
     dim = dim % x.dim()
     p, r = comm.size, comm.rank
+    if ring > 1:
+        _ring_chunks(chunks, ring)
+        return x.index_select(dim, ring_positions(x.shape[dim], p, ring, r, device=x.device)).contiguous()
     c = _pieces(x.shape[dim], p, chunks, "sequence")
     y = x.unflatten(dim, (chunks, p, c)).select(dim + 1, r)
     return y.flatten(dim, dim + 1).contiguous()
 
 
-def gather_sequence(x_local: torch.Tensor, comm, *, chunks: int = 1, dim: int = 1) -> torch.Tensor:
+def gather_sequence(x_local: torch.Tensor, comm, *, chunks: int = 1, dim: int = 1, ring: int = 1) -> torch.Tensor:
     """The global tensor from every rank's shard (inverse of :func:`shard_sequence`; one allgather).
 
     Not differentiable: it is for checking results against single-process references and for logging.
@@ -161,18 +169,60 @@ def gather_sequence(x_local: torch.Tensor, comm, *, chunks: int = 1, dim: int = 
     x0 = x_local.detach().movedim(dim, 0).contiguous()
     allx = comm.allgather(x0) if p > 1 else x0  # [P * u * c, ...] rank-major
     rest = allx.shape[1:]
-    y = allx.reshape(p, chunks, c, *rest).transpose(0, 1).reshape(p * s, *rest)
+    if ring > 1:
+        _ring_chunks(chunks, ring)
+        where = torch.cat([ring_positions(p * s, p, ring, r, device=allx.device) for r in range(p)])
+        y = torch.empty_like(allx)
+        y[where] = allx
+    else:
+        y = allx.reshape(p, chunks, c, *rest).transpose(0, 1).reshape(p * s, *rest)
     return y.movedim(0, dim).contiguous()
 
 
-def local_positions(seq_local: int, comm, *, chunks: int = 1, device=None) -> torch.Tensor:
+def local_positions(seq_local: int, comm, *, chunks: int = 1, device=None, ring: int = 1) -> torch.Tensor:
     """Global token positions (int64) of this rank's ``seq_local`` tokens in the layout of ``chunks`` (RoPE)."""
     p, r = comm.size, comm.rank
+    if ring > 1:
+        _ring_chunks(chunks, ring)
+        return ring_positions(seq_local * p, p, ring, r, device=device)
     if seq_local % chunks:
         raise ValueError(f"local length {seq_local} is not divisible by chunks {chunks}")
     c = seq_local // chunks
     starts = (torch.arange(chunks, device=device) * p + r) * c
     return (starts[:, None] + torch.arange(c, device=device)[None, :]).reshape(-1)
+
+
+def _ring_chunks(chunks: int, ring: int) -> None:
+    if chunks != 1:
+        raise ValueError(f"chunks={chunks} with ring={ring}: FPDT chunks do not compose with the ring yet; use "
+                         f"chunks=1 (Ulysses x ring) or ring=1 (FPDT)")
+
+
+def ring_positions(n: int, p: int, ring: int, rank: int, *, device=None) -> torch.Tensor:
+    """Global positions (int64) of the tokens that sp rank ``rank`` holds in the zig-zag layout of 2-D sequence
+    parallelism: ``p = U x ring`` ranks, rank ``r = j U + i`` is Ulysses rank ``i`` of ring group ``j``.
+
+    The sequence of ``n`` tokens is cut into ``2 ring`` pieces of ``c = n / (2 ring)``; ring group ``j`` holds
+    pieces ``j`` (front) and ``2 ring - 1 - j`` (back), so causal work is the same in every group (its two
+    query pieces see ``2 ring + 1`` key pieces between them, the two diagonal ones half).
+    Inside a group the concatenation ``[front, back]`` (``n / ring`` tokens) is split contiguously over its
+    ``U`` ranks, so the Ulysses all-to-all gives every rank of the group ``[front, back]`` in order.
+
+    Raises:
+        ValueError: ``n`` not divisible by ``2 ring`` and by ``p`` (the message names the length to pad to).
+    """
+    if p % ring:
+        raise ValueError(f"sp size {p} is not divisible by ring {ring}; the ring degree divides the sp size")
+    unit = 2 * ring * p // math.gcd(2 * ring, p)
+    if n % unit:
+        need = -(-n // unit) * unit
+        raise ValueError(f"sequence length {n} is not divisible by 2 x ring {ring} and by sp size {p} (zig-zag "
+                         f"layout); pad to {need}")
+    u = p // ring
+    j, i = divmod(rank, u)
+    c, s = n // (2 * ring), n // p
+    m = i * s + torch.arange(s, device=device)
+    return torch.where(m < c, j * c + m, (2 * ring - 1 - j) * c + (m - c))
 
 
 # ---------------------------------------------------------------------------------------------- all-to-all
@@ -280,6 +330,197 @@ def ulysses_attention(
     if p == 1:
         return o
     return heads_to_seq(o, comm=comm)[0]
+
+
+# ---------------------------------------------------------------------------------------------- ring
+_GROUPS: dict[tuple[int, int], tuple] = {}
+
+
+def ring_groups(comm, ring: int):
+    """``(ulysses, ring)`` communicators of 2-D sequence parallelism over ``comm`` (made once, then cached).
+
+    sp rank ``r = j U + i`` (``U = comm.size / ring``) is rank ``i`` of Ulysses group ``j`` (consecutive ranks:
+    the all-to-all is the heavier traffic) and rank ``j`` of ring ``i``. Collective on first use.
+    """
+    p = comm.size
+    if not isinstance(ring, int) or isinstance(ring, bool) or ring < 1 or p % ring:
+        raise ValueError(f"ring={ring!r} with sp size {p}: the ring degree is an integer >= 1 dividing the sp size")
+    key = (id(comm), ring)
+    got = _GROUPS.get(key)
+    if got is None or got[0] is not comm:
+        u = p // ring
+        j, i = divmod(comm.rank, u)
+        uly = comm.split(j, i, name=f"{comm.name}.ulysses")
+        rng = comm.split(i, j, name=f"{comm.name}.ring")
+        got = _GROUPS[key] = (comm, uly, rng)  # comm kept alive, so its id is not reused
+    return got[1], got[2]
+
+
+def _ring_block(j: int, src: int, c: int, causal: bool):
+    """Which rows of ring rank ``j``'s queries meet which columns of ring rank ``src``'s keys, zig-zag layout
+    (local ``[front, back]`` of ``2c`` tokens): ``(rows, cols, causal)``. The diagonal block is causal as
+    is (front before back); an earlier group's front is seen whole, its back not at all; a later group's
+    front and back are seen whole by this group's back only."""
+    every = slice(None)
+    if not causal:
+        return every, every, False
+    if src == j:
+        return every, every, True
+    if src < j:
+        return every, slice(0, c), False
+    return slice(c, None), every, False
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention over ``comm`` (the ring axis) on head-layout ``[B, 2c, h, D]`` q/k/v (zig-zag layout).
+
+    Forward, ``R`` steps: step ``t`` attends to the K/V block of ring rank ``j - t`` while that block goes on
+    to rank ``j + 1`` and the next one comes from ``j - 1`` (one packed (k, v) isend/irecv pair, posted before
+    the block's attention and waited after it); blocks merge through their log-sum-exp (:func:`merge`).
+    Backward (as FlashAttention-2 over a ring): K/V go round again; each step adds this rank's exact block
+    gradients (from the merged out and log-sum-exp) to dq and to the (dk, dv) accumulator that travels with
+    that K/V block one step behind it; after ``R`` steps every accumulator is back at its owner.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm, causal, scale, docs):
+        r, j = comm.size, comm.rank
+        kernel = attention_kernel(q.device)
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        c = qt.shape[2] // 2
+        kv = torch.stack([kt, vt])
+        o_acc = l_acc = None
+        for t in range(r):
+            src = (j - t) % r
+            reqs = _ring_pass(comm, kv, 0) if t + 1 < r else None
+            rows, cols, diag = _ring_block(j, src, c, causal)
+            bd = None if docs is None else (docs[j][:, rows], docs[src][:, cols])
+            o, lse = _block_forward(qt[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], diag, scale, kernel, bd)
+            if o_acc is None:  # step 0 is the diagonal block: every row
+                o_acc, l_acc = _merge(None, None, o, lse)
+            else:
+                o_acc[:, :, rows], l_acc[:, :, rows] = _merge(o_acc[:, :, rows], l_acc[:, :, rows], o, lse)
+            del o, lse
+            if reqs is not None:
+                kv = _ring_wait(reqs)
+        out = o_acc.to(q.dtype)
+        ctx.save_for_backward(qt, kt, vt, out, l_acc)
+        ctx.comm, ctx.causal, ctx.scale, ctx.docs, ctx.kernel = comm, causal, scale, docs, kernel
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, gout):
+        qt, kt, vt, out, lse = ctx.saved_tensors
+        comm, causal, scale, docs, kernel = ctx.comm, ctx.causal, ctx.scale, ctx.docs, ctx.kernel
+        r, j = comm.size, comm.rank
+        c = qt.shape[2] // 2
+        do = gout.transpose(1, 2).to(qt.dtype).contiguous()
+        acc = _acc_dtype(qt.dtype)
+        dq = torch.zeros(qt.shape, dtype=acc, device=qt.device)
+        kv = torch.stack([kt, vt])
+        sent = []
+        dkv = None
+        for t in range(r):
+            src = (j - t) % r
+            reqs = _ring_pass(comm, kv, 0) if t + 1 < r else None
+            incoming = None
+            if t > 0:  # the accumulator of block src, from the rank that held it at step t - 1
+                incoming = comm.irecv(torch.empty((2, *kt.shape), dtype=acc, device=kt.device), (j - 1) % r, 1)
+            rows, cols, diag = _ring_block(j, src, c, causal)
+            bd = None if docs is None else (docs[j][:, rows], docs[src][:, cols])
+            g_q, g_k, g_v = _block_backward(do[:, :, rows], qt[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                            out[:, :, rows], lse[:, :, rows], diag, scale, kernel, bd)
+            dq[:, :, rows] += g_q
+            dkv = incoming.wait() if incoming is not None else torch.zeros((2, *kt.shape), dtype=acc,
+                                                                           device=kt.device)
+            dkv[0][:, :, cols] += g_k
+            dkv[1][:, :, cols] += g_v
+            del g_q, g_k, g_v
+            _wait_all(sent)
+            sent = [comm.isend(dkv, (j + 1) % r, 1)]
+            if reqs is not None:
+                kv = _ring_wait(reqs)
+        mine = comm.irecv(torch.empty_like(dkv), (j - 1) % r, 1).wait()  # after R passes: this rank's own
+        _wait_all(sent)
+        ctx.comm = ctx.docs = None
+        dq, dk, dv = (g.to(qt.dtype).transpose(1, 2) for g in (dq, mine[0], mine[1]))
+        return dq, dk, dv, None, None, None, None
+
+
+def _ring_pass(comm, x: torch.Tensor, tag: int):
+    """Send ``x`` to the next ring rank and receive the previous one's into a new buffer (non-blocking)."""
+    r, j = comm.size, comm.rank
+    nxt = torch.empty_like(x)
+    return [comm.isend(x, (j + 1) % r, tag), comm.irecv(nxt, (j - 1) % r, tag)], nxt
+
+
+def _ring_wait(reqs) -> torch.Tensor:
+    pending, nxt = reqs
+    _wait_all(pending)
+    _stats.add("sequence", "sp", ring=1)
+    return nxt
+
+
+def _wait_all(reqs) -> None:
+    for q in reqs:
+        q.wait()
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    comm,
+    *,
+    ring: int,
+    causal: bool = True,
+    scale: float | None = None,
+    doc_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """2-D sequence parallelism (Ulysses x ring, as USP): sp degree past the head count.
+
+    Plan: ``comm`` (``P`` ranks) is ``ring`` groups of ``U = P / ring`` consecutive ranks (:func:`ring_groups`).
+    One packed all-to-all (q, k, v) inside each group from sequence- to head-sharding gives each rank its
+    group's ``[front, back]`` tokens (:func:`ring_positions`) for ``H / U`` heads; ring attention
+    (:class:`_RingAttention`) across the ``ring`` groups among the ranks holding the same heads, ``ring`` K/V
+    steps each overlapped with one block's attention; one all-to-all of the output back. Backward mirrors it
+    (the all-to-alls swap, the ring passes K/V and the (dk, dv) accumulators). ``ring=1`` is
+    :func:`ulysses_attention`.
+
+    Args:
+        q: ``[batch, seq_local, heads, head_dim]`` in the layout of ``shard_sequence(x, comm, ring=ring)``.
+        k: ``[batch, seq_local, kv_heads, head_dim]``; ``kv_heads`` divides ``heads``.
+        v: like ``k``.
+        comm: the sequence-parallel communicator.
+        ring: the ring degree ``R`` (divides ``P``; ``heads`` must split over ``U = P / R``).
+        causal: causal mask over global positions (the zig-zag layout balances it over the ring).
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        doc_ids: packed sequences: ``[batch, seq_local]`` document ids in the same layout.
+
+    Returns:
+        ``[batch, seq_local, heads, head_dim]``, equal to single-process SDPA on the gathered tensors.
+    """
+    if ring == 1:
+        return ulysses_attention(q, k, v, comm, causal=causal, scale=scale, doc_ids=doc_ids)
+    p = comm.size
+    uly, rng = ring_groups(comm, ring)
+    u = uly.size
+    check_sizes(q, k, v, u, 1)
+    ring_positions(q.shape[1] * p, p, ring, comm.rank)  # validates the length
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    k, v = _replicate_kv(k, v, u)
+    qh, kh, vh = seq_to_heads(q, k, v, comm=uly) if u > 1 else (q, k, v)
+    docs = None
+    if doc_ids is not None:  # every ring group's [front, back] document ids
+        if tuple(doc_ids.shape) != tuple(q.shape[:2]):
+            raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must be [batch, seq_local] = {tuple(q.shape[:2])}")
+        full = gather_sequence(doc_ids.to(torch.int64), comm, ring=ring).to(q.device)
+        n = full.shape[1]
+        docs = [full[:, torch.cat([ring_positions(n, p, ring, g * u + i, device=q.device) for i in range(u)])]
+                for g in range(ring)]
+    o = _RingAttention.apply(qh, kh, vh, rng, bool(causal), float(scale), docs)
+    return heads_to_seq(o, comm=uly)[0] if u > 1 else o
 
 
 # ---------------------------------------------------------------------------------------------- FPDT

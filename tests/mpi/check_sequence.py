@@ -16,6 +16,7 @@ from loom.parallel.sequence import (
     fpdt_attention,
     gather_sequence,
     local_positions,
+    ring_attention,
     shard_sequence,
     ulysses_attention,
 )
@@ -47,7 +48,7 @@ def _reference(q, k, v, causal, go, doc=None):
 
 
 def _compare(comm, fn, b, n, h, hk, d, chunks, causal, g, dtype=torch.float64, tol=TOL, ref_dtype=None,
-             packed=False):
+             packed=False, ring=1):
     ref_dtype = ref_dtype or dtype
     q = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
     k = torch.randn(b, n, hk, d, generator=g, dtype=torch.float64)
@@ -57,16 +58,16 @@ def _compare(comm, fn, b, n, h, hk, d, chunks, causal, g, dtype=torch.float64, t
     if packed:  # documents of random lengths (boundaries anywhere, also inside chunks)
         doc = torch.cumsum((torch.rand(b, n, generator=g) < 0.2).long(), dim=1)
     ref = _reference(*(t.to(ref_dtype) for t in (q, k, v)), causal, go.to(ref_dtype), doc)
-    loc = [shard_sequence(t.to(dtype), comm, chunks=chunks).requires_grad_() for t in (q, k, v)]
-    out = fn(*loc) if doc is None else fn(*loc, doc_ids=shard_sequence(doc, comm, chunks=chunks))
-    grads = torch.autograd.grad(out, loc, shard_sequence(go.to(dtype), comm, chunks=chunks))
+    loc = [shard_sequence(t.to(dtype), comm, chunks=chunks, ring=ring).requires_grad_() for t in (q, k, v)]
+    out = fn(*loc) if doc is None else fn(*loc, doc_ids=shard_sequence(doc, comm, chunks=chunks, ring=ring))
+    grads = torch.autograd.grad(out, loc, shard_sequence(go.to(dtype), comm, chunks=chunks, ring=ring))
     for name, mine, want in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
-        got = gather_sequence(mine.detach(), comm, chunks=chunks).double()
+        got = gather_sequence(mine.detach(), comm, chunks=chunks, ring=ring).double()
         want = want.double()
         # fp64: absolute; bf16: relative to the reference's largest entry (gradients sum many terms)
         err = (got - want).abs().max().item() / (1.0 if dtype == torch.float64 else max(1.0, want.abs().max().item()))
         assert err <= tol, f"{name} error {err:.3g} > {tol} (P={comm.size}, b={b}, n={n}, h={h}, hk={hk}, " \
-                           f"chunks={chunks}, causal={causal}, dtype={dtype})"
+                           f"chunks={chunks}, ring={ring}, causal={causal}, dtype={dtype})"
 
 
 def check_shard_gather(comm):
@@ -106,6 +107,53 @@ def check_fpdt_exact(comm):
         _compare(comm, lambda q, k, v: fpdt_attention(q, k, v, comm, chunks=chunks, causal=causal,
                                                       offload=offload),
                  b, p * chunks * 2, h, hk, 4, chunks, causal, g)
+
+
+def _rings(p: int) -> list[int]:
+    return [r for r in range(2, p + 1) if p % r == 0]
+
+
+def check_ring_layout(comm):
+    """The zig-zag layout: every rank holds a front and a back piece of its ring group; shard/gather invert."""
+    g = seeded(comm, 7)
+    p = comm.size
+    for ring in _rings(p):
+        n = 2 * p * 3
+        x = torch.randn(2, n, 3, generator=g, dtype=torch.float64)
+        loc = shard_sequence(x, comm, ring=ring)
+        assert torch.equal(gather_sequence(loc, comm, ring=ring), x)
+        pos = local_positions(n // p, comm, ring=ring)
+        assert torch.equal(loc, x[:, pos])
+        allpos = torch.sort(torch.cat([comm.allgather(pos)]))[0] if p > 1 else pos
+        assert torch.equal(allpos, torch.arange(n)), allpos
+        j, c = comm.rank // (p // ring), n // (2 * ring)
+        mine = set(pos.tolist())
+        group = set(torch.cat(comm.allgather(pos.reshape(1, -1)).unbind(0)).tolist()) if p > 1 else mine
+        assert group >= set(range(j * c, (j + 1) * c)) | set(range((2 * ring - 1 - j) * c, (2 * ring - j) * c))
+
+
+def check_ring_exact(comm):
+    """Ulysses x ring against one process: 2 query heads and 1 kv head at every ring degree dividing P (ring P x
+    Ulysses 1, ring 2 x Ulysses 2 at 4 ranks), causal and not, packed documents, both block kernels."""
+    g = seeded(comm, 8)
+    p = comm.size
+    for ring in _rings(p):
+        for idx, (causal, h, hk, kernel) in enumerate(itertools.product(
+                (True, False), (2, 4), (1, 2), ("flash", "torch"))):
+            if (h // (p // ring)) * (p // ring) != h:
+                continue
+            os.environ["LOOM_ATTN_KERNEL"] = kernel
+            tile, blocks.TILE = blocks.TILE, 3
+            try:
+                _compare(comm, lambda q, k, v: ring_attention(q, k, v, comm, ring=ring, causal=causal),
+                         1 + idx % 2, 2 * p * 3, h, hk, 4, 1, causal, g, ring=ring)
+                if causal and hk == 1:
+                    _compare(comm, lambda q, k, v, doc_ids: ring_attention(q, k, v, comm, ring=ring, causal=causal,
+                                                                           doc_ids=doc_ids),
+                             2, 2 * p * 4, h, hk, 4, 1, causal, g, ring=ring, packed=True)
+            finally:
+                del os.environ["LOOM_ATTN_KERNEL"]
+                blocks.TILE = tile
 
 
 def check_fpdt_torch_kernel(comm):

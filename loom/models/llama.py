@@ -10,6 +10,9 @@ Sequence parallelism (``LlamaConfig.sequence_parallel``):
 * ``"none"``: every rank holds whole sequences; attention is SDPA.
 * ``"ulysses"``: tokens are sharded contiguously over the ``sp`` communicator
   (``shard_sequence(x, comm, chunks=1)``); attention is :func:`~loom.parallel.sequence.ulysses_attention`.
+  With ``ring = R > 1`` the ``sp`` ranks form ``R`` Ulysses groups with ring attention across them
+  (:func:`~loom.parallel.sequence.ring_attention`; tokens in the zig-zag layout,
+  ``shard_sequence(x, comm, ring=R)``), so ``sp`` may exceed the head count.
 * ``"fpdt"``: tokens are sharded in the FPDT layout (``shard_sequence(x, comm, chunks=cfg.chunks)``);
   each block is one :class:`~loom.parallel.sequence.FPDTPipeline` (the attention of
   :func:`~loom.parallel.sequence.fpdt_attention`, with the projections, residuals and FFN fused in per chunk)
@@ -56,7 +59,7 @@ from torch import nn
 from ..parallel.moe import MoE, MoEConfig
 from .config import SEQUENCE_PARALLEL, LlamaConfig, LlamaShape
 from ..parallel.offload import chunk_store
-from ..parallel.sequence import FPDTPipeline, _global_docs, check_sizes, local_positions, ulysses_attention
+from ..parallel.sequence import FPDTPipeline, _global_docs, check_sizes, local_positions, ring_attention
 
 __all__ = [
     "LlamaShape", "LlamaConfig", "Llama", "MoEFeedForward", "build_llama", "chunked_lm_loss", "chunked_ffn",
@@ -249,7 +252,7 @@ class Attention(nn.Module):
         k = packed[..., nq:nq + nk].unflatten(-1, (self.kv_heads, c.head_dim))
         v = packed[..., nq + nk:].unflatten(-1, (self.kv_heads, c.head_dim))
         if c.sequence_parallel == "ulysses":
-            o = ulysses_attention(q, k, v, self.sp, causal=c.causal, doc_ids=doc)
+            o = ring_attention(q, k, v, self.sp, ring=c.ring, causal=c.causal, doc_ids=doc)  # ring 1: Ulysses
         else:  # "none" ("fpdt" blocks run _FPDTBlock instead)
             mask = None
             if doc is not None:
@@ -501,7 +504,8 @@ class Llama(nn.Module):
         """Global positions of this rank's ``seq_local`` tokens in the model's layout."""
         if self.sp is None:
             return torch.arange(seq_local, device=device)
-        return local_positions(seq_local, self.sp, chunks=self.cfg.layout_chunks, device=device)
+        return local_positions(seq_local, self.sp, chunks=self.cfg.layout_chunks, device=device,
+                               ring=self.cfg.layout_ring)
 
     def hidden_states(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Last block's output ``[B, s, hidden]`` (before the final norm) for this rank's tokens ``[B, s]``.

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,10 @@ class MeshConfig:
     """Pipeline parallel: stages that each hold a contiguous range of layers."""
     sp: int = 1
     """Sequence parallel (Ulysses / FPDT): ranks that each hold a slice of every sequence."""
+    sp_ring: int = 0
+    """Ring degree inside sp (Ulysses x ring, ``sequence.algorithm = 'ulysses'``): ``sp / sp_ring`` ranks per
+    Ulysses group, ring attention across the ``sp_ring`` groups, so sp may exceed the head count. 0: chosen
+    from the heads (1 when they split over sp, else the smallest ring whose Ulysses group they split over)."""
     ep: int = 1
     """Expert parallel (MoE only)."""
     tp: int = 1
@@ -120,6 +125,12 @@ class MeshConfig:
             v = getattr(self, k)
             _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                   f"mesh.{k} = {v!r} must be an integer >= 1")
+        r = self.sp_ring
+        _need(isinstance(r, int) and not isinstance(r, bool) and r >= 0,
+              f"mesh.sp_ring = {r!r} must be an integer >= 0 (0: chosen from the heads)")
+        _need(r == 0 or self.sp % r == 0,
+              f"mesh.sp_ring = {r} does not divide mesh.sp = {self.sp}; the sp ranks form sp_ring Ulysses groups: "
+              f"choose sp_ring among {[d for d in range(1, self.sp + 1) if self.sp % d == 0]}")
         _need(self.schedule in ("1f1b", "gpipe"), f"mesh.schedule = {self.schedule!r}; valid: 1f1b, gpipe")
 
     @property
@@ -395,15 +406,16 @@ class Config:
         _need(per_dp % d.micro_batches == 0,
               f"per-replica batch {per_dp} (data.batch / mesh.dp) is not divisible by data.micro_batches = "
               f"{d.micro_batches}; change one of them")
-        unit = mesh.sp * s.chunks
+        self._check_ring()
+        ring = mesh.sp_ring
+        unit = mesh.sp * s.chunks if ring == 1 else math.lcm(mesh.sp, 2 * ring)
         if d.seq_len % unit:
             need = -(-d.seq_len // unit) * unit
             raise ConfigError(
                 f"data.seq_len = {d.seq_len} is not divisible by mesh.sp = {mesh.sp} x sequence.chunks = "
-                f"{s.chunks}; use data.seq_len = {need} or change mesh.sp / sequence.chunks")
-        _need(m.heads % mesh.sp == 0,
-              f"model.heads = {m.heads} is not divisible by mesh.sp = {mesh.sp}; Ulysses gives each sp rank "
-              f"heads/sp heads: choose sp dividing {m.heads}")
+                f"{s.chunks}; use data.seq_len = {need} or change mesh.sp / sequence.chunks" if ring == 1 else
+                f"data.seq_len = {d.seq_len} is not divisible by mesh.sp = {mesh.sp} and by 2 x mesh.sp_ring = "
+                f"{2 * ring} (the ring's zig-zag layout); use data.seq_len = {need}")
         _need(mesh.pp <= m.layers,
               f"mesh.pp = {mesh.pp} exceeds model.layers = {m.layers}; every pipeline stage needs a layer")
         _need(self.zero.stage == 0 or mesh.ep == 1,
@@ -415,6 +427,41 @@ class Config:
             _need(m.ffn == "moe", f"mesh.ep = {mesh.ep} needs model.ffn = 'moe' (got {m.ffn!r})")
             _need(m.experts % mesh.ep == 0,
                   f"model.experts = {m.experts} is not divisible by mesh.ep = {mesh.ep}")
+
+    def _check_ring(self) -> None:
+        """Resolve ``mesh.sp_ring = 0`` from the heads, then check that the heads split over each Ulysses group
+        of ``sp / sp_ring`` ranks (query heads evenly; kv heads evenly or replicated)."""
+        m, mesh, s = self.model, self.mesh, self.sequence
+        kv = m.kv_heads or m.heads
+        tp = mesh.tp
+
+        def fits(u: int) -> bool:
+            return (m.heads // tp) % u == 0 and ((kv // tp) % u == 0 or u % (kv // tp) == 0)
+
+        rings = [r for r in range(1, mesh.sp + 1) if mesh.sp % r == 0 and fits(mesh.sp // r)]
+        if mesh.sp_ring == 0:
+            mesh.sp_ring = 1 if fits(mesh.sp) or s.algorithm != "ulysses" or not rings else rings[0]
+        ring, u = mesh.sp_ring, mesh.sp // mesh.sp_ring
+        if ring > 1:
+            _need(s.algorithm == "ulysses",
+                  f"mesh.sp_ring = {ring} with sequence.algorithm = {s.algorithm!r}: the ring runs across Ulysses "
+                  f"groups and FPDT's chunks do not compose with it yet; use sequence.algorithm = 'ulysses' or "
+                  f"mesh.sp_ring = 1")
+            _need(mesh.pp == 1 and tp == 1 and not (m.hf or m.hf_config),
+                  f"mesh.sp_ring = {ring} with mesh.pp = {mesh.pp}, mesh.tp = {tp}"
+                  f"{', a transformers model' if m.hf or m.hf_config else ''}: Ulysses x ring composes with dp "
+                  f"and ZeRO only so far; use mesh.pp = mesh.tp = 1 and loom's Llama, or mesh.sp_ring = 1")
+        what = "Ulysses gives each sp rank heads/sp heads" if ring == 1 else \
+            f"each Ulysses group of sp / sp_ring = {u} ranks splits the heads"
+        fix = f"use --mesh.sp_ring to put sp = {mesh.sp} past the heads (sequence.algorithm = 'ulysses')" \
+            if s.algorithm == "ulysses" else f"choose sp dividing {m.heads}"
+        _need(m.heads % u == 0,
+              f"model.heads = {m.heads} is not divisible by {'mesh.sp' if ring == 1 else 'sp / sp_ring'} = {u}; "
+              f"{what}: {fix}" + (f" (e.g. --mesh.sp_ring={rings[0]})" if s.algorithm == "ulysses" and rings else ""))
+        _need(kv % u == 0 or u % kv == 0,
+              f"model.kv_heads = {kv} is neither a multiple nor a divisor of {u} ranks per Ulysses group; kv heads "
+              f"are split or replicated evenly: choose mesh.sp / mesh.sp_ring among the multiples or divisors "
+              f"of {kv}")
 
     def _check_tp(self) -> None:
         """Tensor parallelism composes with dp (ZeRO stage 0-1 over dp) and Ulysses sp today; other axes are

@@ -78,6 +78,7 @@ from ..compress import stats as compress_stats
 from ..parallel import HybridParallel
 from ..parallel.data import GradReducer, dp_stats
 from ..parallel.offload import transfer_stats
+from ..parallel.sequence import ring_positions
 from ..parallel.zero import zero_stats
 from . import checkpoint as ckpt
 from .config import Config, ConfigError, config_to_dict
@@ -185,12 +186,15 @@ class TimedComm:
         return timed
 
 
-def sp_layout(n: int, p: int, r: int, chunks: int) -> torch.Tensor:
-    """Global positions of sp rank ``r``'s tokens of a length-``n`` sequence (FPDT layout; contiguous for 1 chunk).
+def sp_layout(n: int, p: int, r: int, chunks: int, ring: int = 1) -> torch.Tensor:
+    """Global positions of sp rank ``r``'s tokens of a length-``n`` sequence (FPDT layout; contiguous for 1 chunk;
+    the zig-zag layout of ``loom.parallel.sequence.ring_positions`` for ``ring > 1``).
 
     Same layout as ``loom.parallel.sequence.shard_sequence``: ``chunks x p`` pieces, rank ``r`` holds pieces
     ``r, r+p, r+2p, ...``.
     """
+    if ring > 1:
+        return ring_positions(n, p, ring, r)  # host: it indexes the host batch, then moves
     c = n // (p * chunks)
     starts = (torch.arange(chunks, device="cpu") * p + r) * c  # host: it indexes the host batch, then moves
     return (starts[:, None] + torch.arange(c, device="cpu")[None, :]).reshape(-1)
@@ -275,7 +279,8 @@ class Trainer:
         self.model = self.tm.module
         if hasattr(self.tm, "tokenize_corpus"):  # a transformers checkpoint's own tokenizer
             self.corpus = self.tm.tokenize_corpus(self.corpus)
-        self.positions = sp_layout(cfg.data.seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks).to(self.device)
+        self.positions = sp_layout(cfg.data.seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks,
+                                   cfg.mesh.sp_ring).to(self.device)
         self.tm.positions.value = self.positions
         self.hybrid = None
         if self.pp is not None:

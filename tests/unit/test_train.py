@@ -31,7 +31,12 @@ def test_overrides_parse_types_and_apply(tmp_path):
     ({"modle": {}}, ["unknown config section [modle]", "model, mesh"]),
     ({"train": {"steps": "ten"}}, ["train.steps = 'ten' must be an integer"]),
     ({"model": {"hidden": 30, "heads": 4}}, ["model.hidden = 30 is not divisible by model.heads = 4"]),
-    ({"mesh": {"sp": 8}}, ["model.heads = 4 is not divisible by mesh.sp = 8"]),
+    ({"mesh": {"sp": 8, "sp_ring": 1}}, ["model.heads = 4 is not divisible by mesh.sp = 8", "--mesh.sp_ring=2"]),
+    ({"mesh": {"sp": 8}, "sequence": {"algorithm": "fpdt"}}, ["model.heads = 4 is not divisible by mesh.sp = 8"]),
+    ({"mesh": {"sp": 4, "sp_ring": 3}}, ["mesh.sp_ring = 3 does not divide mesh.sp = 4", "[1, 2, 4]"]),
+    ({"mesh": {"sp": 4, "sp_ring": 2}, "sequence": {"algorithm": "fpdt"}}, ["FPDT's chunks do not compose"]),
+    ({"mesh": {"sp": 4, "sp_ring": 2, "pp": 2}}, ["composes with dp and ZeRO only"]),
+    ({"mesh": {"sp": 8}, "data": {"seq_len": 36}}, ["2 x mesh.sp_ring = 4", "use data.seq_len = 40"]),
     ({"data": {"batch": 3}, "mesh": {"dp": 2}}, ["data.batch = 3 is not divisible by mesh.dp = 2"]),
     ({"sequence": {"chunks": 2}}, ["needs sequence.algorithm = 'fpdt'"]),
     ({"mesh": {"ep": 2}}, ["mesh.ep = 2 needs model.ffn = 'moe'"]),
@@ -50,6 +55,13 @@ def test_unknown_override_lists_valid_keys():
         load_config(None, ["--optim.learning_rate=1"])
     with pytest.raises(ConfigError, match="overrides look like --section.key=value"):
         load_config(None, ["steps=3"])
+
+
+def test_sp_ring_chosen_from_the_heads():
+    assert config_from_dict({"mesh": {"sp": 4}}).mesh.sp_ring == 1  # 4 heads split over 4 ranks
+    assert config_from_dict({"mesh": {"sp": 8}}).mesh.sp_ring == 2  # Ulysses 4 x ring 2
+    assert config_from_dict({"mesh": {"sp": 8}, "model": {"heads": 2, "kv_heads": 1}}).mesh.sp_ring == 4
+    assert config_from_dict({"mesh": {"sp": 4, "sp_ring": 4}}).mesh.sp_ring == 4
 
 
 def test_mesh_must_match_world():

@@ -407,15 +407,14 @@ class Config:
               f"per-replica batch {per_dp} (data.batch / mesh.dp) is not divisible by data.micro_batches = "
               f"{d.micro_batches}; change one of them")
         self._check_ring()
-        ring = mesh.sp_ring
-        unit = mesh.sp * s.chunks if ring == 1 else math.lcm(mesh.sp, 2 * ring)
-        if d.seq_len % unit:
-            need = -(-d.seq_len // unit) * unit
+        if self.padded_seq_len != d.seq_len and (mesh.pp > 1 or mesh.tp > 1 or m.hf or m.hf_config):
+            ring, need = mesh.sp_ring, self.padded_seq_len
             raise ConfigError(
                 f"data.seq_len = {d.seq_len} is not divisible by mesh.sp = {mesh.sp} x sequence.chunks = "
                 f"{s.chunks}; use data.seq_len = {need} or change mesh.sp / sequence.chunks" if ring == 1 else
                 f"data.seq_len = {d.seq_len} is not divisible by mesh.sp = {mesh.sp} and by 2 x mesh.sp_ring = "
-                f"{2 * ring} (the ring's zig-zag layout); use data.seq_len = {need}")
+                f"{2 * ring} (the ring's zig-zag layout); use data.seq_len = {need} (loom pads the sequence only "
+                f"for loom's Llama without mesh.pp and mesh.tp)")
         _need(mesh.pp <= m.layers,
               f"mesh.pp = {mesh.pp} exceeds model.layers = {m.layers}; every pipeline stage needs a layer")
         _need(self.zero.stage == 0 or mesh.ep == 1,
@@ -427,6 +426,15 @@ class Config:
             _need(m.ffn == "moe", f"mesh.ep = {mesh.ep} needs model.ffn = 'moe' (got {m.ffn!r})")
             _need(m.experts % mesh.ep == 0,
                   f"model.experts = {m.experts} is not divisible by mesh.ep = {mesh.ep}")
+
+    @property
+    def padded_seq_len(self) -> int:
+        """``data.seq_len`` rounded up to what the sequence layout splits evenly (``sp x chunks``; under the
+        ring, ``sp`` and ``2 x sp_ring``). The trainer pads each sequence at its end: pad targets are ignored
+        (the loss is the mean over real targets) and, attention being causal, no real token sees a pad."""
+        mesh, n = self.mesh, self.data.seq_len
+        unit = mesh.sp * self.sequence.chunks if mesh.sp_ring <= 1 else math.lcm(mesh.sp, 2 * mesh.sp_ring)
+        return -(-n // unit) * unit
 
     def _check_ring(self) -> None:
         """Resolve ``mesh.sp_ring = 0`` from the heads, then check that the heads split over each Ulysses group

@@ -421,7 +421,9 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
         f"{f' tp={mesh.tp}' if mesh.tp > 1 else ''} = {mesh.size} ranks"
         + (f" (sp = Ulysses {mesh.sp // mesh.sp_ring} x ring {mesh.sp_ring})" if mesh.sp_ring > 1 else ""),
         f"  stages     {stages}" + (" (HybridParallel's split: min-max parameters)" if mesh.pp > 1 else ""),
-        f"  sequence   {seq.algorithm}, seq_len {d.seq_len:,} -> {d.seq_len // mesh.sp:,} tokens per sp rank, "
+        f"  sequence   {seq.algorithm}, seq_len {d.seq_len:,}"
+        + (f" (padded to {cfg.padded_seq_len:,})" if cfg.padded_seq_len != d.seq_len else "")
+        + f" -> {cfg.padded_seq_len // mesh.sp:,} tokens per sp rank, "
         f"chunks {seq.chunks}, offload {seq.offload}, recompute {seq.recompute}"
         + (f", attention kernel {attention_kernel(cfg)}" if seq.algorithm == "fpdt" and mesh.sp > 1 else ""),
         f"  batch      {d.batch} sequences/step global, {d.batch // (mesh.dp * mesh.ep)} per dp replica, "

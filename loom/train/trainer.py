@@ -279,7 +279,7 @@ class Trainer:
         self.model = self.tm.module
         if hasattr(self.tm, "tokenize_corpus"):  # a transformers checkpoint's own tokenizer
             self.corpus = self.tm.tokenize_corpus(self.corpus)
-        self.positions = sp_layout(cfg.data.seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks,
+        self.positions = sp_layout(cfg.padded_seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks,
                                    cfg.mesh.sp_ring).to(self.device)
         self.tm.positions.value = self.positions
         self.hybrid = None
@@ -649,6 +649,10 @@ class Trainer:
         b = d.batch // (m.dp * m.ep)
         r0 = (self.dp_rank * m.ep + self.ep_rank) * b  # ep ranks take different rows, like dp replicas
         cols = self.positions.cpu()
+        pad = self.cfg.padded_seq_len - d.seq_len
+        if pad:  # at the end: the loss ignores pad targets, and causal attention never shows a pad to a real token
+            x = torch.nn.functional.pad(x, (0, pad), value=0)
+            y = torch.nn.functional.pad(y, (0, pad), value=-100)  # the loss's ignore_index
         x, y = x[r0:r0 + b][:, cols], y[r0:r0 + b][:, cols]
         return x.to(self.device), y.to(self.device)
 

@@ -25,11 +25,11 @@ pytestmark = pytest.mark.mpi
 
 @pytest.mark.parametrize("override, words", [
     ("--model.hiden=64", ["unknown key model.hiden", "valid keys in [model]: layers, hidden"]),
-    ("--data.seq_len=33", ["data.seq_len = 33 is not divisible by mesh.sp = 2", "use data.seq_len = 34"]),
+    ("--mesh.sp_ring=3", ["mesh.sp_ring = 3 does not divide mesh.sp = 2", "choose sp_ring among [1, 2]"]),
     ("--mesh.dp=4", ["mesh dp=4", "= 4 ranks but the job has 2"]),
 ])
 def test_bad_config_exits_2_on_every_rank(tmp_path, override, words):
-    extra = ["--mesh.sp=2"] if "seq_len" in override else []
+    extra = ["--mesh.sp=2"] if "sp_ring" in override else []
     proc = train_job(2, f"--train.out={tmp_path}", *extra, override, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     # Once per job: rank 0 prints, the other rank exits 2 in silence (the launcher's exit code is the ranks').

@@ -36,12 +36,11 @@ def test_overrides_parse_types_and_apply(tmp_path):
     ({"mesh": {"sp": 4, "sp_ring": 3}}, ["mesh.sp_ring = 3 does not divide mesh.sp = 4", "[1, 2, 4]"]),
     ({"mesh": {"sp": 4, "sp_ring": 2}, "sequence": {"algorithm": "fpdt"}}, ["FPDT's chunks do not compose"]),
     ({"mesh": {"sp": 4, "sp_ring": 2, "pp": 2}}, ["composes with dp and ZeRO only"]),
-    ({"mesh": {"sp": 8}, "data": {"seq_len": 36}}, ["2 x mesh.sp_ring = 4", "use data.seq_len = 40"]),
     ({"data": {"batch": 3}, "mesh": {"dp": 2}}, ["data.batch = 3 is not divisible by mesh.dp = 2"]),
     ({"sequence": {"chunks": 2}}, ["needs sequence.algorithm = 'fpdt'"]),
     ({"mesh": {"ep": 2}}, ["mesh.ep = 2 needs model.ffn = 'moe'"]),
     ({"mesh": {"ep": 2}, "model": {"ffn": "moe", "experts": 3, "top_k": 1}}, ["experts = 3 is not divisible"]),
-    ({"data": {"seq_len": 30}, "mesh": {"sp": 4}}, ["data.seq_len = 30", "use data.seq_len = 32"]),
+    ({"data": {"seq_len": 30}, "mesh": {"sp": 4, "pp": 2}}, ["data.seq_len = 30", "use data.seq_len = 32"]),
 ])
 def test_config_errors_name_value_rule_fix(data, words):
     with pytest.raises(ConfigError) as exc:
@@ -62,6 +61,13 @@ def test_sp_ring_chosen_from_the_heads():
     assert config_from_dict({"mesh": {"sp": 8}}).mesh.sp_ring == 2  # Ulysses 4 x ring 2
     assert config_from_dict({"mesh": {"sp": 8}, "model": {"heads": 2, "kv_heads": 1}}).mesh.sp_ring == 4
     assert config_from_dict({"mesh": {"sp": 4, "sp_ring": 4}}).mesh.sp_ring == 4
+
+
+def test_any_length_is_padded_to_the_layout():
+    assert config_from_dict({"mesh": {"sp": 4}, "data": {"seq_len": 31}}).padded_seq_len == 32
+    assert config_from_dict({"mesh": {"sp": 8}, "data": {"seq_len": 36}}).padded_seq_len == 40  # ring 2: lcm(8, 4)
+    assert config_from_dict({"mesh": {"sp": 2}, "sequence": {"algorithm": "fpdt", "chunks": 3},
+                             "data": {"seq_len": 31}}).padded_seq_len == 36
 
 
 def test_mesh_must_match_world():

@@ -59,7 +59,8 @@ from torch import nn
 from ..parallel.moe import MoE, MoEConfig
 from .config import SEQUENCE_PARALLEL, LlamaConfig, LlamaShape
 from ..parallel.offload import chunk_store
-from ..parallel.sequence import FPDTPipeline, _global_docs, check_sizes, local_positions, ring_attention
+from ..parallel.sequence import (FPDTPipeline, HeadPlan, _global_docs, check_sizes, local_positions,
+                                 ring_attention)
 
 __all__ = [
     "LlamaShape", "LlamaConfig", "Llama", "MoEFeedForward", "build_llama", "chunked_lm_loss", "chunked_ffn",
@@ -320,7 +321,8 @@ class _FPDTBlock(torch.autograd.Function):
         u = cfg.chunks
         c = s // u
         store = chunk_store(cfg.offload, x.device)
-        pipe = FPDTPipeline(a.sp, u, cfg.causal, 1.0 / math.sqrt(cfg.head_dim), store, x.device, block.doc)
+        pipe = FPDTPipeline(a.sp, u, cfg.causal, 1.0 / math.sqrt(cfg.head_dim), store, x.device, block.doc,
+                            block.heads_plan())
         out = torch.empty_like(x)
         hx = [store.put(x[:, i * c:(i + 1) * c]) for i in range(u)] if keep else []
         ho: list[int] = []
@@ -401,7 +403,8 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
     def qkv_chunk(self, i: int, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v ``[B, c, heads|kv_heads, D]`` of local chunk ``i`` (kv replicated to split over sp ranks)."""
+        """q, k, v ``[B, c, heads|kv_heads, D]`` of local chunk ``i`` (kv gathered to split over the sp ranks,
+        :meth:`HeadPlan.gather_kv <loom.parallel.sequence.HeadPlan.gather_kv>`)."""
         cfg, a = self.cfg, self.attn
         b, c, _ = xc.shape
         packed = a.qkv(self.attn_norm(xc), self.pos[i * c:(i + 1) * c])
@@ -409,10 +412,11 @@ class Block(nn.Module):
         q = packed[..., :nq].unflatten(-1, (cfg.heads, cfg.head_dim))
         k = packed[..., nq:nq + nk].unflatten(-1, (cfg.kv_heads, cfg.head_dim))
         v = packed[..., nq + nk:].unflatten(-1, (cfg.kv_heads, cfg.head_dim))
-        p = a.sp.size if a.sp is not None else 1
-        if cfg.kv_heads % p:
-            k, v = k.repeat_interleave(p // cfg.kv_heads, dim=2), v.repeat_interleave(p // cfg.kv_heads, dim=2)
-        return q, k, v
+        return (q, *self.heads_plan().gather_kv(k, v))
+
+    def heads_plan(self) -> HeadPlan:
+        """How this block's heads split over the sp ranks (:class:`~loom.parallel.sequence.HeadPlan`)."""
+        return HeadPlan.make(self.cfg.heads, self.cfg.kv_heads, self.attn.sp.size if self.attn.sp is not None else 1)
 
     def tail(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Token-wise rest of the block for one FPDT chunk: ``x1 = x + wo(o)``, ``x1 + ffn(norm(x1))``."""

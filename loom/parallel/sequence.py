@@ -43,6 +43,7 @@ few ``TILE x TILE`` score tiles, not ``(P c)^2``. No flash-attn dependency.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -68,6 +69,7 @@ __all__ = [
     "seq_to_heads",
     "heads_to_seq",
     "check_sizes",
+    "HeadPlan",
     "alltoall_stats",
     "reset_alltoall_stats",
     "attention_kernel",
@@ -101,12 +103,10 @@ def check_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: int, chunk
         raise ValueError(f"chunks={chunks!r}; chunks is an integer >= 1")
     if h % hk:
         raise ValueError(f"heads {h} is not divisible by kv_heads {hk}; GQA needs kv_heads to divide heads")
-    if h % p:
-        raise ValueError(f"heads {h} is not divisible by sp size {p}; use a head count that is a multiple of "
-                         f"{p} or a smaller sp axis")
-    if hk % p and p % hk:
-        raise ValueError(f"kv_heads {hk} is neither a multiple nor a divisor of sp size {p}; kv heads can only "
-                         f"be split or replicated evenly; choose kv_heads in a multiple or divisor of {p}")
+    if h < p:
+        raise ValueError(f"heads {h} over sp size {p}: every rank of the all-to-all needs a query head, so no split "
+                         f"exists; use an sp group of at most {h} ranks (ring attention takes the rest: "
+                         f"ring_attention, loom train --mesh.sp_ring)")
     if s % chunks:
         n = s * p
         need = -(-n // (p * chunks)) * p * chunks
@@ -114,12 +114,62 @@ def check_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: int, chunk
                          f"{chunks}; pad to {need} or change chunks")
 
 
-def _replicate_kv(k: torch.Tensor, v: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-    hk = k.shape[2]
-    if hk % p == 0:
-        return k, v
-    r = p // hk
-    return k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
+@dataclass(frozen=True)
+class HeadPlan:
+    """Which heads each of ``p`` ranks holds after the all-to-all, for ``heads`` query and ``kv_heads`` kv heads.
+
+    Rank ``r`` gets the contiguous query heads ``[q_start[r], q_start[r] + q[r])`` (``heads / p`` each; when
+    ``p`` does not divide ``heads`` the first ``heads % p`` ranks get one more) and the kv heads those query
+    heads read (GQA: query head ``i`` reads kv head ``i // (heads / kv_heads)``). Before the all-to-all the
+    kv heads are gathered along ``kv_index`` (a kv head that two ranks read is sent to both; autograd sums its
+    gradients), so both tensors split into contiguous per-rank runs of ``q[r]`` and ``kv[r]`` heads. With
+    ``heads`` a multiple of ``p`` and ``kv_heads`` a multiple or divisor of ``p`` this is Ulysses' even split
+    (kv replicated ``p / kv_heads`` times). Where a rank's query heads do not read its kv heads in equal groups
+    (uneven splits), :meth:`local_map` expands its kv heads to one per query head.
+    """
+
+    q: tuple[int, ...]
+    kv: tuple[int, ...]
+    kv_index: tuple[int, ...] | None  # None: the identity (kv heads split evenly as they are)
+    maps: tuple[tuple[int, ...] | None, ...]  # per rank: its query heads' local kv head, None if uniform GQA
+
+    @staticmethod
+    def make(heads: int, kv_heads: int, p: int) -> "HeadPlan":
+        base, extra = divmod(heads, p)
+        q = tuple(base + (r < extra) for r in range(p))
+        g = heads // kv_heads
+        idx: list[int] = []
+        kv, maps = [], []
+        start = 0
+        for r in range(p):
+            lo, hi = start // g, (start + q[r] - 1) // g + 1
+            idx.extend(range(lo, hi))
+            kv.append(hi - lo)
+            local = tuple((start + i) // g - lo for i in range(q[r]))
+            uniform = q[r] % kv[-1] == 0 and local == tuple(i // (q[r] // kv[-1]) for i in range(q[r]))
+            maps.append(None if uniform else local)
+            start += q[r]
+        return HeadPlan(q, tuple(kv), None if idx == list(range(kv_heads)) else tuple(idx), tuple(maps))
+
+    @property
+    def even(self) -> bool:
+        return len(set(self.q)) == 1 and len(set(self.kv)) == 1 and not any(self.maps)
+
+    def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v ``[B, s, kv_heads, D]`` -> ``[B, s, sum(kv), D]``: each rank's kv heads in rank order."""
+        if self.kv_index is None:
+            return k, v
+        idx = torch.tensor(self.kv_index, device=k.device)
+        return k.index_select(2, idx), v.index_select(2, idx)
+
+    def local_map(self, rank: int, device) -> torch.Tensor | None:
+        """Index of the local kv head each local query head reads, or None where GQA groups are equal."""
+        m = self.maps[rank]
+        return None if m is None else torch.tensor(m, device=device)
+
+
+def _head_plan(q: torch.Tensor, k: torch.Tensor, p: int) -> HeadPlan:
+    return HeadPlan.make(q.shape[2], k.shape[2], p)
 
 
 # ---------------------------------------------------------------------------------------------- layouts
@@ -226,24 +276,42 @@ def ring_positions(n: int, p: int, ring: int, rank: int, *, device=None) -> torc
 
 
 # ---------------------------------------------------------------------------------------------- all-to-all
-def _s2h(xs: Sequence[torch.Tensor], comm) -> list[torch.Tensor]:
-    """Sequence- to head-sharding: each ``[B, s, H_x, D]`` becomes ``[B, P s, H_x / P, D]``; one packed alltoall."""
+def _s2h(xs: Sequence[torch.Tensor], comm, counts: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
+    """Sequence- to head-sharding: each ``[B, s, H_x, D]`` becomes ``[B, P s, H_x / P, D]``; one packed alltoall.
+
+    ``counts[x][r]``: heads of tensor ``x`` that rank ``r`` gets (contiguous runs in rank order; default
+    ``H_x / P`` each). Uneven runs travel padded to the largest rank's total (at most one head per tensor)."""
     p = comm.size
     if p == 1:
         return list(xs)
     b, s, _, d = xs[0].shape
-    heads = [x.shape[2] // p for x in xs]
-    parts = [x.reshape(b, s, p, h, d) for x, h in zip(xs, heads)]
-    packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
-    send = packed.permute(2, 0, 1, 3, 4).contiguous()  # [P(dest head group), B, s, hsum, D]
-    recv = comm.alltoall(send)  # [P(src = sequence piece), B, s, hsum, D]
+    if counts is None or all(len(set(c)) == 1 for c in counts):
+        heads = [x.shape[2] // p for x in xs]
+        parts = [x.reshape(b, s, p, h, d) for x, h in zip(xs, heads)]
+        packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
+        send = packed.permute(2, 0, 1, 3, 4).contiguous()  # [P(dest head group), B, s, hsum, D]
+    else:
+        heads = [c[comm.rank] for c in counts]
+        send = _uneven_blocks([list(torch.split(x, list(c), dim=2)) for x, c in zip(xs, counts)], p, dim=2)
+    recv = comm.alltoall(send)  # [P(src = sequence piece), B, s, hsum (padded), D]
     _stats.add("sequence", "sp", alltoall=1)
-    y = recv.permute(1, 0, 2, 3, 4).reshape(b, p * s, sum(heads), d)
+    y = recv[..., :sum(heads), :].permute(1, 0, 2, 3, 4).reshape(b, p * s, sum(heads), d)
     return list(torch.split(y, heads, dim=2)) if len(xs) > 1 else [y]
 
 
-def _h2s(xs: Sequence[torch.Tensor], comm) -> list[torch.Tensor]:
-    """Head- to sequence-sharding: each ``[B, P s, h_x, D]`` becomes ``[B, s, P h_x, D]``; one packed alltoall."""
+def _uneven_blocks(parts: list[list[torch.Tensor]], p: int, dim: int) -> torch.Tensor:
+    """``[P, ...]``: block ``r`` is ``cat(parts[x][r] for x)`` along ``dim`` (of each block), zero-padded to the
+    largest block (so an uneven split still travels as one plain alltoall)."""
+    blocks = [torch.cat([px[r] for px in parts], dim=dim) for r in range(p)]
+    top = max(t.shape[dim] for t in blocks)
+    pad = [0, 0] * (blocks[0].dim() - 1 - dim)
+    return torch.stack([F.pad(t, pad + [0, top - t.shape[dim]]) for t in blocks])
+
+
+def _h2s(xs: Sequence[torch.Tensor], comm, counts: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
+    """Head- to sequence-sharding: each ``[B, P s, h_x, D]`` becomes ``[B, s, P h_x, D]``; one packed alltoall.
+
+    ``counts[x][r]``: heads of tensor ``x`` that rank ``r`` holds (the inverse of :func:`_s2h`'s)."""
     p = comm.size
     if p == 1:
         return list(xs)
@@ -251,9 +319,18 @@ def _h2s(xs: Sequence[torch.Tensor], comm) -> list[torch.Tensor]:
     s = n // p
     heads = [x.shape[2] for x in xs]
     packed = xs[0] if len(xs) == 1 else torch.cat(list(xs), dim=2)
-    send = packed.reshape(b, p, s, sum(heads), d).permute(1, 0, 2, 3, 4).contiguous()
-    recv = comm.alltoall(send)  # [P(src head group), B, s, hsum, D]
+    send = packed.reshape(b, p, s, sum(heads), d).permute(1, 0, 2, 3, 4)
+    if counts is not None and not all(len(set(c)) == 1 for c in counts):
+        top = max(sum(c[r] for c in counts) for r in range(p))
+        send = F.pad(send, [0, 0, 0, top - sum(heads)])
+    recv = comm.alltoall(send.contiguous())  # [P(src head group), B, s, hsum (padded), D]
     _stats.add("sequence", "sp", alltoall=1)
+    if counts is not None and not all(len(set(c)) == 1 for c in counts):
+        outs = []
+        for x, c in enumerate(counts):
+            off = [sum(cc[r] for cc in counts[:x]) for r in range(p)]
+            outs.append(torch.cat([recv[r, :, :, off[r]:off[r] + c[r]] for r in range(p)], dim=2))
+        return outs
     y = recv.permute(1, 2, 0, 3, 4)  # [B, s, P, hsum, D]
     outs = torch.split(y, heads, dim=3) if len(xs) > 1 else [y]
     return [o.reshape(b, s, p * h, d) for o, h in zip(outs, heads)]
@@ -263,23 +340,46 @@ class _AllToAll(torch.autograd.Function):
     """A packed all-to-all ``there`` (:func:`_s2h` or :func:`_h2s`); its backward is the other one, ``back``."""
 
     @staticmethod
-    def forward(ctx, comm, there, back, *xs):
-        ctx.comm, ctx.back = comm, back
-        return tuple(there(xs, comm))
+    def forward(ctx, comm, there, back, counts, *xs):
+        ctx.comm, ctx.back, ctx.counts = comm, back, counts
+        return tuple(there(xs, comm, counts))
 
     @staticmethod
     def backward(ctx, *gs):
-        return (None, None, None, *ctx.back(gs, ctx.comm))  # undefined grads arrive as zeros (materialize_grads)
+        # undefined grads arrive as zeros (materialize_grads)
+        return (None, None, None, None, *ctx.back(gs, ctx.comm, ctx.counts))
 
 
-def seq_to_heads(*xs: torch.Tensor, comm) -> tuple[torch.Tensor, ...]:
-    """Differentiable packed all-to-all ``[B, s, H, D] -> [B, P s, H / P, D]`` (backward: :func:`heads_to_seq`)."""
-    return _AllToAll.apply(comm, _s2h, _h2s, *xs)
+def seq_to_heads(*xs: torch.Tensor, comm, counts=None) -> tuple[torch.Tensor, ...]:
+    """Differentiable packed all-to-all ``[B, s, H, D] -> [B, P s, H / P, D]`` (backward: :func:`heads_to_seq`);
+    ``counts[x][r]``: heads of tensor ``x`` for rank ``r`` (uneven splits, :class:`HeadPlan`)."""
+    return _AllToAll.apply(comm, _s2h, _h2s, counts, *xs)
 
 
-def heads_to_seq(*xs: torch.Tensor, comm) -> tuple[torch.Tensor, ...]:
+def heads_to_seq(*xs: torch.Tensor, comm, counts=None) -> tuple[torch.Tensor, ...]:
     """Differentiable packed all-to-all ``[B, P s, h, D] -> [B, s, P h, D]`` (backward: :func:`seq_to_heads`)."""
-    return _AllToAll.apply(comm, _h2s, _s2h, *xs)
+    return _AllToAll.apply(comm, _h2s, _s2h, counts, *xs)
+
+
+def _to_heads(q, k, v, comm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HeadPlan]:
+    """Ulysses' first all-to-all under a :class:`HeadPlan` (any head count): this rank's query heads and the
+    kv heads they read (one per query head where its GQA groups are unequal), over the whole sequence."""
+    plan = _head_plan(q, k, comm.size)
+    k, v = plan.gather_kv(k, v)
+    if comm.size == 1:
+        return q, k, v, plan
+    counts = None if plan.even else (plan.q, plan.kv, plan.kv)
+    qh, kh, vh = seq_to_heads(q, k, v, comm=comm, counts=counts)
+    m = plan.local_map(comm.rank, q.device)
+    if m is not None:
+        kh, vh = kh.index_select(2, m), vh.index_select(2, m)
+    return qh, kh, vh, plan
+
+
+def _to_seq(o, comm, plan: HeadPlan) -> torch.Tensor:
+    if comm.size == 1:
+        return o
+    return heads_to_seq(o, comm=comm, counts=None if plan.even else (plan.q,))[0]
 
 
 # ---------------------------------------------------------------------------------------------- Ulysses
@@ -316,8 +416,7 @@ def ulysses_attention(
     """
     p = comm.size
     check_sizes(q, k, v, p, 1)
-    k, v = _replicate_kv(k, v, p)
-    qh, kh, vh = seq_to_heads(q, k, v, comm=comm) if p > 1 else (q, k, v)
+    qh, kh, vh, plan = _to_heads(q, k, v, comm)
     doc = _global_docs(doc_ids, q, comm, 1)
     mask = None
     if doc is not None:
@@ -327,9 +426,7 @@ def ulysses_attention(
     o = F.scaled_dot_product_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2),
                                        attn_mask=mask, is_causal=causal and mask is None, scale=scale,
                                        enable_gqa=qh.shape[2] != kh.shape[2]).transpose(1, 2)
-    if p == 1:
-        return o
-    return heads_to_seq(o, comm=comm)[0]
+    return _to_seq(o, comm, plan)
 
 
 # ---------------------------------------------------------------------------------------------- ring
@@ -509,8 +606,7 @@ def ring_attention(
     ring_positions(q.shape[1] * p, p, ring, comm.rank)  # validates the length
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    k, v = _replicate_kv(k, v, u)
-    qh, kh, vh = seq_to_heads(q, k, v, comm=uly) if u > 1 else (q, k, v)
+    qh, kh, vh, plan = _to_heads(q, k, v, uly)
     docs = None
     if doc_ids is not None:  # every ring group's [front, back] document ids
         if tuple(doc_ids.shape) != tuple(q.shape[:2]):
@@ -520,7 +616,7 @@ def ring_attention(
         docs = [full[:, torch.cat([ring_positions(n, p, ring, g * u + i, device=q.device) for i in range(u)])]
                 for g in range(ring)]
     o = _RingAttention.apply(qh, kh, vh, rng, bool(causal), float(scale), docs)
-    return heads_to_seq(o, comm=uly)[0] if u > 1 else o
+    return _to_seq(o, uly, plan)
 
 
 # ---------------------------------------------------------------------------------------------- FPDT
@@ -541,8 +637,15 @@ class FPDTPipeline:
     """
 
     def __init__(self, comm, chunks: int, causal: bool, scale: float, store, device: torch.device,
-                 doc: torch.Tensor | None = None):
+                 doc: torch.Tensor | None = None, plan: HeadPlan | None = None):
         self.comm, self.u, self.causal, self.scale, self.store = comm, chunks, causal, scale, store
+        # uneven head splits (HeadPlan): the all-to-alls' per-rank head counts and this rank's kv expansion
+        even = plan is None or plan.even
+        self.qc = None if even else (plan.q,)
+        self.qkvc = None if even else (plan.q, plan.kv, plan.kv)
+        self.kvc = None if even else (plan.kv, plan.kv)
+        self.map = None if even else plan.local_map(comm.rank, device)
+        self.kv_local = None if even else plan.kv[comm.rank]
         self.kernel = attention_kernel(device)
         self.doc = doc  # global document ids [B, n] (packed sequences) or None
         self._seen: list[list[bool]] | None = None
@@ -581,7 +684,9 @@ class FPDTPipeline:
         hq, hk, hv, ho, hl = self.hq, self.hk, self.hv, self.ho, self.hl
 
         def scatter(i):
-            qi, ki, vi = _s2h(get_qkv(i), comm)
+            qi, ki, vi = _s2h(get_qkv(i), comm, self.qkvc)
+            if self.map is not None:  # unequal GQA groups on this rank: one kv head per query head
+                ki, vi = ki.index_select(2, self.map), vi.index_select(2, self.map)
             # SDPA layout [B, heads, P c, D], contiguous so that the chunk store moves one block.
             qi, ki, vi = (t.transpose(1, 2).contiguous() for t in (qi, ki, vi))
             hq.append(store.put(qi))
@@ -608,7 +713,7 @@ class FPDTPipeline:
             oi = o_acc.to(qi.dtype)
             ho.append(store.put(oi))
             hl.append(store.put(l_acc))
-            (o_seq,) = _h2s([oi.transpose(1, 2)], comm)
+            (o_seq,) = _h2s([oi.transpose(1, 2)], comm, self.qc)
             emit_out(i, o_seq)
 
         if causal:
@@ -632,7 +737,7 @@ class FPDTPipeline:
         hdo = []
         for i in range(u):
             doi = get_dout(i)
-            (doi,) = _s2h([doi], comm)
+            (doi,) = _s2h([doi], comm, self.qc)
             hdo.append(store.put(doi.transpose(1, 2).contiguous()))
             del doi
         hdq: list[int | None] = [None] * u
@@ -665,26 +770,33 @@ class FPDTPipeline:
                 else:
                     store.replace(hdq[i], store.get(hdq[i]) + g_q)
                 del g_q, g_k, g_v
-            sends = [dk_j.to(dtype).transpose(1, 2), dv_j.to(dtype).transpose(1, 2)]
+            sends = [self._fold_kv(dk_j).to(dtype).transpose(1, 2), self._fold_kv(dv_j).to(dtype).transpose(1, 2)]
             del kj, vj, dk_j, dv_j
             if causal:  # dq_j got its last contribution from kv chunk j: send it with dk_j, dv_j
                 sends.insert(0, store.pop(hdq[j]).to(dtype).transpose(1, 2))
                 hdq[j] = None
-                dq_j, dk_j, dv_j = _h2s(sends, comm)
+                dq_j, dk_j, dv_j = _h2s(sends, comm, self.qkvc)
                 del sends
                 emit_grads(j, dq_j, dk_j, dv_j)
             else:  # dq_j is complete only after the last kv chunk: park dk_j, dv_j
-                dk_j, dv_j = _h2s(sends, comm)
+                dk_j, dv_j = _h2s(sends, comm, self.kvc)
                 del sends
                 parked.append((store.put(dk_j), store.put(dv_j)))
             del dk_j, dv_j
         if not causal:
             for i in range(u):
-                (dq_i,) = _h2s([store.pop(hdq[i]).to(dtype).transpose(1, 2)], comm)
+                (dq_i,) = _h2s([store.pop(hdq[i]).to(dtype).transpose(1, 2)], comm, self.qc)
                 emit_grads(i, dq_i, store.pop(parked[i][0]), store.pop(parked[i][1]))
         self.release()
         for h in hdo:
             store.free(h)
+
+    def _fold_kv(self, g: torch.Tensor) -> torch.Tensor:
+        """The gradient of this rank's expanded kv heads ``[B, h, L, D]`` summed back to its own kv heads."""
+        if self.map is None:
+            return g
+        out = g.new_zeros(g.shape[0], self.kv_local, *g.shape[2:])
+        return out.index_add_(1, self.map, g)
 
     def release(self) -> None:
         """Free every saved chunk (after backward, or when the graph is dropped)."""
@@ -698,9 +810,9 @@ class _FPDTAttention(torch.autograd.Function):
     """:class:`FPDTPipeline` on slices of given q/k/v (the standalone :func:`fpdt_attention`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, chunks, causal, scale, offload, doc):
+    def forward(ctx, q, k, v, comm, chunks, causal, scale, offload, doc, plan):
         c = q.shape[1] // chunks
-        pipe = FPDTPipeline(comm, chunks, causal, scale, chunk_store(offload, q.device), q.device, doc)
+        pipe = FPDTPipeline(comm, chunks, causal, scale, chunk_store(offload, q.device), q.device, doc, plan)
         out = torch.empty_like(q)
 
         def emit(i, o):
@@ -726,7 +838,7 @@ class _FPDTAttention(torch.autograd.Function):
 
         ctx.pipe.backward(lambda i: gout[:, i * c:(i + 1) * c], emit)
         ctx.pipe = None
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def fpdt_attention(
@@ -769,9 +881,10 @@ def fpdt_attention(
     check_sizes(q, k, v, p, chunks)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    k, v = _replicate_kv(k, v, p)
+    plan = _head_plan(q, k, p)
+    k, v = plan.gather_kv(k, v)
     doc = _global_docs(doc_ids, q, comm, chunks)
-    return _FPDTAttention.apply(q, k, v, comm, chunks, bool(causal), float(scale), bool(offload), doc)
+    return _FPDTAttention.apply(q, k, v, comm, chunks, bool(causal), float(scale), bool(offload), doc, plan)
 
 
 def _global_docs(doc_ids, q, comm, chunks) -> torch.Tensor | None:

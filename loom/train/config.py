@@ -438,13 +438,16 @@ class Config:
 
     def _check_ring(self) -> None:
         """Resolve ``mesh.sp_ring = 0`` from the heads, then check that the heads split over each Ulysses group
-        of ``sp / sp_ring`` ranks (query heads evenly; kv heads evenly or replicated)."""
+        of ``sp / sp_ring`` ranks: unevenly where they must (``loom.parallel.sequence.HeadPlan``), so only a
+        group larger than the head count has no split; under tp evenly (each tp rank's heads over sp)."""
         m, mesh, s = self.model, self.mesh, self.sequence
-        kv = m.kv_heads or m.heads
         tp = mesh.tp
+        kv = (m.kv_heads or m.heads) // tp
 
         def fits(u: int) -> bool:
-            return (m.heads // tp) % u == 0 and ((kv // tp) % u == 0 or u % (kv // tp) == 0)
+            if tp > 1:
+                return (m.heads // tp) % u == 0 and (kv % u == 0 or u % kv == 0)
+            return m.heads >= u
 
         rings = [r for r in range(1, mesh.sp + 1) if mesh.sp % r == 0 and fits(mesh.sp // r)]
         if mesh.sp_ring == 0:
@@ -459,17 +462,14 @@ class Config:
                   f"mesh.sp_ring = {ring} with mesh.pp = {mesh.pp}, mesh.tp = {tp}"
                   f"{', a transformers model' if m.hf or m.hf_config else ''}: Ulysses x ring composes with dp "
                   f"and ZeRO only so far; use mesh.pp = mesh.tp = 1 and loom's Llama, or mesh.sp_ring = 1")
-        what = "Ulysses gives each sp rank heads/sp heads" if ring == 1 else \
-            f"each Ulysses group of sp / sp_ring = {u} ranks splits the heads"
-        fix = f"use --mesh.sp_ring to put sp = {mesh.sp} past the heads (sequence.algorithm = 'ulysses')" \
-            if s.algorithm == "ulysses" else f"choose sp dividing {m.heads}"
-        _need(m.heads % u == 0,
-              f"model.heads = {m.heads} is not divisible by {'mesh.sp' if ring == 1 else 'sp / sp_ring'} = {u}; "
-              f"{what}: {fix}" + (f" (e.g. --mesh.sp_ring={rings[0]})" if s.algorithm == "ulysses" and rings else ""))
-        _need(kv % u == 0 or u % kv == 0,
-              f"model.kv_heads = {kv} is neither a multiple nor a divisor of {u} ranks per Ulysses group; kv heads "
-              f"are split or replicated evenly: choose mesh.sp / mesh.sp_ring among the multiples or divisors "
-              f"of {kv}")
+        if tp > 1:  # _check_tp words the even rule under tp
+            return
+        group = "mesh.sp" if ring == 1 else "sp / sp_ring"
+        fix = (f"use --mesh.sp_ring={rings[0]} (Ulysses {mesh.sp // rings[0]} x ring {rings[0]})"
+               if s.algorithm == "ulysses" and rings else "use a smaller mesh.sp (or sequence.algorithm = "
+               "'ulysses' with --mesh.sp_ring)")
+        _need(fits(u), f"model.heads = {m.heads} over {group} = {u} ranks: every rank of the Ulysses all-to-all "
+                       f"needs a query head, so no split exists; {fix}")
 
     def _check_tp(self) -> None:
         """Tensor parallelism composes with dp (ZeRO stage 0-1 over dp) and Ulysses sp today; other axes are

@@ -156,6 +156,55 @@ def check_ring_exact(comm):
                 blocks.TILE = tile
 
 
+def _uneven(p: int) -> list[tuple[int, int]]:
+    """(heads, kv_heads) that do not split evenly over p ranks: 4 heads on 3 ranks, 3 or 5 on 2 and 4, 6 on 4;
+    the last of each has a rank whose query heads read their kv heads in unequal groups (8 heads and 2 kv heads
+    on 3 ranks: rank 1 holds query heads 3, 4, 5, reading kv heads 0, 1, 1)."""
+    return {1: [], 2: [(3, 3), (3, 1), (9, 3)], 3: [(4, 4), (4, 2), (4, 1), (5, 5), (8, 2)],
+            4: [(6, 6), (6, 3), (6, 2), (5, 1), (10, 2)]}[p]
+
+
+def check_uneven_heads_exact(comm):
+    """Heads (and kv heads) that do not divide the sp group split unevenly, exact for Ulysses, FPDT (chunks,
+    offload, packed documents) and Ulysses x ring (3 heads over Ulysses 2 x ring 2 at 4 ranks)."""
+    g = seeded(comm, 10)
+    p = comm.size
+    for idx, (h, hk) in enumerate(_uneven(p)):
+        for causal in (True, False):
+            _compare(comm, lambda q, k, v: ulysses_attention(q, k, v, comm, causal=causal),
+                     1 + idx % 2, 2 * p, h, hk, 4, 1, causal, g)
+            for chunks, offload in ((1, False), (2, True)):
+                _compare(comm, lambda q, k, v: fpdt_attention(q, k, v, comm, chunks=chunks, causal=causal,
+                                                              offload=offload),
+                         2, p * chunks * 2, h, hk, 4, chunks, causal, g)
+        _compare(comm, lambda q, k, v, doc_ids: fpdt_attention(q, k, v, comm, chunks=2, doc_ids=doc_ids),
+                 2, p * 2 * 3, h, hk, 4, 2, True, g, packed=True)
+    if p == 4:
+        for hk in (3, 1):
+            _compare(comm, lambda q, k, v: ring_attention(q, k, v, comm, ring=2), 2, 2 * p * 2, 3, hk, 4, 1, True,
+                     g, ring=2)
+
+
+def check_uneven_heads_model(comm):
+    """The model with heads that do not divide sp (4 heads and 2 kv heads on 3 ranks): loss and gradients."""
+    g = seeded(comm, 11)
+    p = comm.size
+    for h, hk in [*_uneven(p)[:2], *_uneven(p)[-1:]]:
+        for kw in (dict(sequence_parallel="ulysses"), dict(sequence_parallel="fpdt", chunks=2, offload=True)):
+            n = p * kw.get("chunks", 1) * 3
+            tok = torch.randint(0, 40, (2, n), generator=g)
+            tgt = torch.randint(0, 40, (2, n), generator=g)
+            base = dict(layers=2, hidden=4 * h, heads=h, kv_heads=hk, vocab=40)
+            ref_loss, ref_grads = _model_run(LlamaConfig(**base), comm, tok, tgt)
+            loss, grads = _model_run(LlamaConfig(**base, **kw), comm, tok, tgt)
+            total = comm.allreduce(loss.reshape(1)) if p > 1 else loss.reshape(1)
+            assert abs(total.item() - ref_loss.item()) <= TOL, (h, hk, kw, total.item(), ref_loss.item())
+            for name, want in ref_grads.items():
+                got = comm.allreduce(grads[name]) if p > 1 else grads[name]
+                err = (got - want).abs().max().item()
+                assert err <= TOL, f"grad {name} error {err:.3g} with {h} heads / {hk} kv, {kw} on {p} ranks"
+
+
 def check_fpdt_torch_kernel(comm):
     """The pure-torch block kernel (used off-CPU) is exact too."""
     g = seeded(comm, 3)
@@ -221,21 +270,22 @@ def check_errors(comm):
             assert "pad to" in str(exc) or "divisible" in str(exc), str(exc)
         else:
             raise AssertionError(f"no ValueError for {bad}")
-    if p > 1:
-        q1 = torch.zeros(1, 4, 4 * p + 1, 2)
+    if p > 1:  # fewer heads than ranks: no split exists (uneven splits are fine: check_uneven_heads_exact)
+        q1 = torch.zeros(1, 4, p - 1, 2)
         try:
             ulysses_attention(q1, q1, q1, comm)
         except ValueError as exc:
-            assert f"sp size {p}" in str(exc), str(exc)
+            assert f"heads {p - 1} over sp size {p}" in str(exc) and "no split exists" in str(exc), str(exc)
         else:
-            raise AssertionError("heads not divisible by P did not raise")
-    if p == 4:
-        try:  # kv_heads 3 is neither a divisor nor a multiple of 4
-            ulysses_attention(torch.zeros(1, 6, 12, 2), torch.zeros(1, 6, 3, 2), torch.zeros(1, 6, 3, 2), comm)
+            raise AssertionError("fewer heads than ranks did not raise")
+    if p == 4:  # the ring's Ulysses group of 2 ranks needs 2 heads
+        q1 = torch.zeros(1, 4, 1, 2)
+        try:
+            ring_attention(q1, q1, q1, comm, ring=2)
         except ValueError as exc:
-            assert "kv_heads 3" in str(exc), str(exc)
+            assert "heads 1 over sp size 2" in str(exc), str(exc)
         else:
-            raise AssertionError("kv_heads 3 on 4 ranks did not raise")
+            raise AssertionError("1 head over a Ulysses group of 2 did not raise")
 
 
 def _model_run(cfg, comm, tok, tgt, doc=None):

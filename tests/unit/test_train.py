@@ -31,8 +31,11 @@ def test_overrides_parse_types_and_apply(tmp_path):
     ({"modle": {}}, ["unknown config section [modle]", "model, mesh"]),
     ({"train": {"steps": "ten"}}, ["train.steps = 'ten' must be an integer"]),
     ({"model": {"hidden": 30, "heads": 4}}, ["model.hidden = 30 is not divisible by model.heads = 4"]),
-    ({"mesh": {"sp": 8, "sp_ring": 1}}, ["model.heads = 4 is not divisible by mesh.sp = 8", "--mesh.sp_ring=2"]),
-    ({"mesh": {"sp": 8}, "sequence": {"algorithm": "fpdt"}}, ["model.heads = 4 is not divisible by mesh.sp = 8"]),
+    ({"mesh": {"sp": 8, "sp_ring": 1}}, ["model.heads = 4 over mesh.sp = 8 ranks", "no split exists",
+                                         "--mesh.sp_ring=2"]),
+    ({"mesh": {"sp": 8}, "sequence": {"algorithm": "fpdt"}}, ["model.heads = 4 over mesh.sp = 8", "smaller mesh.sp"]),
+    ({"mesh": {"sp": 8, "sp_ring": 2}, "model": {"heads": 2, "kv_heads": 1, "hidden": 16}},
+     ["model.heads = 2 over sp / sp_ring = 4 ranks", "--mesh.sp_ring=4"]),
     ({"mesh": {"sp": 4, "sp_ring": 3}}, ["mesh.sp_ring = 3 does not divide mesh.sp = 4", "[1, 2, 4]"]),
     ({"mesh": {"sp": 4, "sp_ring": 2}, "sequence": {"algorithm": "fpdt"}}, ["FPDT's chunks do not compose"]),
     ({"mesh": {"sp": 4, "sp_ring": 2, "pp": 2}}, ["composes with dp and ZeRO only"]),
@@ -61,6 +64,7 @@ def test_sp_ring_chosen_from_the_heads():
     assert config_from_dict({"mesh": {"sp": 8}}).mesh.sp_ring == 2  # Ulysses 4 x ring 2
     assert config_from_dict({"mesh": {"sp": 8}, "model": {"heads": 2, "kv_heads": 1}}).mesh.sp_ring == 4
     assert config_from_dict({"mesh": {"sp": 4, "sp_ring": 4}}).mesh.sp_ring == 4
+    assert config_from_dict({"mesh": {"sp": 3}}).mesh.sp_ring == 1  # 4 heads over 3 ranks: 2, 1, 1
 
 
 def test_any_length_is_padded_to_the_layout():

@@ -91,9 +91,10 @@ class LlamaConfig(LlamaShape):
     chunks: int = 1
     """FPDT chunks per rank (attention pipeline and token layout). Ignored unless ``fpdt``."""
     ring: int = 1
-    """Ring degree of 2-D sequence parallelism (``ulysses`` only): the sp ranks form ``ring`` Ulysses groups
-    with ring attention across them (:func:`~loom.parallel.sequence.ring_attention`), so sp may exceed the
-    head count; tokens lie in the zig-zag layout (``shard_sequence(x, sp, ring=ring)``)."""
+    """Ring degree of 2-D sequence parallelism: the sp ranks form ``ring`` Ulysses groups (FPDT's chunk pipeline
+    inside each with ``fpdt``) with ring attention across them (:func:`~loom.parallel.sequence.ring_attention`,
+    :class:`~loom.parallel.sequence.FPDTRingPipeline`), so sp may exceed the head count; tokens lie in the
+    zig-zag layout (``shard_sequence(x, sp, chunks=layout_chunks, ring=ring)``)."""
     offload: bool = False
     """Keep FPDT chunks and (with ``checkpoint``) block inputs in host memory between uses."""
     ffn_chunks: int | None = None
@@ -116,10 +117,9 @@ class LlamaConfig(LlamaShape):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"LlamaConfig.{k} = {v!r} must be an integer >= 1")
-        if self.ring > 1 and self.sequence_parallel != "ulysses":
-            raise ValueError(f"ring = {self.ring} with sequence_parallel = {self.sequence_parallel!r}: the ring "
-                             f"runs across Ulysses groups (FPDT's chunks do not compose with it yet); use "
-                             f"sequence_parallel = 'ulysses' or ring = 1")
+        if self.ring > 1 and self.sequence_parallel == "none":
+            raise ValueError(f"ring = {self.ring} with sequence_parallel = 'none': the ring runs across Ulysses "
+                             f"groups; use sequence_parallel = 'ulysses' or 'fpdt', or ring = 1")
 
     @property
     def layout_chunks(self) -> int:
@@ -129,7 +129,7 @@ class LlamaConfig(LlamaShape):
     @property
     def layout_ring(self) -> int:
         """The ``ring`` to pass to ``shard_sequence`` for this model's token layout."""
-        return self.ring if self.sequence_parallel == "ulysses" else 1
+        return self.ring if self.sequence_parallel != "none" else 1
 
     @classmethod
     def from_any(cls, obj: Any, **overrides: Any) -> "LlamaConfig":

@@ -59,8 +59,8 @@ from torch import nn
 from ..parallel.moe import MoE, MoEConfig
 from .config import SEQUENCE_PARALLEL, LlamaConfig, LlamaShape
 from ..parallel.offload import chunk_store
-from ..parallel.sequence import (FPDTPipeline, HeadPlan, _global_docs, check_sizes, local_positions,
-                                 ring_attention)
+from ..parallel.sequence import (FPDTPipeline, FPDTRingPipeline, HeadPlan, _global_docs, check_sizes,
+                                 local_positions, ring_attention)
 
 __all__ = [
     "LlamaShape", "LlamaConfig", "Llama", "MoEFeedForward", "build_llama", "chunked_lm_loss", "chunked_ffn",
@@ -321,8 +321,11 @@ class _FPDTBlock(torch.autograd.Function):
         u = cfg.chunks
         c = s // u
         store = chunk_store(cfg.offload, x.device)
-        pipe = FPDTPipeline(a.sp, u, cfg.causal, 1.0 / math.sqrt(cfg.head_dim), store, x.device, block.doc,
-                            block.heads_plan())
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        if cfg.ring > 1:
+            pipe = FPDTRingPipeline(a.sp, cfg.ring, u, cfg.causal, scale, store, x.device, block.heads_plan())
+        else:
+            pipe = FPDTPipeline(a.sp, u, cfg.causal, scale, store, x.device, block.doc, block.heads_plan())
         out = torch.empty_like(x)
         hx = [store.put(x[:, i * c:(i + 1) * c]) for i in range(u)] if keep else []
         ho: list[int] = []
@@ -416,7 +419,8 @@ class Block(nn.Module):
 
     def heads_plan(self) -> HeadPlan:
         """How this block's heads split over the sp ranks (:class:`~loom.parallel.sequence.HeadPlan`)."""
-        return HeadPlan.make(self.cfg.heads, self.cfg.kv_heads, self.attn.sp.size if self.attn.sp is not None else 1)
+        p = self.attn.sp.size if self.attn.sp is not None else 1
+        return HeadPlan.make(self.cfg.heads, self.cfg.kv_heads, p // self.cfg.layout_ring)
 
     def tail(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Token-wise rest of the block for one FPDT chunk: ``x1 = x + wo(o)``, ``x1 + ffn(norm(x1))``."""
@@ -434,10 +438,14 @@ class Block(nn.Module):
         cfg, a = self.cfg, self.attn
         self.pos = pos
         if cfg.sequence_parallel == "fpdt":
+            if doc_ids is not None and cfg.ring > 1:
+                raise ValueError(f"doc_ids with sequence_parallel='fpdt' and ring = {cfg.ring}: packed documents "
+                                 f"do not run under FPDT x ring yet; use 'ulysses' with the ring, or ring = 1")
             self.doc = _global_docs(doc_ids, x, a.sp, cfg.chunks)  # x: [B, s, ...] like q
             b, s, _ = x.shape
             meta = torch.empty(b, s, cfg.heads, cfg.head_dim, device="meta")
-            check_sizes(meta, meta[:, :, :cfg.kv_heads], meta[:, :, :cfg.kv_heads], a.sp.size, cfg.chunks)
+            check_sizes(meta, meta[:, :, :cfg.kv_heads], meta[:, :, :cfg.kv_heads], a.sp.size // cfg.ring,
+                        cfg.chunks)
             params = [self.attn_norm.weight, a.wq.weight, a.wk.weight, a.wv.weight, a.wo.weight,
                       self.ffn_norm.weight, *self.ffn.parameters()]
             keep = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))

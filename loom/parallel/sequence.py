@@ -190,7 +190,7 @@ def shard_sequence(x: torch.Tensor, comm, *, chunks: int = 1, dim: int = 1, ring
         chunks: chunks per rank ``u``; rank ``r`` gets pieces ``r, r+P, ...`` of ``u P`` equal pieces.
         dim: the sequence dim.
         ring: ring degree ``R`` of 2-D sequence parallelism (:func:`ring_attention`); ``R > 1`` gives the
-            zig-zag layout of :func:`ring_positions` (``chunks`` must be 1).
+            zig-zag layout of :func:`ring_positions` (FPDT's ``chunks`` inside each ring group).
 
     Returns:
         A new contiguous tensor with ``x.shape[dim] / P`` entries along ``dim``.
@@ -198,8 +198,8 @@ def shard_sequence(x: torch.Tensor, comm, *, chunks: int = 1, dim: int = 1, ring
     dim = dim % x.dim()
     p, r = comm.size, comm.rank
     if ring > 1:
-        _ring_chunks(chunks, ring)
-        return x.index_select(dim, ring_positions(x.shape[dim], p, ring, r, device=x.device)).contiguous()
+        return x.index_select(dim, ring_positions(x.shape[dim], p, ring, r, chunks=chunks,
+                                                  device=x.device)).contiguous()
     c = _pieces(x.shape[dim], p, chunks, "sequence")
     y = x.unflatten(dim, (chunks, p, c)).select(dim + 1, r)
     return y.flatten(dim, dim + 1).contiguous()
@@ -220,8 +220,7 @@ def gather_sequence(x_local: torch.Tensor, comm, *, chunks: int = 1, dim: int = 
     allx = comm.allgather(x0) if p > 1 else x0  # [P * u * c, ...] rank-major
     rest = allx.shape[1:]
     if ring > 1:
-        _ring_chunks(chunks, ring)
-        where = torch.cat([ring_positions(p * s, p, ring, r, device=allx.device) for r in range(p)])
+        where = torch.cat([ring_positions(p * s, p, ring, r, chunks=chunks, device=allx.device) for r in range(p)])
         y = torch.empty_like(allx)
         y[where] = allx
     else:
@@ -233,8 +232,7 @@ def local_positions(seq_local: int, comm, *, chunks: int = 1, device=None, ring:
     """Global token positions (int64) of this rank's ``seq_local`` tokens in the layout of ``chunks`` (RoPE)."""
     p, r = comm.size, comm.rank
     if ring > 1:
-        _ring_chunks(chunks, ring)
-        return ring_positions(seq_local * p, p, ring, r, device=device)
+        return ring_positions(seq_local * p, p, ring, r, chunks=chunks, device=device)
     if seq_local % chunks:
         raise ValueError(f"local length {seq_local} is not divisible by chunks {chunks}")
     c = seq_local // chunks
@@ -242,37 +240,34 @@ def local_positions(seq_local: int, comm, *, chunks: int = 1, device=None, ring:
     return (starts[:, None] + torch.arange(c, device=device)[None, :]).reshape(-1)
 
 
-def _ring_chunks(chunks: int, ring: int) -> None:
-    if chunks != 1:
-        raise ValueError(f"chunks={chunks} with ring={ring}: FPDT chunks do not compose with the ring yet; use "
-                         f"chunks=1 (Ulysses x ring) or ring=1 (FPDT)")
-
-
-def ring_positions(n: int, p: int, ring: int, rank: int, *, device=None) -> torch.Tensor:
+def ring_positions(n: int, p: int, ring: int, rank: int, *, chunks: int = 1, device=None) -> torch.Tensor:
     """Global positions (int64) of the tokens that sp rank ``rank`` holds in the zig-zag layout of 2-D sequence
     parallelism: ``p = U x ring`` ranks, rank ``r = j U + i`` is Ulysses rank ``i`` of ring group ``j``.
 
-    The sequence of ``n`` tokens is cut into ``2 ring`` pieces of ``c = n / (2 ring)``; ring group ``j`` holds
+    The sequence of ``n`` tokens is cut into ``2 ring`` pieces of ``n / (2 ring)``; ring group ``j`` holds
     pieces ``j`` (front) and ``2 ring - 1 - j`` (back), so causal work is the same in every group (its two
-    query pieces see ``2 ring + 1`` key pieces between them, the two diagonal ones half).
-    Inside a group the concatenation ``[front, back]`` (``n / ring`` tokens) is split contiguously over its
-    ``U`` ranks, so the Ulysses all-to-all gives every rank of the group ``[front, back]`` in order.
+    query pieces see ``2 ring + 1`` key pieces between them, the two diagonal ones half). Inside a group the
+    concatenation ``[front, back]`` (``n / ring`` tokens) is laid out over its ``U`` ranks as
+    :func:`shard_sequence` lays out a sequence (contiguous for ``chunks=1``; FPDT's round-robin chunks
+    otherwise), so the group's all-to-all gives every rank ``[front, back]`` in order.
 
     Raises:
-        ValueError: ``n`` not divisible by ``2 ring`` and by ``p`` (the message names the length to pad to).
+        ValueError: ``n`` not divisible by ``2 ring`` and by ``p x chunks`` (the message names the length to pad
+            to).
     """
     if p % ring:
         raise ValueError(f"sp size {p} is not divisible by ring {ring}; the ring degree divides the sp size")
-    unit = 2 * ring * p // math.gcd(2 * ring, p)
+    unit = math.lcm(2 * ring, p * chunks)
     if n % unit:
         need = -(-n // unit) * unit
-        raise ValueError(f"sequence length {n} is not divisible by 2 x ring {ring} and by sp size {p} (zig-zag "
-                         f"layout); pad to {need}")
+        raise ValueError(f"sequence length {n} is not divisible by 2 x ring {ring} and by sp size {p} x chunks "
+                         f"{chunks} (zig-zag layout); pad to {need}")
     u = p // ring
     j, i = divmod(rank, u)
-    c, s = n // (2 * ring), n // p
-    m = i * s + torch.arange(s, device=device)
-    return torch.where(m < c, j * c + m, (2 * ring - 1 - j) * c + (m - c))
+    c, half = n // (p * chunks), n // (2 * ring)
+    m = ((torch.arange(chunks, device=device) * u + i) * c)[:, None] + torch.arange(c, device=device)[None, :]
+    m = m.reshape(-1)
+    return torch.where(m < half, j * half + m, (2 * ring - 1 - j) * half + (m - half))
 
 
 # ---------------------------------------------------------------------------------------------- all-to-all
@@ -684,15 +679,7 @@ class FPDTPipeline:
         hq, hk, hv, ho, hl = self.hq, self.hk, self.hv, self.ho, self.hl
 
         def scatter(i):
-            qi, ki, vi = _s2h(get_qkv(i), comm, self.qkvc)
-            if self.map is not None:  # unequal GQA groups on this rank: one kv head per query head
-                ki, vi = ki.index_select(2, self.map), vi.index_select(2, self.map)
-            # SDPA layout [B, heads, P c, D], contiguous so that the chunk store moves one block.
-            qi, ki, vi = (t.transpose(1, 2).contiguous() for t in (qi, ki, vi))
-            hq.append(store.put(qi))
-            hk.append(store.put(ki))
-            hv.append(store.put(vi))
-            return qi, ki, vi
+            return self._scatter(get_qkv(i))
 
         def attend(i, qi, own_kv):
             js = list(range(i + 1)) if causal else list(range(u))
@@ -734,12 +721,7 @@ class FPDTPipeline:
         receives the input gradients of local chunk ``j`` (local layout), in increasing ``j``."""
         u, store, comm, causal = self.u, self.store, self.comm, self.causal
         hq, hk, hv, ho, hl = self.hq, self.hk, self.hv, self.ho, self.hl
-        hdo = []
-        for i in range(u):
-            doi = get_dout(i)
-            (doi,) = _s2h([doi], comm, self.qc)
-            hdo.append(store.put(doi.transpose(1, 2).contiguous()))
-            del doi
+        hdo = self._emit_dout(get_dout)
         hdq: list[int | None] = [None] * u
         parked: list[tuple[int, int]] = []
         for j in range(u):
@@ -791,6 +773,27 @@ class FPDTPipeline:
         for h in hdo:
             store.free(h)
 
+    def _scatter(self, qkv) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One packed all-to-all of a local chunk's (q, k, v); the head-layout chunks go to the store."""
+        qi, ki, vi = _s2h(qkv, self.comm, self.qkvc)
+        if self.map is not None:  # unequal GQA groups on this rank: one kv head per query head
+            ki, vi = ki.index_select(2, self.map), vi.index_select(2, self.map)
+        # SDPA layout [B, heads, P c, D], contiguous so that the chunk store moves one block.
+        qi, ki, vi = (t.transpose(1, 2).contiguous() for t in (qi, ki, vi))
+        self.hq.append(self.store.put(qi))
+        self.hk.append(self.store.put(ki))
+        self.hv.append(self.store.put(vi))
+        return qi, ki, vi
+
+    def _emit_dout(self, get_dout) -> list[int]:
+        """Store handles of every chunk's output gradient in head layout (one all-to-all each)."""
+        hdo = []
+        for i in range(self.u):
+            (doi,) = _s2h([get_dout(i)], self.comm, self.qc)
+            hdo.append(self.store.put(doi.transpose(1, 2).contiguous()))
+            del doi
+        return hdo
+
     def _fold_kv(self, g: torch.Tensor) -> torch.Tensor:
         """The gradient of this rank's expanded kv heads ``[B, h, L, D]`` summed back to its own kv heads."""
         if self.map is None:
@@ -806,13 +809,163 @@ class FPDTPipeline:
             hs.clear()
 
 
+class FPDTRingPipeline(FPDTPipeline):
+    """FPDT's chunk pipeline inside each Ulysses group, ring attention across the groups (2-D sequence
+    parallelism with FPDT's memory: no sequence-sized tensor beyond one group's K/V chunks in the store).
+
+    Forward: every local chunk's (q, k, v) goes through the group's all-to-all into the chunk store (FPDT).
+    Then ``R`` ring steps, K/V chunk outer and q chunk inner (as FPDT's backward): step ``t`` attends every
+    q chunk to each K/V chunk of ring group ``j - t`` while that chunk goes on to group ``j + 1`` and the next
+    group's arrives (isend/irecv, into the store), merging into per-q-chunk (out, log-sum-exp) accumulators
+    kept in the store; the outputs are complete after the last step, and go back through the all-to-all.
+    Backward mirrors it with the (dk, dv) accumulator of each K/V chunk travelling one step behind it, as in
+    :class:`_RingAttention`. Zig-zag blocks: ring group ``j``'s chunk sequence is its ``[front, back]``, so
+    an earlier group's K/V chunks are seen up to its front half, a later group's by this group's back half.
+
+    Args:
+        comm: the sequence-parallel communicator (``U x R`` ranks, :func:`ring_groups`).
+        ring: ``R``.
+        Others as :class:`FPDTPipeline` (``plan`` over the Ulysses group; no packed documents).
+    """
+
+    def __init__(self, comm, ring: int, chunks: int, causal: bool, scale: float, store, device: torch.device,
+                 plan: HeadPlan | None = None):
+        uly, rng = ring_groups(comm, ring)
+        super().__init__(uly, chunks, causal, scale, store, device, None, plan)
+        self.ring = rng
+
+    def _block(self, src: int, a: int, b: int, rows: int):
+        """``(rows, cols, causal)`` of q chunk ``a`` against K/V chunk ``b`` of ring group ``src``, or None."""
+        j, every = self.ring.rank, slice(None)
+        if not self.causal:
+            return every, every, False
+        half = self.u * rows // 2
+        if src == j:
+            return None if b > a else (every, every, a == b)
+        if src < j:  # its front half only
+            n = max(0, min(rows, half - b * rows))
+            return None if n == 0 else (every, slice(0, n), False)
+        r0 = max(0, min(rows, half - a * rows))  # a later group: seen by this group's back half
+        return None if r0 == rows else (slice(r0, None), every, False)
+
+    def forward(self, get_qkv, emit_out) -> None:
+        u, store, rc = self.u, self.store, self.ring
+        r, j = rc.size, rc.rank
+        for i in range(u):
+            qi, _, _ = self._scatter(get_qkv(i))
+        rows, dtype = qi.shape[2], qi.dtype
+        del qi
+        hacc: list[tuple[int, int] | None] = [None] * u
+        kvs = list(zip(self.hk, self.hv))
+        for t in range(r):
+            src, nxt = (j - t) % r, []
+            for b in range(u):
+                kb, vb = store.get(kvs[b][0]), store.get(kvs[b][1])
+                reqs = _ring_pass(rc, torch.stack([kb, vb]), 0) if t + 1 < r else None
+                for a in range(u):
+                    blk = self._block(src, a, b, rows)
+                    if blk is None:
+                        continue
+                    ra, cb, diag = blk
+                    qa = store.get(self.hq[a])
+                    o, lse = _block_forward(qa[:, :, ra], kb[:, :, cb], vb[:, :, cb], diag, self.scale, self.kernel)
+                    del qa
+                    if hacc[a] is None:  # the first block of every q chunk covers all its rows
+                        o_acc, l_acc = _merge(None, None, o, lse)
+                        hacc[a] = (store.put(o_acc), store.put(l_acc))
+                    else:
+                        o_acc, l_acc = store.get(hacc[a][0]), store.get(hacc[a][1])
+                        o_acc[:, :, ra], l_acc[:, :, ra] = _merge(o_acc[:, :, ra], l_acc[:, :, ra], o, lse)
+                        store.replace(hacc[a][0], o_acc)
+                        store.replace(hacc[a][1], l_acc)
+                    del o, lse, o_acc, l_acc
+                del kb, vb
+                if t > 0:  # a visiting group's chunk (this rank's own stay for backward)
+                    store.free(kvs[b][0])
+                    store.free(kvs[b][1])
+                if reqs is not None:
+                    kv = _ring_wait(reqs)
+                    nxt.append((store.put(kv[0]), store.put(kv[1])))
+                    del kv
+            kvs = nxt
+        for a in range(u):
+            oa = store.pop(hacc[a][0]).to(dtype)
+            self.ho.append(store.put(oa))
+            self.hl.append(store.put(store.pop(hacc[a][1])))
+            (o_seq,) = _h2s([oa.transpose(1, 2)], self.comm, self.qc)
+            emit_out(a, o_seq)
+
+    def backward(self, get_dout, emit_grads) -> None:
+        u, store, rc = self.u, self.store, self.ring
+        r, j = rc.size, rc.rank
+        hdo = self._emit_dout(get_dout)
+        k0 = store.get(self.hk[0])
+        rows, dtype, acc, shape, dev = k0.shape[2], k0.dtype, _acc_dtype(k0.dtype), (2, *k0.shape), k0.device
+        del k0
+        hdq: list[int | None] = [None] * u
+        kvs = list(zip(self.hk, self.hv))
+        sent: list = [None] * u
+        for t in range(r):
+            src, nxt = (j - t) % r, []
+            for b in range(u):
+                kb, vb = store.get(kvs[b][0]), store.get(kvs[b][1])
+                reqs = _ring_pass(rc, torch.stack([kb, vb]), 0) if t + 1 < r else None
+                incoming = rc.irecv(torch.empty(shape, dtype=acc, device=kb.device), (j - 1) % r, 1) if t else None
+                dkv = torch.zeros(shape, dtype=acc, device=kb.device)
+                for a in range(u):
+                    blk = self._block(src, a, b, rows)
+                    if blk is None:
+                        continue
+                    ra, cb, diag = blk
+                    qa, oa, la, doa = (store.get(h[a]) for h in (self.hq, self.ho, self.hl, hdo))
+                    g_q, g_k, g_v = _block_backward(doa[:, :, ra], qa[:, :, ra], kb[:, :, cb], vb[:, :, cb],
+                                                    oa[:, :, ra], la[:, :, ra], diag, self.scale, self.kernel)
+                    dq = torch.zeros(qa.shape, dtype=acc, device=qa.device) if hdq[a] is None else store.get(hdq[a])
+                    dq[:, :, ra] += g_q
+                    if hdq[a] is None:
+                        hdq[a] = store.put(dq)
+                    else:
+                        store.replace(hdq[a], dq)
+                    dkv[0][:, :, cb] += g_k
+                    dkv[1][:, :, cb] += g_v
+                    del qa, oa, la, doa, g_q, g_k, g_v, dq
+                if incoming is not None:
+                    dkv += incoming.wait()
+                if sent[b] is not None:
+                    sent[b].wait()
+                sent[b] = rc.isend(dkv, (j + 1) % r, 1)
+                del kb, vb, dkv
+                if t > 0:
+                    store.free(kvs[b][0])
+                    store.free(kvs[b][1])
+                if reqs is not None:
+                    kv = _ring_wait(reqs)
+                    nxt.append((store.put(kv[0]), store.put(kv[1])))
+                    del kv
+            kvs = nxt
+        for b in range(u):  # after R passes each accumulator is back at its owner
+            mine = rc.irecv(torch.empty(shape, dtype=acc, device=dev), (j - 1) % r, 1).wait()
+            sent[b].wait()
+            sends = [store.pop(hdq[b]).to(dtype).transpose(1, 2), *(self._fold_kv(g).to(dtype).transpose(1, 2)
+                                                                   for g in (mine[0], mine[1]))]
+            dq_b, dk_b, dv_b = _h2s(sends, self.comm, self.qkvc)
+            emit_grads(b, dq_b, dk_b, dv_b)
+        self.release()
+        for h in hdo:
+            store.free(h)
+
+
 class _FPDTAttention(torch.autograd.Function):
     """:class:`FPDTPipeline` on slices of given q/k/v (the standalone :func:`fpdt_attention`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, chunks, causal, scale, offload, doc, plan):
+    def forward(ctx, q, k, v, comm, chunks, causal, scale, offload, doc, plan, ring):
         c = q.shape[1] // chunks
-        pipe = FPDTPipeline(comm, chunks, causal, scale, chunk_store(offload, q.device), q.device, doc, plan)
+        store = chunk_store(offload, q.device)
+        if ring > 1:
+            pipe = FPDTRingPipeline(comm, ring, chunks, causal, scale, store, q.device, plan)
+        else:
+            pipe = FPDTPipeline(comm, chunks, causal, scale, store, q.device, doc, plan)
         out = torch.empty_like(q)
 
         def emit(i, o):
@@ -838,7 +991,7 @@ class _FPDTAttention(torch.autograd.Function):
 
         ctx.pipe.backward(lambda i: gout[:, i * c:(i + 1) * c], emit)
         ctx.pipe = None
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def fpdt_attention(
@@ -852,6 +1005,7 @@ def fpdt_attention(
     offload: bool = True,
     scale: float | None = None,
     doc_ids: torch.Tensor | None = None,
+    ring: int = 1,
 ) -> torch.Tensor:
     """Fully pipelined distributed attention (FPDT) over the sequence shards of ``comm``.
 
@@ -867,7 +1021,10 @@ def fpdt_attention(
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
         doc_ids: packed sequences: ``[batch, seq_local]`` integer document ids in the same layout; a token
             attends only to tokens of its own document (one allgather of the ids; blocks that no query can
-            see are skipped).
+            see are skipped). Not with ``ring > 1``.
+        ring: ring degree ``R``: FPDT inside each Ulysses group of ``P / R`` ranks, ring attention across the
+            groups (:class:`FPDTRingPipeline`); ``q`` etc. in ``shard_sequence(x, comm, chunks=chunks,
+            ring=R)``'s layout.
 
     Returns:
         ``[batch, seq_local, heads, head_dim]`` in the same layout, equal to single-process SDPA on the
@@ -878,13 +1035,21 @@ def fpdt_attention(
             ``P x chunks`` (the message names the length to pad to).
     """
     p = comm.size
-    check_sizes(q, k, v, p, chunks)
+    u = p
+    if ring > 1:
+        if doc_ids is not None:
+            raise ValueError(f"doc_ids with ring={ring}: packed documents do not run under FPDT x ring yet; use "
+                             f"ring_attention (chunks=1) or ring=1")
+        u = ring_groups(comm, ring)[0].size
+        ring_positions(q.shape[1] * p, p, ring, comm.rank, chunks=chunks)  # validates the length
+    check_sizes(q, k, v, u, chunks)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    plan = _head_plan(q, k, p)
+    plan = _head_plan(q, k, u)
     k, v = plan.gather_kv(k, v)
     doc = _global_docs(doc_ids, q, comm, chunks)
-    return _FPDTAttention.apply(q, k, v, comm, chunks, bool(causal), float(scale), bool(offload), doc, plan)
+    return _FPDTAttention.apply(q, k, v, comm, chunks, bool(causal), float(scale), bool(offload), doc, plan,
+                                int(ring))
 
 
 def _global_docs(doc_ids, q, comm, chunks) -> torch.Tensor | None:

@@ -7,6 +7,7 @@ to the largest reference entry (at least 1).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 
 import torch
@@ -117,12 +118,12 @@ def check_ring_layout(comm):
     """The zig-zag layout: every rank holds a front and a back piece of its ring group; shard/gather invert."""
     g = seeded(comm, 7)
     p = comm.size
-    for ring in _rings(p):
-        n = 2 * p * 3
+    for ring, chunks in itertools.product(_rings(p), (1, 2, 3)):
+        n = math.lcm(2 * ring, p * chunks) * 3
         x = torch.randn(2, n, 3, generator=g, dtype=torch.float64)
-        loc = shard_sequence(x, comm, ring=ring)
-        assert torch.equal(gather_sequence(loc, comm, ring=ring), x)
-        pos = local_positions(n // p, comm, ring=ring)
+        loc = shard_sequence(x, comm, ring=ring, chunks=chunks)
+        assert torch.equal(gather_sequence(loc, comm, ring=ring, chunks=chunks), x)
+        pos = local_positions(n // p, comm, ring=ring, chunks=chunks)
         assert torch.equal(loc, x[:, pos])
         allpos = torch.sort(torch.cat([comm.allgather(pos)]))[0] if p > 1 else pos
         assert torch.equal(allpos, torch.arange(n)), allpos
@@ -203,6 +204,28 @@ def check_uneven_heads_model(comm):
                 got = comm.allreduce(grads[name]) if p > 1 else grads[name]
                 err = (got - want).abs().max().item()
                 assert err <= TOL, f"grad {name} error {err:.3g} with {h} heads / {hk} kv, {kw} on {p} ranks"
+
+
+def check_fpdt_ring_exact(comm):
+    """FPDT's chunks (offload on and off) inside each Ulysses group, ring across the groups: 2 query heads and
+    1 kv head, ring P x Ulysses 1 and ring 2 x Ulysses 2 at 4 ranks, chunks 1-3 (odd counts split a chunk at
+    the zig-zag boundary), causal and not, both block kernels."""
+    g = seeded(comm, 12)
+    p = comm.size
+    for ring in _rings(p):
+        h = 2 if p // ring <= 2 else p // ring
+        for idx, (causal, chunks, kernel) in enumerate(itertools.product((True, False), (1, 2, 3),
+                                                                         ("flash", "torch"))):
+            os.environ["LOOM_ATTN_KERNEL"] = kernel
+            tile, blocks.TILE = blocks.TILE, 3
+            try:
+                n = math.lcm(2 * ring, p * chunks) * 2
+                _compare(comm, lambda q, k, v: fpdt_attention(q, k, v, comm, chunks=chunks, causal=causal,
+                                                              offload=bool(idx % 2), ring=ring),
+                         1 + idx % 2, n, h, 1, 4, chunks, causal, g, ring=ring)
+            finally:
+                del os.environ["LOOM_ATTN_KERNEL"]
+                blocks.TILE = tile
 
 
 def check_fpdt_torch_kernel(comm):
@@ -338,20 +361,25 @@ def check_model_exact(comm):
 
 
 def check_ring_model_adamw(comm):
-    """Ulysses x ring in the model (2 query heads, 1 kv head: Ulysses alone stops at sp = 2): loss, every
-    gradient and the parameters after 3 AdamW steps equal one process's, to 1e-9 in fp64 (ring P x Ulysses 1,
-    and ring 2 x Ulysses 2 at 4 ranks; checkpointed blocks and packed documents once each)."""
+    """Ulysses x ring and FPDT x ring in the model (2 query heads, 1 kv head: Ulysses alone stops at sp = 2):
+    loss, every gradient and the parameters after 3 AdamW steps equal one process's, to 1e-9 in fp64 (ring P x
+    Ulysses 1, and ring 2 x Ulysses 2 at 4 ranks; checkpointed blocks, packed documents, FPDT chunks with and
+    without offload)."""
     g = seeded(comm, 9)
     p = comm.size
     for ring in _rings(p):
-        for extra in (dict(), dict(checkpoint=True, causal=ring % 2 == 1), dict(packed=True)):
+        for extra in (dict(), dict(checkpoint=True, causal=ring % 2 == 1), dict(packed=True),
+                      dict(sequence_parallel="fpdt", chunks=2, offload=True),
+                      dict(sequence_parallel="fpdt", chunks=3, offload=False, checkpoint=True)):
             packed = extra.pop("packed", False)
+            sp = dict(sequence_parallel=extra.pop("sequence_parallel", "ulysses"), chunks=extra.pop("chunks", 1),
+                      offload=extra.pop("offload", False), ring=ring)
             base = dict(layers=2, hidden=8, heads=2, kv_heads=1, vocab=40, **extra)
             ref = Llama(LlamaConfig(**base)).double()
-            mine = Llama(LlamaConfig(**base, sequence_parallel="ulysses", ring=ring), comm).double()
+            mine = Llama(LlamaConfig(**base, **sp), comm).double()
             opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ref, mine)]
             for step in range(3):
-                n = 2 * p * 3
+                n = math.lcm(2 * ring, p * sp["chunks"]) * 2
                 tok = torch.randint(0, 40, (2, n), generator=g)
                 tgt = torch.randint(0, 40, (2, n), generator=g)
                 tgt[1, -2:] = -100
@@ -361,16 +389,16 @@ def check_ring_model_adamw(comm):
                 ref_loss = _model_run_on(ref, comm, tok, tgt, doc)
                 loss = _model_run_on(mine, comm, tok, tgt, doc)
                 total = comm.allreduce(loss.reshape(1)) if p > 1 else loss.reshape(1)
-                assert abs(total.item() - ref_loss.item()) <= 1e-9, (ring, extra, step, total.item(), ref_loss.item())
+                assert abs(total.item() - ref_loss.item()) <= 1e-9, (sp, extra, step, total.item(), ref_loss.item())
                 for (name, a), b in zip(ref.named_parameters(), mine.parameters()):
                     b.grad = comm.allreduce(b.grad) if p > 1 else b.grad
                     err = (a.grad - b.grad).abs().max().item()
-                    assert err <= 1e-9, f"grad {name} error {err:.3g} (ring {ring}, {extra}, step {step})"
+                    assert err <= 1e-9, f"grad {name} error {err:.3g} ({sp}, {extra}, step {step})"
                 for o in opts:
                     o.step()
             for (name, a), b in zip(ref.named_parameters(), mine.parameters()):
                 err = (a - b).abs().max().item()
-                assert err <= 1e-9, f"{name} after AdamW: error {err:.3g} (ring {ring}, {extra})"
+                assert err <= 1e-9, f"{name} after AdamW: error {err:.3g} ({sp}, {extra})"
 
 
 def _model_run_on(m, comm, tok, tgt, doc=None):

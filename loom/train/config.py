@@ -106,9 +106,10 @@ class MeshConfig:
     sp: int = 1
     """Sequence parallel (Ulysses / FPDT): ranks that each hold a slice of every sequence."""
     sp_ring: int = 0
-    """Ring degree inside sp (Ulysses x ring, ``sequence.algorithm = 'ulysses'``): ``sp / sp_ring`` ranks per
-    Ulysses group, ring attention across the ``sp_ring`` groups, so sp may exceed the head count. 0: chosen
-    from the heads (1 when they split over sp, else the smallest ring whose Ulysses group they split over)."""
+    """Ring degree inside sp: ``sp / sp_ring`` ranks per Ulysses group (FPDT's chunk pipeline inside each with
+    ``sequence.algorithm = 'fpdt'``), ring attention across the ``sp_ring`` groups, so sp may exceed the head
+    count. 0: chosen from the heads (1 when every sp rank gets a head, else the smallest ring whose Ulysses
+    group gets one each)."""
     ep: int = 1
     """Expert parallel (MoE only)."""
     tp: int = 1
@@ -412,9 +413,9 @@ class Config:
             raise ConfigError(
                 f"data.seq_len = {d.seq_len} is not divisible by mesh.sp = {mesh.sp} x sequence.chunks = "
                 f"{s.chunks}; use data.seq_len = {need} or change mesh.sp / sequence.chunks" if ring == 1 else
-                f"data.seq_len = {d.seq_len} is not divisible by mesh.sp = {mesh.sp} and by 2 x mesh.sp_ring = "
-                f"{2 * ring} (the ring's zig-zag layout); use data.seq_len = {need} (loom pads the sequence only "
-                f"for loom's Llama without mesh.pp and mesh.tp)")
+                f"data.seq_len = {d.seq_len} is not divisible by mesh.sp = {mesh.sp} x sequence.chunks = "
+                f"{s.chunks} and by 2 x mesh.sp_ring = {2 * ring} (the ring's zig-zag layout); use data.seq_len = "
+                f"{need}")
         _need(mesh.pp <= m.layers,
               f"mesh.pp = {mesh.pp} exceeds model.layers = {m.layers}; every pipeline stage needs a layer")
         _need(self.zero.stage == 0 or mesh.ep == 1,
@@ -430,10 +431,12 @@ class Config:
     @property
     def padded_seq_len(self) -> int:
         """``data.seq_len`` rounded up to what the sequence layout splits evenly (``sp x chunks``; under the
-        ring, ``sp`` and ``2 x sp_ring``). The trainer pads each sequence at its end: pad targets are ignored
+        ring, ``sp x chunks`` and ``2 x sp_ring``). The trainer pads each sequence at its end: pad targets are ignored
         (the loss is the mean over real targets) and, attention being causal, no real token sees a pad."""
         mesh, n = self.mesh, self.data.seq_len
-        unit = mesh.sp * self.sequence.chunks if mesh.sp_ring <= 1 else math.lcm(mesh.sp, 2 * mesh.sp_ring)
+        unit = mesh.sp * self.sequence.chunks
+        if mesh.sp_ring > 1:
+            unit = math.lcm(unit, 2 * mesh.sp_ring)
         return -(-n // unit) * unit
 
     def _check_ring(self) -> None:
@@ -451,13 +454,9 @@ class Config:
 
         rings = [r for r in range(1, mesh.sp + 1) if mesh.sp % r == 0 and fits(mesh.sp // r)]
         if mesh.sp_ring == 0:
-            mesh.sp_ring = 1 if fits(mesh.sp) or s.algorithm != "ulysses" or not rings else rings[0]
+            mesh.sp_ring = 1 if fits(mesh.sp) or not rings else rings[0]
         ring, u = mesh.sp_ring, mesh.sp // mesh.sp_ring
         if ring > 1:
-            _need(s.algorithm == "ulysses",
-                  f"mesh.sp_ring = {ring} with sequence.algorithm = {s.algorithm!r}: the ring runs across Ulysses "
-                  f"groups and FPDT's chunks do not compose with it yet; use sequence.algorithm = 'ulysses' or "
-                  f"mesh.sp_ring = 1")
             _need(mesh.pp == 1 and tp == 1 and not (m.hf or m.hf_config),
                   f"mesh.sp_ring = {ring} with mesh.pp = {mesh.pp}, mesh.tp = {tp}"
                   f"{', a transformers model' if m.hf or m.hf_config else ''}: Ulysses x ring composes with dp "
@@ -465,9 +464,8 @@ class Config:
         if tp > 1:  # _check_tp words the even rule under tp
             return
         group = "mesh.sp" if ring == 1 else "sp / sp_ring"
-        fix = (f"use --mesh.sp_ring={rings[0]} (Ulysses {mesh.sp // rings[0]} x ring {rings[0]})"
-               if s.algorithm == "ulysses" and rings else "use a smaller mesh.sp (or sequence.algorithm = "
-               "'ulysses' with --mesh.sp_ring)")
+        fix = (f"use --mesh.sp_ring={rings[0]} (Ulysses {mesh.sp // rings[0]} x ring {rings[0]})" if rings
+               else "use a smaller mesh.sp")
         _need(fits(u), f"model.heads = {m.heads} over {group} = {u} ranks: every rank of the Ulysses all-to-all "
                        f"needs a query head, so no split exists; {fix}")
 

@@ -142,7 +142,7 @@ def llama_config(cfg: Config, sp: int = 1) -> LlamaConfig:
     try:
         return LlamaConfig.from_any(cfg.model, sequence_parallel=mode, chunks=cfg.sequence.chunks if fpdt else 1,
                                     offload=cfg.sequence.offload and fpdt, checkpoint=cfg.sequence.recompute,
-                                    ring=max(1, cfg.mesh.sp_ring) if mode == "ulysses" else 1)
+                                    ring=max(1, cfg.mesh.sp_ring) if mode != "none" else 1)
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
 

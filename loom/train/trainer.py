@@ -194,7 +194,7 @@ def sp_layout(n: int, p: int, r: int, chunks: int, ring: int = 1) -> torch.Tenso
     ``r, r+p, r+2p, ...``.
     """
     if ring > 1:
-        return ring_positions(n, p, ring, r)  # host: it indexes the host batch, then moves
+        return ring_positions(n, p, ring, r, chunks=chunks)  # host: it indexes the host batch, then moves
     c = n // (p * chunks)
     starts = (torch.arange(chunks, device="cpu") * p + r) * c  # host: it indexes the host batch, then moves
     return (starts[:, None] + torch.arange(c, device="cpu")[None, :]).reshape(-1)

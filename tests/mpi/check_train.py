@@ -44,6 +44,8 @@ MESHES = {
         # sp past the heads: 2 heads, so mesh.sp_ring is chosen as 2 (Ulysses 2 x ring 2), with ZeRO-1 over sp
         {"model": {"heads": 2, "kv_heads": 1}, "mesh": {"sp": 4}, "zero": {"stage": 1, "axes": ["dp", "sp"]},
          "data": {"seq_len": 29}},
+        {"model": {"heads": 2, "kv_heads": 1}, "mesh": {"sp": 4},
+         "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}},
         {**MOE, "mesh": {"dp": 2, "ep": 2}},
         {**MOE, "mesh": {"ep": 2, "sp": 2}},
         {**MOE, "mesh": {"ep": 2, "sp": 2}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}},

@@ -443,7 +443,7 @@ class Config:
         """Resolve ``mesh.sp_ring = 0`` from the heads, then check that the heads split over each Ulysses group
         of ``sp / sp_ring`` ranks: unevenly where they must (``loom.parallel.sequence.HeadPlan``), so only a
         group larger than the head count has no split; under tp evenly (each tp rank's heads over sp)."""
-        m, mesh, s = self.model, self.mesh, self.sequence
+        m, mesh = self.model, self.mesh
         tp = mesh.tp
         kv = (m.kv_heads or m.heads) // tp
 

@@ -90,6 +90,11 @@ class LlamaConfig(LlamaShape):
     """``none``, ``ulysses`` or ``fpdt``."""
     chunks: int = 1
     """FPDT chunks per rank (attention pipeline and token layout). Ignored unless ``fpdt``."""
+    ring: int = 1
+    """Ring degree of 2-D sequence parallelism: the sp ranks form ``ring`` Ulysses groups (FPDT's chunk pipeline
+    inside each with ``fpdt``) with ring attention across them (:func:`~loom.parallel.sequence.ring_attention`,
+    :class:`~loom.parallel.sequence.FPDTRingPipeline`), so sp may exceed the head count; tokens lie in the
+    zig-zag layout (``shard_sequence(x, sp, chunks=layout_chunks, ring=ring)``)."""
     offload: bool = False
     """Keep FPDT chunks and (with ``checkpoint``) block inputs in host memory between uses."""
     ffn_chunks: int | None = None
@@ -111,15 +116,23 @@ class LlamaConfig(LlamaShape):
             self.ffn_chunks = self.chunks if fp else 1
         if self.loss_chunks is None:
             self.loss_chunks = self.chunks if fp else 1
-        for k in ("chunks", "ffn_chunks", "loss_chunks"):
+        for k in ("chunks", "ffn_chunks", "loss_chunks", "ring"):
             v = getattr(self, k)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"LlamaConfig.{k} = {v!r} must be an integer >= 1")
+        if self.ring > 1 and self.sequence_parallel == "none":
+            raise ValueError(f"ring = {self.ring} with sequence_parallel = 'none': the ring runs across Ulysses "
+                             f"groups; use sequence_parallel = 'ulysses' or 'fpdt', or ring = 1")
 
     @property
     def layout_chunks(self) -> int:
         """The ``chunks`` to pass to ``shard_sequence`` for this model's token layout."""
         return self.chunks if self.sequence_parallel == "fpdt" else 1
+
+    @property
+    def layout_ring(self) -> int:
+        """The ``ring`` to pass to ``shard_sequence`` for this model's token layout."""
+        return self.ring if self.sequence_parallel != "none" else 1
 
     @classmethod
     def from_any(cls, obj: Any, **overrides: Any) -> "LlamaConfig":

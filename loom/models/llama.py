@@ -10,6 +10,9 @@ Sequence parallelism (``LlamaConfig.sequence_parallel``):
 * ``"none"``: every rank holds whole sequences; attention is SDPA.
 * ``"ulysses"``: tokens are sharded contiguously over the ``sp`` communicator
   (``shard_sequence(x, comm, chunks=1)``); attention is :func:`~loom.parallel.sequence.ulysses_attention`.
+  With ``ring = R > 1`` the ``sp`` ranks form ``R`` Ulysses groups with ring attention across them
+  (:func:`~loom.parallel.sequence.ring_attention`; tokens in the zig-zag layout,
+  ``shard_sequence(x, comm, ring=R)``), so ``sp`` may exceed the head count.
 * ``"fpdt"``: tokens are sharded in the FPDT layout (``shard_sequence(x, comm, chunks=cfg.chunks)``);
   each block is one :class:`~loom.parallel.sequence.FPDTPipeline` (the attention of
   :func:`~loom.parallel.sequence.fpdt_attention`, with the projections, residuals and FFN fused in per chunk)
@@ -58,7 +61,8 @@ from torch import nn
 from ..parallel.moe import MoE, MoEConfig
 from .config import SEQUENCE_PARALLEL, LlamaConfig, LlamaShape
 from ..parallel.offload import chunk_store
-from ..parallel.sequence import FPDTPipeline, _global_docs, check_sizes, local_positions, ulysses_attention
+from ..parallel.sequence import (FPDTPipeline, FPDTRingPipeline, HeadPlan, _global_docs, check_sizes,
+                                 local_positions, ring_attention)
 
 __all__ = [
     "LlamaShape", "LlamaConfig", "Llama", "MoEFeedForward", "build_llama", "chunked_lm_loss", "chunked_ffn",
@@ -268,7 +272,7 @@ class Attention(nn.Module):
         k = packed[..., nq:nq + nk].unflatten(-1, (self.kv_heads, c.head_dim))
         v = packed[..., nq + nk:].unflatten(-1, (self.kv_heads, c.head_dim))
         if c.sequence_parallel == "ulysses":
-            o = ulysses_attention(q, k, v, self.sp, causal=c.causal, doc_ids=doc)
+            o = ring_attention(q, k, v, self.sp, ring=c.ring, causal=c.causal, doc_ids=doc)  # ring 1: Ulysses
         else:  # "none" ("fpdt" blocks run _FPDTBlock instead)
             mask = None
             if doc is not None:
@@ -336,7 +340,11 @@ class _FPDTBlock(torch.autograd.Function):
         u = cfg.chunks
         c = s // u
         store = chunk_store(cfg.offload, x.device)
-        pipe = FPDTPipeline(a.sp, u, cfg.causal, 1.0 / math.sqrt(cfg.head_dim), store, x.device, block.doc)
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        if cfg.ring > 1:
+            pipe = FPDTRingPipeline(a.sp, cfg.ring, u, cfg.causal, scale, store, x.device, block.heads_plan())
+        else:
+            pipe = FPDTPipeline(a.sp, u, cfg.causal, scale, store, x.device, block.doc, block.heads_plan())
         out = torch.empty_like(x)
         hx = [store.put(x[:, i * c:(i + 1) * c]) for i in range(u)] if keep else []
         ho: list[int] = []
@@ -417,7 +425,8 @@ class Block(nn.Module):
         return x + self.ffn(self.ffn_norm(x))
 
     def qkv_chunk(self, i: int, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v ``[B, c, heads|kv_heads, D]`` of local chunk ``i`` (kv replicated to split over sp ranks)."""
+        """q, k, v ``[B, c, heads|kv_heads, D]`` of local chunk ``i`` (kv gathered to split over the sp ranks,
+        :meth:`HeadPlan.gather_kv <loom.parallel.sequence.HeadPlan.gather_kv>`)."""
         cfg, a = self.cfg, self.attn
         b, c, _ = xc.shape
         packed = a.qkv(self.attn_norm(xc), self.pos[..., i * c:(i + 1) * c])
@@ -425,10 +434,12 @@ class Block(nn.Module):
         q = packed[..., :nq].unflatten(-1, (cfg.heads, cfg.head_dim))
         k = packed[..., nq:nq + nk].unflatten(-1, (cfg.kv_heads, cfg.head_dim))
         v = packed[..., nq + nk:].unflatten(-1, (cfg.kv_heads, cfg.head_dim))
-        p = a.sp.size if a.sp is not None else 1
-        if cfg.kv_heads % p:
-            k, v = k.repeat_interleave(p // cfg.kv_heads, dim=2), v.repeat_interleave(p // cfg.kv_heads, dim=2)
-        return q, k, v
+        return (q, *self.heads_plan().gather_kv(k, v))
+
+    def heads_plan(self) -> HeadPlan:
+        """How this block's heads split over the sp ranks (:class:`~loom.parallel.sequence.HeadPlan`)."""
+        p = self.attn.sp.size if self.attn.sp is not None else 1
+        return HeadPlan.make(self.cfg.heads, self.cfg.kv_heads, p // self.cfg.layout_ring)
 
     def tail(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Token-wise rest of the block for one FPDT chunk: ``x1 = x + wo(o)``, ``x1 + ffn(norm(x1))``."""
@@ -447,10 +458,14 @@ class Block(nn.Module):
         cfg, a = self.cfg, self.attn
         self.pos = pos
         if cfg.sequence_parallel == "fpdt":
+            if doc_ids is not None and cfg.ring > 1:
+                raise ValueError(f"doc_ids with sequence_parallel='fpdt' and ring = {cfg.ring}: packed documents "
+                                 f"do not run under FPDT x ring yet; use 'ulysses' with the ring, or ring = 1")
             self.doc = _global_docs(doc_ids, x, a.sp, cfg.chunks)  # x: [B, s, ...] like q
             b, s, _ = x.shape
             meta = torch.empty(b, s, cfg.heads, cfg.head_dim, device="meta")
-            check_sizes(meta, meta[:, :, :cfg.kv_heads], meta[:, :, :cfg.kv_heads], a.sp.size, cfg.chunks)
+            check_sizes(meta, meta[:, :, :cfg.kv_heads], meta[:, :, :cfg.kv_heads], a.sp.size // cfg.ring,
+                        cfg.chunks)
             params = [self.attn_norm.weight, a.wq.weight, a.wk.weight, a.wv.weight, a.wo.weight,
                       self.ffn_norm.weight, *self.ffn.parameters()]
             keep = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
@@ -521,7 +536,8 @@ class Llama(nn.Module):
         """Global positions of this rank's ``seq_local`` tokens in the model's layout."""
         if self.sp is None:
             return torch.arange(seq_local, device=device)
-        return local_positions(seq_local, self.sp, chunks=self.cfg.layout_chunks, device=device)
+        return local_positions(seq_local, self.sp, chunks=self.cfg.layout_chunks, device=device,
+                               ring=self.cfg.layout_ring)
 
     def hidden_states(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
                       positions: torch.Tensor | None = None) -> torch.Tensor:

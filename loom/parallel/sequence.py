@@ -43,6 +43,7 @@ few ``TILE x TILE`` score tiles, not ``(P c)^2``. No flash-attn dependency.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -58,6 +59,9 @@ from .offload import chunk_store
 
 __all__ = [
     "ulysses_attention",
+    "ring_attention",
+    "ring_groups",
+    "ring_positions",
     "fpdt_attention",
     "shard_sequence",
     "gather_sequence",
@@ -65,6 +69,7 @@ __all__ = [
     "seq_to_heads",
     "heads_to_seq",
     "check_sizes",
+    "HeadPlan",
     "alltoall_stats",
     "reset_alltoall_stats",
     "attention_kernel",
@@ -98,12 +103,10 @@ def check_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: int, chunk
         raise ValueError(f"chunks={chunks!r}; chunks is an integer >= 1")
     if h % hk:
         raise ValueError(f"heads {h} is not divisible by kv_heads {hk}; GQA needs kv_heads to divide heads")
-    if h % p:
-        raise ValueError(f"heads {h} is not divisible by sp size {p}; use a head count that is a multiple of "
-                         f"{p} or a smaller sp axis")
-    if hk % p and p % hk:
-        raise ValueError(f"kv_heads {hk} is neither a multiple nor a divisor of sp size {p}; kv heads can only "
-                         f"be split or replicated evenly; choose kv_heads in a multiple or divisor of {p}")
+    if h < p:
+        raise ValueError(f"heads {h} over sp size {p}: every rank of the all-to-all needs a query head, so no split "
+                         f"exists; use an sp group of at most {h} ranks (ring attention takes the rest: "
+                         f"ring_attention, loom train --mesh.sp_ring)")
     if s % chunks:
         n = s * p
         need = -(-n // (p * chunks)) * p * chunks
@@ -111,12 +114,62 @@ def check_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: int, chunk
                          f"{chunks}; pad to {need} or change chunks")
 
 
-def _replicate_kv(k: torch.Tensor, v: torch.Tensor, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-    hk = k.shape[2]
-    if hk % p == 0:
-        return k, v
-    r = p // hk
-    return k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
+@dataclass(frozen=True)
+class HeadPlan:
+    """Which heads each of ``p`` ranks holds after the all-to-all, for ``heads`` query and ``kv_heads`` kv heads.
+
+    Rank ``r`` gets the contiguous query heads ``[q_start[r], q_start[r] + q[r])`` (``heads / p`` each; when
+    ``p`` does not divide ``heads`` the first ``heads % p`` ranks get one more) and the kv heads those query
+    heads read (GQA: query head ``i`` reads kv head ``i // (heads / kv_heads)``). Before the all-to-all the
+    kv heads are gathered along ``kv_index`` (a kv head that two ranks read is sent to both; autograd sums its
+    gradients), so both tensors split into contiguous per-rank runs of ``q[r]`` and ``kv[r]`` heads. With
+    ``heads`` a multiple of ``p`` and ``kv_heads`` a multiple or divisor of ``p`` this is Ulysses' even split
+    (kv replicated ``p / kv_heads`` times). Where a rank's query heads do not read its kv heads in equal groups
+    (uneven splits), :meth:`local_map` expands its kv heads to one per query head.
+    """
+
+    q: tuple[int, ...]
+    kv: tuple[int, ...]
+    kv_index: tuple[int, ...] | None  # None: the identity (kv heads split evenly as they are)
+    maps: tuple[tuple[int, ...] | None, ...]  # per rank: its query heads' local kv head, None if uniform GQA
+
+    @staticmethod
+    def make(heads: int, kv_heads: int, p: int) -> "HeadPlan":
+        base, extra = divmod(heads, p)
+        q = tuple(base + (r < extra) for r in range(p))
+        g = heads // kv_heads
+        idx: list[int] = []
+        kv, maps = [], []
+        start = 0
+        for r in range(p):
+            lo, hi = start // g, (start + q[r] - 1) // g + 1
+            idx.extend(range(lo, hi))
+            kv.append(hi - lo)
+            local = tuple((start + i) // g - lo for i in range(q[r]))
+            uniform = q[r] % kv[-1] == 0 and local == tuple(i // (q[r] // kv[-1]) for i in range(q[r]))
+            maps.append(None if uniform else local)
+            start += q[r]
+        return HeadPlan(q, tuple(kv), None if idx == list(range(kv_heads)) else tuple(idx), tuple(maps))
+
+    @property
+    def even(self) -> bool:
+        return len(set(self.q)) == 1 and len(set(self.kv)) == 1 and not any(self.maps)
+
+    def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v ``[B, s, kv_heads, D]`` -> ``[B, s, sum(kv), D]``: each rank's kv heads in rank order."""
+        if self.kv_index is None:
+            return k, v
+        idx = torch.tensor(self.kv_index, device=k.device)
+        return k.index_select(2, idx), v.index_select(2, idx)
+
+    def local_map(self, rank: int, device) -> torch.Tensor | None:
+        """Index of the local kv head each local query head reads, or None where GQA groups are equal."""
+        m = self.maps[rank]
+        return None if m is None else torch.tensor(m, device=device)
+
+
+def _head_plan(q: torch.Tensor, k: torch.Tensor, p: int) -> HeadPlan:
+    return HeadPlan.make(q.shape[2], k.shape[2], p)
 
 
 # ---------------------------------------------------------------------------------------------- layouts
@@ -128,7 +181,7 @@ def _pieces(n: int, p: int, chunks: int, what: str) -> int:
     return n // (p * chunks)
 
 
-def shard_sequence(x: torch.Tensor, comm, *, chunks: int = 1, dim: int = 1) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, comm, *, chunks: int = 1, dim: int = 1, ring: int = 1) -> torch.Tensor:
     """This rank's shard of a global tensor along ``dim`` in the FPDT layout (``chunks=1``: Ulysses).
 
     Args:
@@ -136,18 +189,23 @@ def shard_sequence(x: torch.Tensor, comm, *, chunks: int = 1, dim: int = 1) -> t
         comm: the sequence-parallel communicator (only ``rank``/``size`` are read).
         chunks: chunks per rank ``u``; rank ``r`` gets pieces ``r, r+P, ...`` of ``u P`` equal pieces.
         dim: the sequence dim.
+        ring: ring degree ``R`` of 2-D sequence parallelism (:func:`ring_attention`); ``R > 1`` gives the
+            zig-zag layout of :func:`ring_positions` (FPDT's ``chunks`` inside each ring group).
 
     Returns:
         A new contiguous tensor with ``x.shape[dim] / P`` entries along ``dim``.
     """
     dim = dim % x.dim()
     p, r = comm.size, comm.rank
+    if ring > 1:
+        return x.index_select(dim, ring_positions(x.shape[dim], p, ring, r, chunks=chunks,
+                                                  device=x.device)).contiguous()
     c = _pieces(x.shape[dim], p, chunks, "sequence")
     y = x.unflatten(dim, (chunks, p, c)).select(dim + 1, r)
     return y.flatten(dim, dim + 1).contiguous()
 
 
-def gather_sequence(x_local: torch.Tensor, comm, *, chunks: int = 1, dim: int = 1) -> torch.Tensor:
+def gather_sequence(x_local: torch.Tensor, comm, *, chunks: int = 1, dim: int = 1, ring: int = 1) -> torch.Tensor:
     """The global tensor from every rank's shard (inverse of :func:`shard_sequence`; one allgather).
 
     Not differentiable: it is for checking results against single-process references and for logging.
@@ -161,13 +219,20 @@ def gather_sequence(x_local: torch.Tensor, comm, *, chunks: int = 1, dim: int = 
     x0 = x_local.detach().movedim(dim, 0).contiguous()
     allx = comm.allgather(x0) if p > 1 else x0  # [P * u * c, ...] rank-major
     rest = allx.shape[1:]
-    y = allx.reshape(p, chunks, c, *rest).transpose(0, 1).reshape(p * s, *rest)
+    if ring > 1:
+        where = torch.cat([ring_positions(p * s, p, ring, r, chunks=chunks, device=allx.device) for r in range(p)])
+        y = torch.empty_like(allx)
+        y[where] = allx
+    else:
+        y = allx.reshape(p, chunks, c, *rest).transpose(0, 1).reshape(p * s, *rest)
     return y.movedim(0, dim).contiguous()
 
 
-def local_positions(seq_local: int, comm, *, chunks: int = 1, device=None) -> torch.Tensor:
+def local_positions(seq_local: int, comm, *, chunks: int = 1, device=None, ring: int = 1) -> torch.Tensor:
     """Global token positions (int64) of this rank's ``seq_local`` tokens in the layout of ``chunks`` (RoPE)."""
     p, r = comm.size, comm.rank
+    if ring > 1:
+        return ring_positions(seq_local * p, p, ring, r, chunks=chunks, device=device)
     if seq_local % chunks:
         raise ValueError(f"local length {seq_local} is not divisible by chunks {chunks}")
     c = seq_local // chunks
@@ -175,25 +240,73 @@ def local_positions(seq_local: int, comm, *, chunks: int = 1, device=None) -> to
     return (starts[:, None] + torch.arange(c, device=device)[None, :]).reshape(-1)
 
 
+def ring_positions(n: int, p: int, ring: int, rank: int, *, chunks: int = 1, device=None) -> torch.Tensor:
+    """Global positions (int64) of the tokens that sp rank ``rank`` holds in the zig-zag layout of 2-D sequence
+    parallelism: ``p = U x ring`` ranks, rank ``r = j U + i`` is Ulysses rank ``i`` of ring group ``j``.
+
+    The sequence of ``n`` tokens is cut into ``2 ring`` pieces of ``n / (2 ring)``; ring group ``j`` holds
+    pieces ``j`` (front) and ``2 ring - 1 - j`` (back), so causal work is the same in every group (its two
+    query pieces see ``2 ring + 1`` key pieces between them, the two diagonal ones half). Inside a group the
+    concatenation ``[front, back]`` (``n / ring`` tokens) is laid out over its ``U`` ranks as
+    :func:`shard_sequence` lays out a sequence (contiguous for ``chunks=1``; FPDT's round-robin chunks
+    otherwise), so the group's all-to-all gives every rank ``[front, back]`` in order.
+
+    Raises:
+        ValueError: ``n`` not divisible by ``2 ring`` and by ``p x chunks`` (the message names the length to pad
+            to).
+    """
+    if p % ring:
+        raise ValueError(f"sp size {p} is not divisible by ring {ring}; the ring degree divides the sp size")
+    unit = math.lcm(2 * ring, p * chunks)
+    if n % unit:
+        need = -(-n // unit) * unit
+        raise ValueError(f"sequence length {n} is not divisible by 2 x ring {ring} and by sp size {p} x chunks "
+                         f"{chunks} (zig-zag layout); pad to {need}")
+    u = p // ring
+    j, i = divmod(rank, u)
+    c, half = n // (p * chunks), n // (2 * ring)
+    m = ((torch.arange(chunks, device=device) * u + i) * c)[:, None] + torch.arange(c, device=device)[None, :]
+    m = m.reshape(-1)
+    return torch.where(m < half, j * half + m, (2 * ring - 1 - j) * half + (m - half))
+
+
 # ---------------------------------------------------------------------------------------------- all-to-all
-def _s2h(xs: Sequence[torch.Tensor], comm) -> list[torch.Tensor]:
-    """Sequence- to head-sharding: each ``[B, s, H_x, D]`` becomes ``[B, P s, H_x / P, D]``; one packed alltoall."""
+def _s2h(xs: Sequence[torch.Tensor], comm, counts: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
+    """Sequence- to head-sharding: each ``[B, s, H_x, D]`` becomes ``[B, P s, H_x / P, D]``; one packed alltoall.
+
+    ``counts[x][r]``: heads of tensor ``x`` that rank ``r`` gets (contiguous runs in rank order; default
+    ``H_x / P`` each). Uneven runs travel padded to the largest rank's total (at most one head per tensor)."""
     p = comm.size
     if p == 1:
         return list(xs)
     b, s, _, d = xs[0].shape
-    heads = [x.shape[2] // p for x in xs]
-    parts = [x.reshape(b, s, p, h, d) for x, h in zip(xs, heads)]
-    packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
-    send = packed.permute(2, 0, 1, 3, 4).contiguous()  # [P(dest head group), B, s, hsum, D]
-    recv = comm.alltoall(send)  # [P(src = sequence piece), B, s, hsum, D]
+    if counts is None or all(len(set(c)) == 1 for c in counts):
+        heads = [x.shape[2] // p for x in xs]
+        parts = [x.reshape(b, s, p, h, d) for x, h in zip(xs, heads)]
+        packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
+        send = packed.permute(2, 0, 1, 3, 4).contiguous()  # [P(dest head group), B, s, hsum, D]
+    else:
+        heads = [c[comm.rank] for c in counts]
+        send = _uneven_blocks([list(torch.split(x, list(c), dim=2)) for x, c in zip(xs, counts)], p, dim=2)
+    recv = comm.alltoall(send)  # [P(src = sequence piece), B, s, hsum (padded), D]
     _stats.add("sequence", "sp", alltoall=1)
-    y = recv.permute(1, 0, 2, 3, 4).reshape(b, p * s, sum(heads), d)
+    y = recv[..., :sum(heads), :].permute(1, 0, 2, 3, 4).reshape(b, p * s, sum(heads), d)
     return list(torch.split(y, heads, dim=2)) if len(xs) > 1 else [y]
 
 
-def _h2s(xs: Sequence[torch.Tensor], comm) -> list[torch.Tensor]:
-    """Head- to sequence-sharding: each ``[B, P s, h_x, D]`` becomes ``[B, s, P h_x, D]``; one packed alltoall."""
+def _uneven_blocks(parts: list[list[torch.Tensor]], p: int, dim: int) -> torch.Tensor:
+    """``[P, ...]``: block ``r`` is ``cat(parts[x][r] for x)`` along ``dim`` (of each block), zero-padded to the
+    largest block (so an uneven split still travels as one plain alltoall)."""
+    blocks = [torch.cat([px[r] for px in parts], dim=dim) for r in range(p)]
+    top = max(t.shape[dim] for t in blocks)
+    pad = [0, 0] * (blocks[0].dim() - 1 - dim)
+    return torch.stack([F.pad(t, pad + [0, top - t.shape[dim]]) for t in blocks])
+
+
+def _h2s(xs: Sequence[torch.Tensor], comm, counts: Sequence[Sequence[int]] | None = None) -> list[torch.Tensor]:
+    """Head- to sequence-sharding: each ``[B, P s, h_x, D]`` becomes ``[B, s, P h_x, D]``; one packed alltoall.
+
+    ``counts[x][r]``: heads of tensor ``x`` that rank ``r`` holds (the inverse of :func:`_s2h`'s)."""
     p = comm.size
     if p == 1:
         return list(xs)
@@ -201,9 +314,18 @@ def _h2s(xs: Sequence[torch.Tensor], comm) -> list[torch.Tensor]:
     s = n // p
     heads = [x.shape[2] for x in xs]
     packed = xs[0] if len(xs) == 1 else torch.cat(list(xs), dim=2)
-    send = packed.reshape(b, p, s, sum(heads), d).permute(1, 0, 2, 3, 4).contiguous()
-    recv = comm.alltoall(send)  # [P(src head group), B, s, hsum, D]
+    send = packed.reshape(b, p, s, sum(heads), d).permute(1, 0, 2, 3, 4)
+    if counts is not None and not all(len(set(c)) == 1 for c in counts):
+        top = max(sum(c[r] for c in counts) for r in range(p))
+        send = F.pad(send, [0, 0, 0, top - sum(heads)])
+    recv = comm.alltoall(send.contiguous())  # [P(src head group), B, s, hsum (padded), D]
     _stats.add("sequence", "sp", alltoall=1)
+    if counts is not None and not all(len(set(c)) == 1 for c in counts):
+        outs = []
+        for x, c in enumerate(counts):
+            off = [sum(cc[r] for cc in counts[:x]) for r in range(p)]
+            outs.append(torch.cat([recv[r, :, :, off[r]:off[r] + c[r]] for r in range(p)], dim=2))
+        return outs
     y = recv.permute(1, 2, 0, 3, 4)  # [B, s, P, hsum, D]
     outs = torch.split(y, heads, dim=3) if len(xs) > 1 else [y]
     return [o.reshape(b, s, p * h, d) for o, h in zip(outs, heads)]
@@ -213,23 +335,46 @@ class _AllToAll(torch.autograd.Function):
     """A packed all-to-all ``there`` (:func:`_s2h` or :func:`_h2s`); its backward is the other one, ``back``."""
 
     @staticmethod
-    def forward(ctx, comm, there, back, *xs):
-        ctx.comm, ctx.back = comm, back
-        return tuple(there(xs, comm))
+    def forward(ctx, comm, there, back, counts, *xs):
+        ctx.comm, ctx.back, ctx.counts = comm, back, counts
+        return tuple(there(xs, comm, counts))
 
     @staticmethod
     def backward(ctx, *gs):
-        return (None, None, None, *ctx.back(gs, ctx.comm))  # undefined grads arrive as zeros (materialize_grads)
+        # undefined grads arrive as zeros (materialize_grads)
+        return (None, None, None, None, *ctx.back(gs, ctx.comm, ctx.counts))
 
 
-def seq_to_heads(*xs: torch.Tensor, comm) -> tuple[torch.Tensor, ...]:
-    """Differentiable packed all-to-all ``[B, s, H, D] -> [B, P s, H / P, D]`` (backward: :func:`heads_to_seq`)."""
-    return _AllToAll.apply(comm, _s2h, _h2s, *xs)
+def seq_to_heads(*xs: torch.Tensor, comm, counts=None) -> tuple[torch.Tensor, ...]:
+    """Differentiable packed all-to-all ``[B, s, H, D] -> [B, P s, H / P, D]`` (backward: :func:`heads_to_seq`);
+    ``counts[x][r]``: heads of tensor ``x`` for rank ``r`` (uneven splits, :class:`HeadPlan`)."""
+    return _AllToAll.apply(comm, _s2h, _h2s, counts, *xs)
 
 
-def heads_to_seq(*xs: torch.Tensor, comm) -> tuple[torch.Tensor, ...]:
+def heads_to_seq(*xs: torch.Tensor, comm, counts=None) -> tuple[torch.Tensor, ...]:
     """Differentiable packed all-to-all ``[B, P s, h, D] -> [B, s, P h, D]`` (backward: :func:`seq_to_heads`)."""
-    return _AllToAll.apply(comm, _h2s, _s2h, *xs)
+    return _AllToAll.apply(comm, _h2s, _s2h, counts, *xs)
+
+
+def _to_heads(q, k, v, comm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, HeadPlan]:
+    """Ulysses' first all-to-all under a :class:`HeadPlan` (any head count): this rank's query heads and the
+    kv heads they read (one per query head where its GQA groups are unequal), over the whole sequence."""
+    plan = _head_plan(q, k, comm.size)
+    k, v = plan.gather_kv(k, v)
+    if comm.size == 1:
+        return q, k, v, plan
+    counts = None if plan.even else (plan.q, plan.kv, plan.kv)
+    qh, kh, vh = seq_to_heads(q, k, v, comm=comm, counts=counts)
+    m = plan.local_map(comm.rank, q.device)
+    if m is not None:
+        kh, vh = kh.index_select(2, m), vh.index_select(2, m)
+    return qh, kh, vh, plan
+
+
+def _to_seq(o, comm, plan: HeadPlan) -> torch.Tensor:
+    if comm.size == 1:
+        return o
+    return heads_to_seq(o, comm=comm, counts=None if plan.even else (plan.q,))[0]
 
 
 # ---------------------------------------------------------------------------------------------- Ulysses
@@ -266,8 +411,7 @@ def ulysses_attention(
     """
     p = comm.size
     check_sizes(q, k, v, p, 1)
-    k, v = _replicate_kv(k, v, p)
-    qh, kh, vh = seq_to_heads(q, k, v, comm=comm) if p > 1 else (q, k, v)
+    qh, kh, vh, plan = _to_heads(q, k, v, comm)
     doc = _global_docs(doc_ids, q, comm, 1)
     mask = None
     if doc is not None:
@@ -277,9 +421,197 @@ def ulysses_attention(
     o = F.scaled_dot_product_attention(qh.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2),
                                        attn_mask=mask, is_causal=causal and mask is None, scale=scale,
                                        enable_gqa=qh.shape[2] != kh.shape[2]).transpose(1, 2)
-    if p == 1:
-        return o
-    return heads_to_seq(o, comm=comm)[0]
+    return _to_seq(o, comm, plan)
+
+
+# ---------------------------------------------------------------------------------------------- ring
+_GROUPS: dict[tuple[int, int], tuple] = {}
+
+
+def ring_groups(comm, ring: int):
+    """``(ulysses, ring)`` communicators of 2-D sequence parallelism over ``comm`` (made once, then cached).
+
+    sp rank ``r = j U + i`` (``U = comm.size / ring``) is rank ``i`` of Ulysses group ``j`` (consecutive ranks:
+    the all-to-all is the heavier traffic) and rank ``j`` of ring ``i``. Collective on first use.
+    """
+    p = comm.size
+    if not isinstance(ring, int) or isinstance(ring, bool) or ring < 1 or p % ring:
+        raise ValueError(f"ring={ring!r} with sp size {p}: the ring degree is an integer >= 1 dividing the sp size")
+    key = (id(comm), ring)
+    got = _GROUPS.get(key)
+    if got is None or got[0] is not comm:
+        u = p // ring
+        j, i = divmod(comm.rank, u)
+        uly = comm.split(j, i, name=f"{comm.name}.ulysses")
+        rng = comm.split(i, j, name=f"{comm.name}.ring")
+        got = _GROUPS[key] = (comm, uly, rng)  # comm kept alive, so its id is not reused
+    return got[1], got[2]
+
+
+def _ring_block(j: int, src: int, c: int, causal: bool):
+    """Which rows of ring rank ``j``'s queries meet which columns of ring rank ``src``'s keys, zig-zag layout
+    (local ``[front, back]`` of ``2c`` tokens): ``(rows, cols, causal)``. The diagonal block is causal as
+    is (front before back); an earlier group's front is seen whole, its back not at all; a later group's
+    front and back are seen whole by this group's back only."""
+    every = slice(None)
+    if not causal:
+        return every, every, False
+    if src == j:
+        return every, every, True
+    if src < j:
+        return every, slice(0, c), False
+    return slice(c, None), every, False
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention over ``comm`` (the ring axis) on head-layout ``[B, 2c, h, D]`` q/k/v (zig-zag layout).
+
+    Forward, ``R`` steps: step ``t`` attends to the K/V block of ring rank ``j - t`` while that block goes on
+    to rank ``j + 1`` and the next one comes from ``j - 1`` (one packed (k, v) isend/irecv pair, posted before
+    the block's attention and waited after it); blocks merge through their log-sum-exp (:func:`merge`).
+    Backward (as FlashAttention-2 over a ring): K/V go round again; each step adds this rank's exact block
+    gradients (from the merged out and log-sum-exp) to dq and to the (dk, dv) accumulator that travels with
+    that K/V block one step behind it; after ``R`` steps every accumulator is back at its owner.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm, causal, scale, docs):
+        r, j = comm.size, comm.rank
+        kernel = attention_kernel(q.device)
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        c = qt.shape[2] // 2
+        kv = torch.stack([kt, vt])
+        o_acc = l_acc = None
+        for t in range(r):
+            src = (j - t) % r
+            reqs = _ring_pass(comm, kv, 0) if t + 1 < r else None
+            rows, cols, diag = _ring_block(j, src, c, causal)
+            bd = None if docs is None else (docs[j][:, rows], docs[src][:, cols])
+            o, lse = _block_forward(qt[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], diag, scale, kernel, bd)
+            if o_acc is None:  # step 0 is the diagonal block: every row
+                o_acc, l_acc = _merge(None, None, o, lse)
+            else:
+                o_acc[:, :, rows], l_acc[:, :, rows] = _merge(o_acc[:, :, rows], l_acc[:, :, rows], o, lse)
+            del o, lse
+            if reqs is not None:
+                kv = _ring_wait(reqs)
+        out = o_acc.to(q.dtype)
+        ctx.save_for_backward(qt, kt, vt, out, l_acc)
+        ctx.comm, ctx.causal, ctx.scale, ctx.docs, ctx.kernel = comm, causal, scale, docs, kernel
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, gout):
+        qt, kt, vt, out, lse = ctx.saved_tensors
+        comm, causal, scale, docs, kernel = ctx.comm, ctx.causal, ctx.scale, ctx.docs, ctx.kernel
+        r, j = comm.size, comm.rank
+        c = qt.shape[2] // 2
+        do = gout.transpose(1, 2).to(qt.dtype).contiguous()
+        acc = _acc_dtype(qt.dtype)
+        dq = torch.zeros(qt.shape, dtype=acc, device=qt.device)
+        kv = torch.stack([kt, vt])
+        sent = []
+        dkv = None
+        for t in range(r):
+            src = (j - t) % r
+            reqs = _ring_pass(comm, kv, 0) if t + 1 < r else None
+            incoming = None
+            if t > 0:  # the accumulator of block src, from the rank that held it at step t - 1
+                incoming = comm.irecv(torch.empty((2, *kt.shape), dtype=acc, device=kt.device), (j - 1) % r, 1)
+            rows, cols, diag = _ring_block(j, src, c, causal)
+            bd = None if docs is None else (docs[j][:, rows], docs[src][:, cols])
+            g_q, g_k, g_v = _block_backward(do[:, :, rows], qt[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                            out[:, :, rows], lse[:, :, rows], diag, scale, kernel, bd)
+            dq[:, :, rows] += g_q
+            dkv = incoming.wait() if incoming is not None else torch.zeros((2, *kt.shape), dtype=acc,
+                                                                           device=kt.device)
+            dkv[0][:, :, cols] += g_k
+            dkv[1][:, :, cols] += g_v
+            del g_q, g_k, g_v
+            _wait_all(sent)
+            sent = [comm.isend(dkv, (j + 1) % r, 1)]
+            if reqs is not None:
+                kv = _ring_wait(reqs)
+        mine = comm.irecv(torch.empty_like(dkv), (j - 1) % r, 1).wait()  # after R passes: this rank's own
+        _wait_all(sent)
+        ctx.comm = ctx.docs = None
+        dq, dk, dv = (g.to(qt.dtype).transpose(1, 2) for g in (dq, mine[0], mine[1]))
+        return dq, dk, dv, None, None, None, None
+
+
+def _ring_pass(comm, x: torch.Tensor, tag: int):
+    """Send ``x`` to the next ring rank and receive the previous one's into a new buffer (non-blocking)."""
+    r, j = comm.size, comm.rank
+    nxt = torch.empty_like(x)
+    return [comm.isend(x, (j + 1) % r, tag), comm.irecv(nxt, (j - 1) % r, tag)], nxt
+
+
+def _ring_wait(reqs) -> torch.Tensor:
+    pending, nxt = reqs
+    _wait_all(pending)
+    _stats.add("sequence", "sp", ring=1)
+    return nxt
+
+
+def _wait_all(reqs) -> None:
+    for q in reqs:
+        q.wait()
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    comm,
+    *,
+    ring: int,
+    causal: bool = True,
+    scale: float | None = None,
+    doc_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """2-D sequence parallelism (Ulysses x ring, as USP): sp degree past the head count.
+
+    Plan: ``comm`` (``P`` ranks) is ``ring`` groups of ``U = P / ring`` consecutive ranks (:func:`ring_groups`).
+    One packed all-to-all (q, k, v) inside each group from sequence- to head-sharding gives each rank its
+    group's ``[front, back]`` tokens (:func:`ring_positions`) for ``H / U`` heads; ring attention
+    (:class:`_RingAttention`) across the ``ring`` groups among the ranks holding the same heads, ``ring`` K/V
+    steps each overlapped with one block's attention; one all-to-all of the output back. Backward mirrors it
+    (the all-to-alls swap, the ring passes K/V and the (dk, dv) accumulators). ``ring=1`` is
+    :func:`ulysses_attention`.
+
+    Args:
+        q: ``[batch, seq_local, heads, head_dim]`` in the layout of ``shard_sequence(x, comm, ring=ring)``.
+        k: ``[batch, seq_local, kv_heads, head_dim]``; ``kv_heads`` divides ``heads``.
+        v: like ``k``.
+        comm: the sequence-parallel communicator.
+        ring: the ring degree ``R`` (divides ``P``; ``heads`` must split over ``U = P / R``).
+        causal: causal mask over global positions (the zig-zag layout balances it over the ring).
+        scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        doc_ids: packed sequences: ``[batch, seq_local]`` document ids in the same layout.
+
+    Returns:
+        ``[batch, seq_local, heads, head_dim]``, equal to single-process SDPA on the gathered tensors.
+    """
+    if ring == 1:
+        return ulysses_attention(q, k, v, comm, causal=causal, scale=scale, doc_ids=doc_ids)
+    p = comm.size
+    uly, rng = ring_groups(comm, ring)
+    u = uly.size
+    check_sizes(q, k, v, u, 1)
+    ring_positions(q.shape[1] * p, p, ring, comm.rank)  # validates the length
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    qh, kh, vh, plan = _to_heads(q, k, v, uly)
+    docs = None
+    if doc_ids is not None:  # every ring group's [front, back] document ids
+        if tuple(doc_ids.shape) != tuple(q.shape[:2]):
+            raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must be [batch, seq_local] = {tuple(q.shape[:2])}")
+        full = gather_sequence(doc_ids.to(torch.int64), comm, ring=ring).to(q.device)
+        n = full.shape[1]
+        docs = [full[:, torch.cat([ring_positions(n, p, ring, g * u + i, device=q.device) for i in range(u)])]
+                for g in range(ring)]
+    o = _RingAttention.apply(qh, kh, vh, rng, bool(causal), float(scale), docs)
+    return _to_seq(o, uly, plan)
 
 
 # ---------------------------------------------------------------------------------------------- FPDT
@@ -300,8 +632,15 @@ class FPDTPipeline:
     """
 
     def __init__(self, comm, chunks: int, causal: bool, scale: float, store, device: torch.device,
-                 doc: torch.Tensor | None = None):
+                 doc: torch.Tensor | None = None, plan: HeadPlan | None = None):
         self.comm, self.u, self.causal, self.scale, self.store = comm, chunks, causal, scale, store
+        # uneven head splits (HeadPlan): the all-to-alls' per-rank head counts and this rank's kv expansion
+        even = plan is None or plan.even
+        self.qc = None if even else (plan.q,)
+        self.qkvc = None if even else (plan.q, plan.kv, plan.kv)
+        self.kvc = None if even else (plan.kv, plan.kv)
+        self.map = None if even else plan.local_map(comm.rank, device)
+        self.kv_local = None if even else plan.kv[comm.rank]
         self.kernel = attention_kernel(device)
         self.doc = doc  # global document ids [B, n] (packed sequences) or None
         self._seen: list[list[bool]] | None = None
@@ -340,13 +679,7 @@ class FPDTPipeline:
         hq, hk, hv, ho, hl = self.hq, self.hk, self.hv, self.ho, self.hl
 
         def scatter(i):
-            qi, ki, vi = _s2h(get_qkv(i), comm)
-            # SDPA layout [B, heads, P c, D], contiguous so that the chunk store moves one block.
-            qi, ki, vi = (t.transpose(1, 2).contiguous() for t in (qi, ki, vi))
-            hq.append(store.put(qi))
-            hk.append(store.put(ki))
-            hv.append(store.put(vi))
-            return qi, ki, vi
+            return self._scatter(get_qkv(i))
 
         def attend(i, qi, own_kv):
             js = list(range(i + 1)) if causal else list(range(u))
@@ -367,7 +700,7 @@ class FPDTPipeline:
             oi = o_acc.to(qi.dtype)
             ho.append(store.put(oi))
             hl.append(store.put(l_acc))
-            (o_seq,) = _h2s([oi.transpose(1, 2)], comm)
+            (o_seq,) = _h2s([oi.transpose(1, 2)], comm, self.qc)
             emit_out(i, o_seq)
 
         if causal:
@@ -388,12 +721,7 @@ class FPDTPipeline:
         receives the input gradients of local chunk ``j`` (local layout), in increasing ``j``."""
         u, store, comm, causal = self.u, self.store, self.comm, self.causal
         hq, hk, hv, ho, hl = self.hq, self.hk, self.hv, self.ho, self.hl
-        hdo = []
-        for i in range(u):
-            doi = get_dout(i)
-            (doi,) = _s2h([doi], comm)
-            hdo.append(store.put(doi.transpose(1, 2).contiguous()))
-            del doi
+        hdo = self._emit_dout(get_dout)
         hdq: list[int | None] = [None] * u
         parked: list[tuple[int, int]] = []
         for j in range(u):
@@ -424,26 +752,54 @@ class FPDTPipeline:
                 else:
                     store.replace(hdq[i], store.get(hdq[i]) + g_q)
                 del g_q, g_k, g_v
-            sends = [dk_j.to(dtype).transpose(1, 2), dv_j.to(dtype).transpose(1, 2)]
+            sends = [self._fold_kv(dk_j).to(dtype).transpose(1, 2), self._fold_kv(dv_j).to(dtype).transpose(1, 2)]
             del kj, vj, dk_j, dv_j
             if causal:  # dq_j got its last contribution from kv chunk j: send it with dk_j, dv_j
                 sends.insert(0, store.pop(hdq[j]).to(dtype).transpose(1, 2))
                 hdq[j] = None
-                dq_j, dk_j, dv_j = _h2s(sends, comm)
+                dq_j, dk_j, dv_j = _h2s(sends, comm, self.qkvc)
                 del sends
                 emit_grads(j, dq_j, dk_j, dv_j)
             else:  # dq_j is complete only after the last kv chunk: park dk_j, dv_j
-                dk_j, dv_j = _h2s(sends, comm)
+                dk_j, dv_j = _h2s(sends, comm, self.kvc)
                 del sends
                 parked.append((store.put(dk_j), store.put(dv_j)))
             del dk_j, dv_j
         if not causal:
             for i in range(u):
-                (dq_i,) = _h2s([store.pop(hdq[i]).to(dtype).transpose(1, 2)], comm)
+                (dq_i,) = _h2s([store.pop(hdq[i]).to(dtype).transpose(1, 2)], comm, self.qc)
                 emit_grads(i, dq_i, store.pop(parked[i][0]), store.pop(parked[i][1]))
         self.release()
         for h in hdo:
             store.free(h)
+
+    def _scatter(self, qkv) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One packed all-to-all of a local chunk's (q, k, v); the head-layout chunks go to the store."""
+        qi, ki, vi = _s2h(qkv, self.comm, self.qkvc)
+        if self.map is not None:  # unequal GQA groups on this rank: one kv head per query head
+            ki, vi = ki.index_select(2, self.map), vi.index_select(2, self.map)
+        # SDPA layout [B, heads, P c, D], contiguous so that the chunk store moves one block.
+        qi, ki, vi = (t.transpose(1, 2).contiguous() for t in (qi, ki, vi))
+        self.hq.append(self.store.put(qi))
+        self.hk.append(self.store.put(ki))
+        self.hv.append(self.store.put(vi))
+        return qi, ki, vi
+
+    def _emit_dout(self, get_dout) -> list[int]:
+        """Store handles of every chunk's output gradient in head layout (one all-to-all each)."""
+        hdo = []
+        for i in range(self.u):
+            (doi,) = _s2h([get_dout(i)], self.comm, self.qc)
+            hdo.append(self.store.put(doi.transpose(1, 2).contiguous()))
+            del doi
+        return hdo
+
+    def _fold_kv(self, g: torch.Tensor) -> torch.Tensor:
+        """The gradient of this rank's expanded kv heads ``[B, h, L, D]`` summed back to its own kv heads."""
+        if self.map is None:
+            return g
+        out = g.new_zeros(g.shape[0], self.kv_local, *g.shape[2:])
+        return out.index_add_(1, self.map, g)
 
     def release(self) -> None:
         """Free every saved chunk (after backward, or when the graph is dropped)."""
@@ -453,13 +809,163 @@ class FPDTPipeline:
             hs.clear()
 
 
+class FPDTRingPipeline(FPDTPipeline):
+    """FPDT's chunk pipeline inside each Ulysses group, ring attention across the groups (2-D sequence
+    parallelism with FPDT's memory: no sequence-sized tensor beyond one group's K/V chunks in the store).
+
+    Forward: every local chunk's (q, k, v) goes through the group's all-to-all into the chunk store (FPDT).
+    Then ``R`` ring steps, K/V chunk outer and q chunk inner (as FPDT's backward): step ``t`` attends every
+    q chunk to each K/V chunk of ring group ``j - t`` while that chunk goes on to group ``j + 1`` and the next
+    group's arrives (isend/irecv, into the store), merging into per-q-chunk (out, log-sum-exp) accumulators
+    kept in the store; the outputs are complete after the last step, and go back through the all-to-all.
+    Backward mirrors it with the (dk, dv) accumulator of each K/V chunk travelling one step behind it, as in
+    :class:`_RingAttention`. Zig-zag blocks: ring group ``j``'s chunk sequence is its ``[front, back]``, so
+    an earlier group's K/V chunks are seen up to its front half, a later group's by this group's back half.
+
+    Args:
+        comm: the sequence-parallel communicator (``U x R`` ranks, :func:`ring_groups`).
+        ring: ``R``.
+        Others as :class:`FPDTPipeline` (``plan`` over the Ulysses group; no packed documents).
+    """
+
+    def __init__(self, comm, ring: int, chunks: int, causal: bool, scale: float, store, device: torch.device,
+                 plan: HeadPlan | None = None):
+        uly, rng = ring_groups(comm, ring)
+        super().__init__(uly, chunks, causal, scale, store, device, None, plan)
+        self.ring = rng
+
+    def _block(self, src: int, a: int, b: int, rows: int):
+        """``(rows, cols, causal)`` of q chunk ``a`` against K/V chunk ``b`` of ring group ``src``, or None."""
+        j, every = self.ring.rank, slice(None)
+        if not self.causal:
+            return every, every, False
+        half = self.u * rows // 2
+        if src == j:
+            return None if b > a else (every, every, a == b)
+        if src < j:  # its front half only
+            n = max(0, min(rows, half - b * rows))
+            return None if n == 0 else (every, slice(0, n), False)
+        r0 = max(0, min(rows, half - a * rows))  # a later group: seen by this group's back half
+        return None if r0 == rows else (slice(r0, None), every, False)
+
+    def forward(self, get_qkv, emit_out) -> None:
+        u, store, rc = self.u, self.store, self.ring
+        r, j = rc.size, rc.rank
+        for i in range(u):
+            qi, _, _ = self._scatter(get_qkv(i))
+        rows, dtype = qi.shape[2], qi.dtype
+        del qi
+        hacc: list[tuple[int, int] | None] = [None] * u
+        kvs = list(zip(self.hk, self.hv))
+        for t in range(r):
+            src, nxt = (j - t) % r, []
+            for b in range(u):
+                kb, vb = store.get(kvs[b][0]), store.get(kvs[b][1])
+                reqs = _ring_pass(rc, torch.stack([kb, vb]), 0) if t + 1 < r else None
+                for a in range(u):
+                    blk = self._block(src, a, b, rows)
+                    if blk is None:
+                        continue
+                    ra, cb, diag = blk
+                    qa = store.get(self.hq[a])
+                    o, lse = _block_forward(qa[:, :, ra], kb[:, :, cb], vb[:, :, cb], diag, self.scale, self.kernel)
+                    del qa
+                    if hacc[a] is None:  # the first block of every q chunk covers all its rows
+                        o_acc, l_acc = _merge(None, None, o, lse)
+                        hacc[a] = (store.put(o_acc), store.put(l_acc))
+                    else:
+                        o_acc, l_acc = store.get(hacc[a][0]), store.get(hacc[a][1])
+                        o_acc[:, :, ra], l_acc[:, :, ra] = _merge(o_acc[:, :, ra], l_acc[:, :, ra], o, lse)
+                        store.replace(hacc[a][0], o_acc)
+                        store.replace(hacc[a][1], l_acc)
+                    del o, lse, o_acc, l_acc
+                del kb, vb
+                if t > 0:  # a visiting group's chunk (this rank's own stay for backward)
+                    store.free(kvs[b][0])
+                    store.free(kvs[b][1])
+                if reqs is not None:
+                    kv = _ring_wait(reqs)
+                    nxt.append((store.put(kv[0]), store.put(kv[1])))
+                    del kv
+            kvs = nxt
+        for a in range(u):
+            oa = store.pop(hacc[a][0]).to(dtype)
+            self.ho.append(store.put(oa))
+            self.hl.append(store.put(store.pop(hacc[a][1])))
+            (o_seq,) = _h2s([oa.transpose(1, 2)], self.comm, self.qc)
+            emit_out(a, o_seq)
+
+    def backward(self, get_dout, emit_grads) -> None:
+        u, store, rc = self.u, self.store, self.ring
+        r, j = rc.size, rc.rank
+        hdo = self._emit_dout(get_dout)
+        k0 = store.get(self.hk[0])
+        rows, dtype, acc, shape, dev = k0.shape[2], k0.dtype, _acc_dtype(k0.dtype), (2, *k0.shape), k0.device
+        del k0
+        hdq: list[int | None] = [None] * u
+        kvs = list(zip(self.hk, self.hv))
+        sent: list = [None] * u
+        for t in range(r):
+            src, nxt = (j - t) % r, []
+            for b in range(u):
+                kb, vb = store.get(kvs[b][0]), store.get(kvs[b][1])
+                reqs = _ring_pass(rc, torch.stack([kb, vb]), 0) if t + 1 < r else None
+                incoming = rc.irecv(torch.empty(shape, dtype=acc, device=kb.device), (j - 1) % r, 1) if t else None
+                dkv = torch.zeros(shape, dtype=acc, device=kb.device)
+                for a in range(u):
+                    blk = self._block(src, a, b, rows)
+                    if blk is None:
+                        continue
+                    ra, cb, diag = blk
+                    qa, oa, la, doa = (store.get(h[a]) for h in (self.hq, self.ho, self.hl, hdo))
+                    g_q, g_k, g_v = _block_backward(doa[:, :, ra], qa[:, :, ra], kb[:, :, cb], vb[:, :, cb],
+                                                    oa[:, :, ra], la[:, :, ra], diag, self.scale, self.kernel)
+                    dq = torch.zeros(qa.shape, dtype=acc, device=qa.device) if hdq[a] is None else store.get(hdq[a])
+                    dq[:, :, ra] += g_q
+                    if hdq[a] is None:
+                        hdq[a] = store.put(dq)
+                    else:
+                        store.replace(hdq[a], dq)
+                    dkv[0][:, :, cb] += g_k
+                    dkv[1][:, :, cb] += g_v
+                    del qa, oa, la, doa, g_q, g_k, g_v, dq
+                if incoming is not None:
+                    dkv += incoming.wait()
+                if sent[b] is not None:
+                    sent[b].wait()
+                sent[b] = rc.isend(dkv, (j + 1) % r, 1)
+                del kb, vb, dkv
+                if t > 0:
+                    store.free(kvs[b][0])
+                    store.free(kvs[b][1])
+                if reqs is not None:
+                    kv = _ring_wait(reqs)
+                    nxt.append((store.put(kv[0]), store.put(kv[1])))
+                    del kv
+            kvs = nxt
+        for b in range(u):  # after R passes each accumulator is back at its owner
+            mine = rc.irecv(torch.empty(shape, dtype=acc, device=dev), (j - 1) % r, 1).wait()
+            sent[b].wait()
+            sends = [store.pop(hdq[b]).to(dtype).transpose(1, 2), *(self._fold_kv(g).to(dtype).transpose(1, 2)
+                                                                   for g in (mine[0], mine[1]))]
+            dq_b, dk_b, dv_b = _h2s(sends, self.comm, self.qkvc)
+            emit_grads(b, dq_b, dk_b, dv_b)
+        self.release()
+        for h in hdo:
+            store.free(h)
+
+
 class _FPDTAttention(torch.autograd.Function):
     """:class:`FPDTPipeline` on slices of given q/k/v (the standalone :func:`fpdt_attention`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, chunks, causal, scale, offload, doc):
+    def forward(ctx, q, k, v, comm, chunks, causal, scale, offload, doc, plan, ring):
         c = q.shape[1] // chunks
-        pipe = FPDTPipeline(comm, chunks, causal, scale, chunk_store(offload, q.device), q.device, doc)
+        store = chunk_store(offload, q.device)
+        if ring > 1:
+            pipe = FPDTRingPipeline(comm, ring, chunks, causal, scale, store, q.device, plan)
+        else:
+            pipe = FPDTPipeline(comm, chunks, causal, scale, store, q.device, doc, plan)
         out = torch.empty_like(q)
 
         def emit(i, o):
@@ -485,7 +991,7 @@ class _FPDTAttention(torch.autograd.Function):
 
         ctx.pipe.backward(lambda i: gout[:, i * c:(i + 1) * c], emit)
         ctx.pipe = None
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 def fpdt_attention(
@@ -499,6 +1005,7 @@ def fpdt_attention(
     offload: bool = True,
     scale: float | None = None,
     doc_ids: torch.Tensor | None = None,
+    ring: int = 1,
 ) -> torch.Tensor:
     """Fully pipelined distributed attention (FPDT) over the sequence shards of ``comm``.
 
@@ -514,7 +1021,10 @@ def fpdt_attention(
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
         doc_ids: packed sequences: ``[batch, seq_local]`` integer document ids in the same layout; a token
             attends only to tokens of its own document (one allgather of the ids; blocks that no query can
-            see are skipped).
+            see are skipped). Not with ``ring > 1``.
+        ring: ring degree ``R``: FPDT inside each Ulysses group of ``P / R`` ranks, ring attention across the
+            groups (:class:`FPDTRingPipeline`); ``q`` etc. in ``shard_sequence(x, comm, chunks=chunks,
+            ring=R)``'s layout.
 
     Returns:
         ``[batch, seq_local, heads, head_dim]`` in the same layout, equal to single-process SDPA on the
@@ -525,12 +1035,21 @@ def fpdt_attention(
             ``P x chunks`` (the message names the length to pad to).
     """
     p = comm.size
-    check_sizes(q, k, v, p, chunks)
+    u = p
+    if ring > 1:
+        if doc_ids is not None:
+            raise ValueError(f"doc_ids with ring={ring}: packed documents do not run under FPDT x ring yet; use "
+                             f"ring_attention (chunks=1) or ring=1")
+        u = ring_groups(comm, ring)[0].size
+        ring_positions(q.shape[1] * p, p, ring, comm.rank, chunks=chunks)  # validates the length
+    check_sizes(q, k, v, u, chunks)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    k, v = _replicate_kv(k, v, p)
+    plan = _head_plan(q, k, u)
+    k, v = plan.gather_kv(k, v)
     doc = _global_docs(doc_ids, q, comm, chunks)
-    return _FPDTAttention.apply(q, k, v, comm, chunks, bool(causal), float(scale), bool(offload), doc)
+    return _FPDTAttention.apply(q, k, v, comm, chunks, bool(causal), float(scale), bool(offload), doc, plan,
+                                int(ring))
 
 
 def _global_docs(doc_ids, q, comm, chunks) -> torch.Tensor | None:

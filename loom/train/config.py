@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,11 @@ class MeshConfig:
     """Pipeline parallel: stages that each hold a contiguous range of layers."""
     sp: int = 1
     """Sequence parallel (Ulysses / FPDT): ranks that each hold a slice of every sequence."""
+    sp_ring: int = 0
+    """Ring degree inside sp: ``sp / sp_ring`` ranks per Ulysses group (FPDT's chunk pipeline inside each with
+    ``sequence.algorithm = 'fpdt'``), ring attention across the ``sp_ring`` groups, so sp may exceed the head
+    count. 0: chosen from the heads (1 when every sp rank gets a head, else the smallest ring whose Ulysses
+    group gets one each)."""
     ep: int = 1
     """Expert parallel (MoE only)."""
     tp: int = 1
@@ -120,6 +126,12 @@ class MeshConfig:
             v = getattr(self, k)
             _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                   f"mesh.{k} = {v!r} must be an integer >= 1")
+        r = self.sp_ring
+        _need(isinstance(r, int) and not isinstance(r, bool) and r >= 0,
+              f"mesh.sp_ring = {r!r} must be an integer >= 0 (0: chosen from the heads)")
+        _need(r == 0 or self.sp % r == 0,
+              f"mesh.sp_ring = {r} does not divide mesh.sp = {self.sp}; the sp ranks form sp_ring Ulysses groups: "
+              f"choose sp_ring among {[d for d in range(1, self.sp + 1) if self.sp % d == 0]}")
         _need(self.schedule in ("1f1b", "gpipe"), f"mesh.schedule = {self.schedule!r}; valid: 1f1b, gpipe")
 
     @property
@@ -418,18 +430,21 @@ class Config:
         _need(per_dp % d.micro_batches == 0,
               f"per-replica batch {per_dp} (data.batch / mesh.dp) is not divisible by data.micro_batches = "
               f"{d.micro_batches}; change one of them")
-        unit = mesh.sp * s.chunks
-        if d.seq_len % unit:
-            need = -(-d.seq_len // unit) * unit
+        self._check_ring()
+        if self.padded_seq_len != d.seq_len and (mesh.pp > 1 or mesh.tp > 1 or m.hf or m.hf_config):
+            ring, need = mesh.sp_ring, self.padded_seq_len
             raise ConfigError(
                 f"data.seq_len = {d.seq_len} is not divisible by mesh.sp = {mesh.sp} x sequence.chunks = "
-                f"{s.chunks}; use data.seq_len = {need} or change mesh.sp / sequence.chunks")
-        _need(m.heads % mesh.sp == 0,
-              f"model.heads = {m.heads} is not divisible by mesh.sp = {mesh.sp}; Ulysses gives each sp rank "
-              f"heads/sp heads: choose sp dividing {m.heads}")
+                f"{s.chunks}; use data.seq_len = {need} or change mesh.sp / sequence.chunks" if ring == 1 else
+                f"data.seq_len = {d.seq_len} is not divisible by mesh.sp = {mesh.sp} x sequence.chunks = "
+                f"{s.chunks} and by 2 x mesh.sp_ring = {2 * ring} (the ring's zig-zag layout); use data.seq_len = "
+                f"{need}")
         _need(not d.pack or mesh.pp == mesh.tp == 1 and not (m.hf or m.hf_config),
               f"data.pack = true with mesh.pp = {mesh.pp}, mesh.tp = {mesh.tp}, model.hf = {m.hf or m.hf_config!r}: "
               f"packed documents run on loom's Llama without a pipeline or tp so far; set those to 1 / empty")
+        _need(not d.pack or mesh.sp_ring <= 1 or s.algorithm != "fpdt",
+              f"data.pack = true with sequence.algorithm = 'fpdt' and mesh.sp_ring = {mesh.sp_ring}: packed documents "
+              f"do not run under FPDT x ring yet; use sequence.algorithm = 'ulysses' with the ring, or sp_ring = 1")
         _need(not s.offload_checkpoints or mesh.pp == 1,
               f"sequence.offload_checkpoints with mesh.pp = {mesh.pp}: pipeline stages do not recompute their "
               f"blocks, so there is no checkpoint to offload; set mesh.pp = 1 or offload_checkpoints = false")
@@ -444,6 +459,47 @@ class Config:
             _need(m.ffn == "moe", f"mesh.ep = {mesh.ep} needs model.ffn = 'moe' (got {m.ffn!r})")
             _need(m.experts % mesh.ep == 0,
                   f"model.experts = {m.experts} is not divisible by mesh.ep = {mesh.ep}")
+
+    @property
+    def padded_seq_len(self) -> int:
+        """``data.seq_len`` rounded up to what the sequence layout splits evenly (``sp x chunks``; under the
+        ring, ``sp x chunks`` and ``2 x sp_ring``). The trainer pads each sequence at its end: pad targets are ignored
+        (the loss is the mean over real targets) and, attention being causal, no real token sees a pad."""
+        mesh, n = self.mesh, self.data.seq_len
+        unit = mesh.sp * self.sequence.chunks
+        if mesh.sp_ring > 1:
+            unit = math.lcm(unit, 2 * mesh.sp_ring)
+        return -(-n // unit) * unit
+
+    def _check_ring(self) -> None:
+        """Resolve ``mesh.sp_ring = 0`` from the heads, then check that the heads split over each Ulysses group
+        of ``sp / sp_ring`` ranks: unevenly where they must (``loom.parallel.sequence.HeadPlan``), so only a
+        group larger than the head count has no split; under tp evenly (each tp rank's heads over sp)."""
+        m, mesh = self.model, self.mesh
+        tp = mesh.tp
+        kv = (m.kv_heads or m.heads) // tp
+
+        def fits(u: int) -> bool:
+            if tp > 1:
+                return (m.heads // tp) % u == 0 and (kv % u == 0 or u % kv == 0)
+            return m.heads >= u
+
+        rings = [r for r in range(1, mesh.sp + 1) if mesh.sp % r == 0 and fits(mesh.sp // r)]
+        if mesh.sp_ring == 0:
+            mesh.sp_ring = 1 if fits(mesh.sp) or not rings else rings[0]
+        ring, u = mesh.sp_ring, mesh.sp // mesh.sp_ring
+        if ring > 1:
+            _need(mesh.pp == 1 and tp == 1 and not (m.hf or m.hf_config),
+                  f"mesh.sp_ring = {ring} with mesh.pp = {mesh.pp}, mesh.tp = {tp}"
+                  f"{', a transformers model' if m.hf or m.hf_config else ''}: Ulysses x ring composes with dp "
+                  f"and ZeRO only so far; use mesh.pp = mesh.tp = 1 and loom's Llama, or mesh.sp_ring = 1")
+        if tp > 1:  # _check_tp words the even rule under tp
+            return
+        group = "mesh.sp" if ring == 1 else "sp / sp_ring"
+        fix = (f"use --mesh.sp_ring={rings[0]} (Ulysses {mesh.sp // rings[0]} x ring {rings[0]})" if rings
+               else "use a smaller mesh.sp")
+        _need(fits(u), f"model.heads = {m.heads} over {group} = {u} ranks: every rank of the Ulysses all-to-all "
+                       f"needs a query head, so no split exists; {fix}")
 
     def _check_tp(self) -> None:
         """Tensor parallelism composes with dp (ZeRO stage 0-1 over dp) and Ulysses sp today; other axes are

@@ -126,7 +126,8 @@ class Estimate:
 def _dims(cfg: Config) -> dict[str, int]:
     m, mesh, d = cfg.model, cfg.mesh, cfg.data
     p = mesh.sp
-    kv_heads = m.kv_heads if m.kv_heads % p == 0 else p  # Ulysses replicates k/v heads up to sp
+    u = p // max(1, mesh.sp_ring)  # ranks per Ulysses group
+    kv_heads = m.kv_heads if m.kv_heads % u == 0 else u  # Ulysses replicates k/v heads up to its group
     rows = d.batch // (mesh.dp * mesh.ep)
     if mesh.pp > 1:
         rows //= d.micro_batches
@@ -381,12 +382,17 @@ def _traffic_lines(cfg: Config, stage_params: int) -> list[str]:
             lines.append(f"    dp  allreduce of gradients 2n(P-1)/P: {_fmt(2 * n * (mesh.dp - 1) / mesh.dp)}"
                          + ("" if cfg.compress.policy == "none" else f" before compression ({cfg.compress.policy})"))
     if mesh.sp > 1:
-        p = mesh.sp
-        kv = m.kv_heads if m.kv_heads % p == 0 else p
-        per_layer = b_loc * s_loc * m.head_dim * (2 * m.heads + 2 * kv) * elem * (p - 1) / p
+        p, ring = mesh.sp, max(1, mesh.sp_ring)
+        u = p // ring
+        kv = m.kv_heads if m.kv_heads % u == 0 else u
+        per_layer = b_loc * s_loc * m.head_dim * (2 * m.heads + 2 * kv) * elem * (u - 1) / u
         grads = stage_params * elem * 2 * (p - 1) / p
         lines.append(f"    sp  Ulysses all-to-all (q,k,v,o fwd+bwd) {_fmt(2 * per_layer * m.layers / mesh.pp)} "
                      f"+ gradient allreduce {_fmt(grads)}")
+        if ring > 1:  # K/V blocks R-1 times forward and backward, (dk, dv) R times backward; acc dtype 4 or 8
+            kv_block = b_loc * s_loc * u * (kv // u) * m.head_dim * 2
+            ring_bytes = kv_block * (2 * (ring - 1) * elem + ring * (8 if elem == 8 else 4)) * m.layers / mesh.pp
+            lines.append(f"    sp  ring K/V and (dk, dv) passes over {ring} groups: {_fmt(ring_bytes)}")
     if mesh.ep > 1:
         lines.append(f"    ep  MoE dispatch + combine all-to-allv (fwd+bwd) ~"
                      f"{_fmt(4 * b_loc * s_loc * m.top_k * m.hidden * elem * (mesh.ep - 1) / mesh.ep * m.layers)} "
@@ -424,9 +430,12 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
         f"{m.ffn_hidden}, vocab {m.vocab}: {total:,} parameters ({_fmt(total * _ELEM[cfg.train.dtype])} in "
         f"{cfg.train.dtype})",
         f"  mesh       dp={mesh.dp} pp={mesh.pp} sp={mesh.sp} ep={mesh.ep}"
-        f"{f' tp={mesh.tp}' if mesh.tp > 1 else ''} = {mesh.size} ranks",
+        f"{f' tp={mesh.tp}' if mesh.tp > 1 else ''} = {mesh.size} ranks"
+        + (f" (sp = Ulysses {mesh.sp // mesh.sp_ring} x ring {mesh.sp_ring})" if mesh.sp_ring > 1 else ""),
         f"  stages     {stages}" + (" (HybridParallel's split: min-max parameters)" if mesh.pp > 1 else ""),
-        f"  sequence   {seq.algorithm}, seq_len {d.seq_len:,} -> {d.seq_len // mesh.sp:,} tokens per sp rank, "
+        f"  sequence   {seq.algorithm}, seq_len {d.seq_len:,}"
+        + (f" (padded to {cfg.padded_seq_len:,})" if cfg.padded_seq_len != d.seq_len else "")
+        + f" -> {cfg.padded_seq_len // mesh.sp:,} tokens per sp rank, "
         f"chunks {seq.chunks}, offload {seq.offload}, recompute {seq.recompute}"
         + (", checkpoints on host" if getattr(seq, "offload_checkpoints", False) else "")
         + (f", attention kernel {attention_kernel(cfg)}" if seq.algorithm == "fpdt" and mesh.sp > 1 else ""),

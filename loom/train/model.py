@@ -160,7 +160,8 @@ def llama_config(cfg: Config, sp: int = 1) -> LlamaConfig:
     try:
         return LlamaConfig.from_any(cfg.model, sequence_parallel=mode, chunks=cfg.sequence.chunks if fpdt else 1,
                                     offload=cfg.sequence.offload and fpdt, checkpoint=cfg.sequence.recompute,
-                                    offload_checkpoints=cfg.sequence.offload_checkpoints)
+                                    offload_checkpoints=cfg.sequence.offload_checkpoints,
+                                    ring=max(1, cfg.mesh.sp_ring) if mode != "none" else 1)
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
 

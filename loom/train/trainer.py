@@ -78,6 +78,7 @@ from ..compress import stats as compress_stats
 from ..parallel import HybridParallel
 from ..parallel.data import GradReducer, dp_stats
 from ..parallel.offload import transfer_stats
+from ..parallel.sequence import ring_positions
 from ..parallel.zero import zero_stats
 from . import checkpoint as ckpt
 from .config import Config, ConfigError, config_to_dict
@@ -187,12 +188,15 @@ class TimedComm:
         return timed
 
 
-def sp_layout(n: int, p: int, r: int, chunks: int) -> torch.Tensor:
-    """Global positions of sp rank ``r``'s tokens of a length-``n`` sequence (FPDT layout; contiguous for 1 chunk).
+def sp_layout(n: int, p: int, r: int, chunks: int, ring: int = 1) -> torch.Tensor:
+    """Global positions of sp rank ``r``'s tokens of a length-``n`` sequence (FPDT layout; contiguous for 1 chunk;
+    the zig-zag layout of ``loom.parallel.sequence.ring_positions`` for ``ring > 1``).
 
     Same layout as ``loom.parallel.sequence.shard_sequence``: ``chunks x p`` pieces, rank ``r`` holds pieces
     ``r, r+p, r+2p, ...``.
     """
+    if ring > 1:
+        return ring_positions(n, p, ring, r, chunks=chunks)  # host: it indexes the host batch, then moves
     c = n // (p * chunks)
     starts = (torch.arange(chunks, device="cpu") * p + r) * c  # host: it indexes the host batch, then moves
     return (starts[:, None] + torch.arange(c, device="cpu")[None, :]).reshape(-1)
@@ -282,7 +286,8 @@ class Trainer:
         self.model = self.tm.module
         if hasattr(self.tm, "tokenize_corpus"):  # a transformers checkpoint's own tokenizer
             self.corpus = self.tm.tokenize_corpus(self.corpus)
-        self.positions = sp_layout(cfg.data.seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks).to(self.device)
+        self.positions = sp_layout(cfg.padded_seq_len, cfg.mesh.sp, self.sp_rank, cfg.sequence.chunks,
+                                   cfg.mesh.sp_ring).to(self.device)
         self.tm.positions.value = self.positions
         self.hybrid = None
         if self.pp is not None:
@@ -679,6 +684,13 @@ class Trainer:
         b = d.batch // (m.dp * m.ep)
         r0 = (self.dp_rank * m.ep + self.ep_rank) * b  # ep ranks take different rows, like dp replicas
         cols = self.positions.cpu()
+        pad = self.cfg.padded_seq_len - d.seq_len
+        if pad:  # at the end: the loss ignores pad targets, and causal attention never shows a pad to a real token
+            x = torch.nn.functional.pad(x, (0, pad), value=0)
+            y = torch.nn.functional.pad(y, (0, pad), value=IGNORE)
+            if docs is not None:  # the pads are a document of their own, at position 0 onwards
+                doc = torch.nn.functional.pad(doc, (0, pad), value=int(doc.max()) + 1)
+                pos = torch.nn.functional.pad(pos, (0, pad), value=0)
 
         def mine(t: torch.Tensor) -> torch.Tensor:
             return t[r0:r0 + b][:, cols].to(self.device)

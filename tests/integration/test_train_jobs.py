@@ -32,7 +32,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("override, words", [
     ("--model.hiden=64", ["unknown key model.hiden", "valid keys in [model]: layers, hidden"]),
-    ("--data.seq_len=33", ["data.seq_len = 33 is not divisible by mesh.sp = 2", "use data.seq_len = 34"]),
+    ("--mesh.sp_ring=3", ["mesh.sp_ring = 3 does not divide mesh.sp = 2", "choose sp_ring among [1, 2]"]),
     # the mesh, not the batch of 4 it does not divide either
     ("--mesh.dp=3", ["mesh dp=3", "= 3 ranks but the job has 2; launch with --ranks 3"]),
     ("--data.glob=*.nothing", ["has no readable files matching data.glob = '*.nothing'"]),
@@ -41,7 +41,7 @@ def _tree(root: Path) -> dict[str, bytes]:
 ])
 def test_bad_config_exits_2_on_every_rank(tmp_path, override, words):
     """Once per job, no traceback, and with --overwrite the previous run in the directory is left as it was."""
-    extra = ["--mesh.sp=2"] if "seq_len" in override else _MOE if "topology" in override else []
+    extra = ["--mesh.sp=2"] if "sp_ring" in override else _MOE if "topology" in override else []
     ckpt.save(ckpt.stage_path(tmp_path / "checkpoints", 2), {"format": ckpt.FORMAT, "step": 2, "stages": 1})
     (tmp_path / "metrics.jsonl").write_text('{"kind": "step", "step": 2}\n')
     before = _tree(tmp_path)

@@ -7,6 +7,7 @@ to the largest reference entry (at least 1).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 
 import torch
@@ -16,6 +17,7 @@ from loom.parallel.sequence import (
     fpdt_attention,
     gather_sequence,
     local_positions,
+    ring_attention,
     shard_sequence,
     ulysses_attention,
 )
@@ -47,7 +49,7 @@ def _reference(q, k, v, causal, go, doc=None):
 
 
 def _compare(comm, fn, b, n, h, hk, d, chunks, causal, g, dtype=torch.float64, tol=TOL, ref_dtype=None,
-             packed=False):
+             packed=False, ring=1):
     ref_dtype = ref_dtype or dtype
     q = torch.randn(b, n, h, d, generator=g, dtype=torch.float64)
     k = torch.randn(b, n, hk, d, generator=g, dtype=torch.float64)
@@ -57,16 +59,16 @@ def _compare(comm, fn, b, n, h, hk, d, chunks, causal, g, dtype=torch.float64, t
     if packed:  # documents of random lengths (boundaries anywhere, also inside chunks)
         doc = torch.cumsum((torch.rand(b, n, generator=g) < 0.2).long(), dim=1)
     ref = _reference(*(t.to(ref_dtype) for t in (q, k, v)), causal, go.to(ref_dtype), doc)
-    loc = [shard_sequence(t.to(dtype), comm, chunks=chunks).requires_grad_() for t in (q, k, v)]
-    out = fn(*loc) if doc is None else fn(*loc, doc_ids=shard_sequence(doc, comm, chunks=chunks))
-    grads = torch.autograd.grad(out, loc, shard_sequence(go.to(dtype), comm, chunks=chunks))
+    loc = [shard_sequence(t.to(dtype), comm, chunks=chunks, ring=ring).requires_grad_() for t in (q, k, v)]
+    out = fn(*loc) if doc is None else fn(*loc, doc_ids=shard_sequence(doc, comm, chunks=chunks, ring=ring))
+    grads = torch.autograd.grad(out, loc, shard_sequence(go.to(dtype), comm, chunks=chunks, ring=ring))
     for name, mine, want in zip(("out", "dq", "dk", "dv"), (out, *grads), ref):
-        got = gather_sequence(mine.detach(), comm, chunks=chunks).double()
+        got = gather_sequence(mine.detach(), comm, chunks=chunks, ring=ring).double()
         want = want.double()
         # fp64: absolute; bf16: relative to the reference's largest entry (gradients sum many terms)
         err = (got - want).abs().max().item() / (1.0 if dtype == torch.float64 else max(1.0, want.abs().max().item()))
         assert err <= tol, f"{name} error {err:.3g} > {tol} (P={comm.size}, b={b}, n={n}, h={h}, hk={hk}, " \
-                           f"chunks={chunks}, causal={causal}, dtype={dtype})"
+                           f"chunks={chunks}, ring={ring}, causal={causal}, dtype={dtype})"
 
 
 def check_shard_gather(comm):
@@ -106,6 +108,124 @@ def check_fpdt_exact(comm):
         _compare(comm, lambda q, k, v: fpdt_attention(q, k, v, comm, chunks=chunks, causal=causal,
                                                       offload=offload),
                  b, p * chunks * 2, h, hk, 4, chunks, causal, g)
+
+
+def _rings(p: int) -> list[int]:
+    return [r for r in range(2, p + 1) if p % r == 0]
+
+
+def check_ring_layout(comm):
+    """The zig-zag layout: every rank holds a front and a back piece of its ring group; shard/gather invert."""
+    g = seeded(comm, 7)
+    p = comm.size
+    for ring, chunks in itertools.product(_rings(p), (1, 2, 3)):
+        n = math.lcm(2 * ring, p * chunks) * 3
+        x = torch.randn(2, n, 3, generator=g, dtype=torch.float64)
+        loc = shard_sequence(x, comm, ring=ring, chunks=chunks)
+        assert torch.equal(gather_sequence(loc, comm, ring=ring, chunks=chunks), x)
+        pos = local_positions(n // p, comm, ring=ring, chunks=chunks)
+        assert torch.equal(loc, x[:, pos])
+        allpos = torch.sort(torch.cat([comm.allgather(pos)]))[0] if p > 1 else pos
+        assert torch.equal(allpos, torch.arange(n)), allpos
+        j, c = comm.rank // (p // ring), n // (2 * ring)
+        mine = set(pos.tolist())
+        group = set(torch.cat(comm.allgather(pos.reshape(1, -1)).unbind(0)).tolist()) if p > 1 else mine
+        assert group >= set(range(j * c, (j + 1) * c)) | set(range((2 * ring - 1 - j) * c, (2 * ring - j) * c))
+
+
+def check_ring_exact(comm):
+    """Ulysses x ring against one process: 2 query heads and 1 kv head at every ring degree dividing P (ring P x
+    Ulysses 1, ring 2 x Ulysses 2 at 4 ranks), causal and not, packed documents, both block kernels."""
+    g = seeded(comm, 8)
+    p = comm.size
+    for ring in _rings(p):
+        for idx, (causal, h, hk, kernel) in enumerate(itertools.product(
+                (True, False), (2, 4), (1, 2), ("flash", "torch"))):
+            if (h // (p // ring)) * (p // ring) != h:
+                continue
+            os.environ["LOOM_ATTN_KERNEL"] = kernel
+            tile, blocks.TILE = blocks.TILE, 3
+            try:
+                _compare(comm, lambda q, k, v: ring_attention(q, k, v, comm, ring=ring, causal=causal),
+                         1 + idx % 2, 2 * p * 3, h, hk, 4, 1, causal, g, ring=ring)
+                if causal and hk == 1:
+                    _compare(comm, lambda q, k, v, doc_ids: ring_attention(q, k, v, comm, ring=ring, causal=causal,
+                                                                           doc_ids=doc_ids),
+                             2, 2 * p * 4, h, hk, 4, 1, causal, g, ring=ring, packed=True)
+            finally:
+                del os.environ["LOOM_ATTN_KERNEL"]
+                blocks.TILE = tile
+
+
+def _uneven(p: int) -> list[tuple[int, int]]:
+    """(heads, kv_heads) that do not split evenly over p ranks: 4 heads on 3 ranks, 3 or 5 on 2 and 4, 6 on 4;
+    the last of each has a rank whose query heads read their kv heads in unequal groups (8 heads and 2 kv heads
+    on 3 ranks: rank 1 holds query heads 3, 4, 5, reading kv heads 0, 1, 1)."""
+    return {1: [], 2: [(3, 3), (3, 1), (9, 3)], 3: [(4, 4), (4, 2), (4, 1), (5, 5), (8, 2)],
+            4: [(6, 6), (6, 3), (6, 2), (5, 1), (10, 2)]}[p]
+
+
+def check_uneven_heads_exact(comm):
+    """Heads (and kv heads) that do not divide the sp group split unevenly, exact for Ulysses, FPDT (chunks,
+    offload, packed documents) and Ulysses x ring (3 heads over Ulysses 2 x ring 2 at 4 ranks)."""
+    g = seeded(comm, 10)
+    p = comm.size
+    for idx, (h, hk) in enumerate(_uneven(p)):
+        for causal in (True, False):
+            _compare(comm, lambda q, k, v: ulysses_attention(q, k, v, comm, causal=causal),
+                     1 + idx % 2, 2 * p, h, hk, 4, 1, causal, g)
+            for chunks, offload in ((1, False), (2, True)):
+                _compare(comm, lambda q, k, v: fpdt_attention(q, k, v, comm, chunks=chunks, causal=causal,
+                                                              offload=offload),
+                         2, p * chunks * 2, h, hk, 4, chunks, causal, g)
+        _compare(comm, lambda q, k, v, doc_ids: fpdt_attention(q, k, v, comm, chunks=2, doc_ids=doc_ids),
+                 2, p * 2 * 3, h, hk, 4, 2, True, g, packed=True)
+    if p == 4:
+        for hk in (3, 1):
+            _compare(comm, lambda q, k, v: ring_attention(q, k, v, comm, ring=2), 2, 2 * p * 2, 3, hk, 4, 1, True,
+                     g, ring=2)
+
+
+def check_uneven_heads_model(comm):
+    """The model with heads that do not divide sp (4 heads and 2 kv heads on 3 ranks): loss and gradients."""
+    g = seeded(comm, 11)
+    p = comm.size
+    for h, hk in [*_uneven(p)[:2], *_uneven(p)[-1:]]:
+        for kw in (dict(sequence_parallel="ulysses"), dict(sequence_parallel="fpdt", chunks=2, offload=True)):
+            n = p * kw.get("chunks", 1) * 3
+            tok = torch.randint(0, 40, (2, n), generator=g)
+            tgt = torch.randint(0, 40, (2, n), generator=g)
+            base = dict(layers=2, hidden=4 * h, heads=h, kv_heads=hk, vocab=40)
+            ref_loss, ref_grads = _model_run(LlamaConfig(**base), comm, tok, tgt)
+            loss, grads = _model_run(LlamaConfig(**base, **kw), comm, tok, tgt)
+            total = comm.allreduce(loss.reshape(1)) if p > 1 else loss.reshape(1)
+            assert abs(total.item() - ref_loss.item()) <= TOL, (h, hk, kw, total.item(), ref_loss.item())
+            for name, want in ref_grads.items():
+                got = comm.allreduce(grads[name]) if p > 1 else grads[name]
+                err = (got - want).abs().max().item()
+                assert err <= TOL, f"grad {name} error {err:.3g} with {h} heads / {hk} kv, {kw} on {p} ranks"
+
+
+def check_fpdt_ring_exact(comm):
+    """FPDT's chunks (offload on and off) inside each Ulysses group, ring across the groups: 2 query heads and
+    1 kv head, ring P x Ulysses 1 and ring 2 x Ulysses 2 at 4 ranks, chunks 1-3 (odd counts split a chunk at
+    the zig-zag boundary), causal and not, both block kernels."""
+    g = seeded(comm, 12)
+    p = comm.size
+    for ring in _rings(p):
+        h = 2 if p // ring <= 2 else p // ring
+        for idx, (causal, chunks, kernel) in enumerate(itertools.product((True, False), (1, 2, 3),
+                                                                         ("flash", "torch"))):
+            os.environ["LOOM_ATTN_KERNEL"] = kernel
+            tile, blocks.TILE = blocks.TILE, 3
+            try:
+                n = math.lcm(2 * ring, p * chunks) * 2
+                _compare(comm, lambda q, k, v: fpdt_attention(q, k, v, comm, chunks=chunks, causal=causal,
+                                                              offload=bool(idx % 2), ring=ring),
+                         1 + idx % 2, n, h, 1, 4, chunks, causal, g, ring=ring)
+            finally:
+                del os.environ["LOOM_ATTN_KERNEL"]
+                blocks.TILE = tile
 
 
 def check_fpdt_torch_kernel(comm):
@@ -173,33 +293,28 @@ def check_errors(comm):
             assert "pad to" in str(exc) or "divisible" in str(exc), str(exc)
         else:
             raise AssertionError(f"no ValueError for {bad}")
-    if p > 1:
-        q1 = torch.zeros(1, 4, 4 * p + 1, 2)
+    if p > 1:  # fewer heads than ranks: no split exists (uneven splits are fine: check_uneven_heads_exact)
+        q1 = torch.zeros(1, 4, p - 1, 2)
         try:
             ulysses_attention(q1, q1, q1, comm)
         except ValueError as exc:
-            assert f"sp size {p}" in str(exc), str(exc)
+            assert f"heads {p - 1} over sp size {p}" in str(exc) and "no split exists" in str(exc), str(exc)
         else:
-            raise AssertionError("heads not divisible by P did not raise")
-    if p == 4:
-        try:  # kv_heads 3 is neither a divisor nor a multiple of 4
-            ulysses_attention(torch.zeros(1, 6, 12, 2), torch.zeros(1, 6, 3, 2), torch.zeros(1, 6, 3, 2), comm)
+            raise AssertionError("fewer heads than ranks did not raise")
+    if p == 4:  # the ring's Ulysses group of 2 ranks needs 2 heads
+        q1 = torch.zeros(1, 4, 1, 2)
+        try:
+            ring_attention(q1, q1, q1, comm, ring=2)
         except ValueError as exc:
-            assert "kv_heads 3" in str(exc), str(exc)
+            assert "heads 1 over sp size 2" in str(exc), str(exc)
         else:
-            raise AssertionError("kv_heads 3 on 4 ranks did not raise")
+            raise AssertionError("1 head over a Ulysses group of 2 did not raise")
 
 
 def _model_run(cfg, comm, tok, tgt, doc=None):
     ep = comm.split(comm.rank, 0, name="ep") if cfg.ffn == "moe" else None  # every expert on each rank
     m = Llama(cfg, comm, ep).double()
-    chunks = cfg.layout_chunks
-    if cfg.sequence_parallel != "none":
-        tok, tgt = shard_sequence(tok, comm, chunks=chunks), shard_sequence(tgt, comm, chunks=chunks)
-        doc = None if doc is None else shard_sequence(doc, comm, chunks=chunks)
-    loss = m.loss(tok, tgt, doc_ids=doc)
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in m.named_parameters()}
+    return _model_run_on(m, comm, tok, tgt, doc), {n: p.grad for n, p in m.named_parameters()}
 
 
 def check_model_exact(comm):
@@ -243,6 +358,58 @@ def check_model_exact(comm):
             got = comm.allreduce(grads[name]) if p > 1 else grads[name]
             err = (got - want).abs().max().item()
             assert err <= TOL, f"grad {name} error {err:.3g} with {kw} on {p} ranks"
+
+
+def check_ring_model_adamw(comm):
+    """Ulysses x ring and FPDT x ring in the model (2 query heads, 1 kv head: Ulysses alone stops at sp = 2):
+    loss, every gradient and the parameters after 3 AdamW steps equal one process's, to 1e-9 in fp64 (ring P x
+    Ulysses 1, and ring 2 x Ulysses 2 at 4 ranks; checkpointed blocks, packed documents, FPDT chunks with and
+    without offload)."""
+    g = seeded(comm, 9)
+    p = comm.size
+    for ring in _rings(p):
+        for extra in (dict(), dict(checkpoint=True, causal=ring % 2 == 1), dict(packed=True),
+                      dict(sequence_parallel="fpdt", chunks=2, offload=True),
+                      dict(sequence_parallel="fpdt", chunks=3, offload=False, checkpoint=True)):
+            packed = extra.pop("packed", False)
+            sp = dict(sequence_parallel=extra.pop("sequence_parallel", "ulysses"), chunks=extra.pop("chunks", 1),
+                      offload=extra.pop("offload", False), ring=ring)
+            base = dict(layers=2, hidden=8, heads=2, kv_heads=1, vocab=40, **extra)
+            ref = Llama(LlamaConfig(**base)).double()
+            mine = Llama(LlamaConfig(**base, **sp), comm).double()
+            opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ref, mine)]
+            for step in range(3):
+                n = math.lcm(2 * ring, p * sp["chunks"]) * 2
+                tok = torch.randint(0, 40, (2, n), generator=g)
+                tgt = torch.randint(0, 40, (2, n), generator=g)
+                tgt[1, -2:] = -100
+                doc = torch.cumsum((torch.rand(2, n, generator=g) < 0.2).long(), 1) if packed else None
+                for o in opts:
+                    o.zero_grad()
+                ref_loss = _model_run_on(ref, comm, tok, tgt, doc)
+                loss = _model_run_on(mine, comm, tok, tgt, doc)
+                total = comm.allreduce(loss.reshape(1)) if p > 1 else loss.reshape(1)
+                assert abs(total.item() - ref_loss.item()) <= 1e-9, (sp, extra, step, total.item(), ref_loss.item())
+                for (name, a), b in zip(ref.named_parameters(), mine.parameters()):
+                    b.grad = comm.allreduce(b.grad) if p > 1 else b.grad
+                    err = (a.grad - b.grad).abs().max().item()
+                    assert err <= 1e-9, f"grad {name} error {err:.3g} ({sp}, {extra}, step {step})"
+                for o in opts:
+                    o.step()
+            for (name, a), b in zip(ref.named_parameters(), mine.parameters()):
+                err = (a - b).abs().max().item()
+                assert err <= 1e-9, f"{name} after AdamW: error {err:.3g} ({sp}, {extra})"
+
+
+def _model_run_on(m, comm, tok, tgt, doc=None):
+    cfg = m.cfg
+    if cfg.sequence_parallel != "none":
+        lay = dict(chunks=cfg.layout_chunks, ring=cfg.layout_ring)
+        tok, tgt = shard_sequence(tok, comm, **lay), shard_sequence(tgt, comm, **lay)
+        doc = None if doc is None else shard_sequence(doc, comm, **lay)
+    loss = m.loss(tok, tgt, doc_ids=doc)
+    loss.backward()
+    return loss.detach()
 
 
 def check_fpdt_memory_linear(comm):

@@ -38,7 +38,14 @@ MESHES = {
         {"mesh": {"pp": 2, "sp": 2}, "data": {"micro_batches": 2},
          "sequence": {"algorithm": "fpdt", "chunks": 2}},
         {"mesh": {"dp": 2, "pp": 2}, "mesh_schedule": "gpipe"},
-        {"mesh": {"sp": 4}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True, "recompute": True}},
+        # odd lengths: padded inside loom to 32 (sp x chunks = 8; under the ring sp and 2 x sp_ring = 4)
+        {"mesh": {"sp": 4}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True, "recompute": True},
+         "data": {"seq_len": 31}},
+        # sp past the heads: 2 heads, so mesh.sp_ring is chosen as 2 (Ulysses 2 x ring 2), with ZeRO-1 over sp
+        {"model": {"heads": 2, "kv_heads": 1}, "mesh": {"sp": 4}, "zero": {"stage": 1, "axes": ["dp", "sp"]},
+         "data": {"seq_len": 29}},
+        {"model": {"heads": 2, "kv_heads": 1}, "mesh": {"sp": 4},
+         "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}},
         {**MOE, "mesh": {"dp": 2, "ep": 2}},
         {**MOE, "mesh": {"ep": 2, "sp": 2}},
         {**MOE, "mesh": {"ep": 2, "sp": 2}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}},

@@ -31,12 +31,19 @@ def test_overrides_parse_types_and_apply(tmp_path):
     ({"modle": {}}, ["unknown config section [modle]", "model, mesh"]),
     ({"train": {"steps": "ten"}}, ["train.steps = 'ten' must be an integer"]),
     ({"model": {"hidden": 30, "heads": 4}}, ["model.hidden = 30 is not divisible by model.heads = 4"]),
-    ({"mesh": {"sp": 8}}, ["model.heads = 4 is not divisible by mesh.sp = 8"]),
+    ({"mesh": {"sp": 8, "sp_ring": 1}}, ["model.heads = 4 over mesh.sp = 8 ranks", "no split exists",
+                                         "--mesh.sp_ring=2"]),
+    ({"mesh": {"sp": 8, "sp_ring": 1}, "sequence": {"algorithm": "fpdt"}}, ["model.heads = 4 over mesh.sp = 8",
+                                                                           "--mesh.sp_ring=2"]),
+    ({"mesh": {"sp": 8, "sp_ring": 2}, "model": {"heads": 2, "kv_heads": 1, "hidden": 16}},
+     ["model.heads = 2 over sp / sp_ring = 4 ranks", "--mesh.sp_ring=4"]),
+    ({"mesh": {"sp": 4, "sp_ring": 3}}, ["mesh.sp_ring = 3 does not divide mesh.sp = 4", "[1, 2, 4]"]),
+    ({"mesh": {"sp": 4, "sp_ring": 2, "pp": 2}}, ["composes with dp and ZeRO only"]),
     ({"data": {"batch": 3}, "mesh": {"dp": 2}}, ["data.batch = 3 is not divisible by mesh.dp = 2"]),
     ({"sequence": {"chunks": 2}}, ["needs sequence.algorithm = 'fpdt'"]),
     ({"mesh": {"ep": 2}}, ["mesh.ep = 2 needs model.ffn = 'moe'"]),
     ({"mesh": {"ep": 2}, "model": {"ffn": "moe", "experts": 3, "top_k": 1}}, ["experts = 3 is not divisible"]),
-    ({"data": {"seq_len": 30}, "mesh": {"sp": 4}}, ["data.seq_len = 30", "use data.seq_len = 32"]),
+    ({"data": {"seq_len": 30}, "mesh": {"sp": 4, "pp": 2}}, ["data.seq_len = 30", "use data.seq_len = 32"]),
 ])
 def test_config_errors_name_value_rule_fix(data, words):
     with pytest.raises(ConfigError) as exc:
@@ -50,6 +57,24 @@ def test_unknown_override_lists_valid_keys():
         load_config(None, ["--optim.learning_rate=1"])
     with pytest.raises(ConfigError, match="overrides look like --section.key=value"):
         load_config(None, ["steps=3"])
+
+
+def test_sp_ring_chosen_from_the_heads():
+    assert config_from_dict({"mesh": {"sp": 4}}).mesh.sp_ring == 1  # 4 heads split over 4 ranks
+    assert config_from_dict({"mesh": {"sp": 8}}).mesh.sp_ring == 2  # Ulysses 4 x ring 2
+    assert config_from_dict({"mesh": {"sp": 8}, "model": {"heads": 2, "kv_heads": 1}}).mesh.sp_ring == 4
+    assert config_from_dict({"mesh": {"sp": 4, "sp_ring": 4}}).mesh.sp_ring == 4
+    assert config_from_dict({"mesh": {"sp": 3}}).mesh.sp_ring == 1  # 4 heads over 3 ranks: 2, 1, 1
+    assert config_from_dict({"mesh": {"sp": 8}, "sequence": {"algorithm": "fpdt"}}).mesh.sp_ring == 2
+
+
+def test_any_length_is_padded_to_the_layout():
+    assert config_from_dict({"mesh": {"sp": 4}, "data": {"seq_len": 31}}).padded_seq_len == 32
+    assert config_from_dict({"mesh": {"sp": 8}, "data": {"seq_len": 36}}).padded_seq_len == 40  # ring 2: lcm(8, 4)
+    assert config_from_dict({"mesh": {"sp": 2}, "sequence": {"algorithm": "fpdt", "chunks": 3},
+                             "data": {"seq_len": 31}}).padded_seq_len == 36
+    assert config_from_dict({"mesh": {"sp": 8}, "sequence": {"algorithm": "fpdt", "chunks": 3},
+                             "data": {"seq_len": 31}}).padded_seq_len == 48  # lcm(8 x 3, 2 x 2)
 
 
 def test_mesh_must_match_world():
@@ -111,9 +136,10 @@ def test_sp_layout_matches_fpdt_layout():
         def __init__(self, r, p):
             self.rank, self.size = r, p
 
-    for p, chunks in [(2, 2), (4, 2)]:
+    for p, chunks, ring in [(2, 2, 1), (4, 2, 1), (4, 1, 2), (4, 2, 2), (4, 2, 4)]:
         for r in range(p):
-            assert torch.equal(sp_layout(32, p, r, chunks), local_positions(32 // p, _C(r, p), chunks=chunks))
+            assert torch.equal(sp_layout(32, p, r, chunks, ring),
+                               local_positions(32 // p, _C(r, p), chunks=chunks, ring=ring))
 
 
 def test_lr_schedule():

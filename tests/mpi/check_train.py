@@ -118,7 +118,9 @@ PACKED = {
     4: [{"mesh": {"sp": 4}},
         {"mesh": {"sp": 4}, "sequence": {"algorithm": "fpdt", "chunks": 2}},
         {"mesh": {"dp": 2, "sp": 2},
-         "sequence": {"algorithm": "fpdt", "chunks": 2, "recompute": True, "offload_checkpoints": True}}],
+         "sequence": {"algorithm": "fpdt", "chunks": 2, "recompute": True, "offload_checkpoints": True}},
+        # Ulysses 2 x ring 2 (2 heads) on an odd length: the pads are a document of their own
+        {"model": {"heads": 2, "kv_heads": 1}, "mesh": {"sp": 4}, "data": {"seq_len": 29}}],
 }
 
 

@@ -801,6 +801,7 @@ class ShardedDataParallel(nn.Module):
         self._hooks.append(m.register_load_state_dict_post_hook(self._inner_loaded))
         m.zero_grad = self._inner_zero_grad  # an instance attribute: nn.Module has no zero_grad hook
 
+    @torch.compiler.disable
     def _enter_root(self, module: nn.Module, args: Any) -> None:
         cm = None
         if not self._depth and not _in_backward():  # recomputed in backward: as its submodules are
@@ -808,6 +809,7 @@ class ShardedDataParallel(nn.Module):
             cm.__enter__()
         self._root_cm.append(cm)
 
+    @torch.compiler.disable
     def _exit_root(self, module: nn.Module, args: Any, out: Any) -> None:
         cm = self._root_cm.pop() if self._root_cm else None
         if cm is not None:
@@ -850,10 +852,12 @@ class ShardedDataParallel(nn.Module):
             else:
                 sh.grad.zero_()
 
-    def _bcast_coalesced(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Rank 0's values of ``tensors`` on every rank: one broadcast per (dtype, device)."""
+    def _bcast_coalesced(self, tensors: Sequence[torch.Tensor], fresh: bool = False) -> dict[int, torch.Tensor]:
+        """Rank 0's values of ``tensors`` on every rank: one broadcast per (dtype, device), copied in place, or
+        (``fresh``) into new tensors, returned by ``id`` of the old one (ranks other than 0)."""
+        out: dict[int, torch.Tensor] = {}
         if self.comm.size == 1:
-            return
+            return out
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
             if t.numel() and not t.is_meta:
@@ -864,12 +868,18 @@ class ShardedDataParallel(nn.Module):
                 if self.comm.rank:
                     off = 0
                     for t in ts:
-                        t.copy_(flat[off:off + t.numel()].view_as(t))
+                        got = flat[off:off + t.numel()].view_as(t)
+                        if fresh:
+                            out[id(t)] = got.clone()
+                        else:
+                            t.copy_(got)
                         off += t.numel()
+        return out
 
     def _buffers_now(self) -> tuple[tuple[int, int], ...]:
         return tuple((id(t), t._version) for t in self.module.buffers())
 
+    @torch.compiler.disable  # collectives: run as they are, never traced into a graph (torch.compile at 0-2)
     def sync_buffers(self, force: bool = False) -> None:
         """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``): run at the start and the end of every
         forward, so that a buffer a forward updates (BatchNorm's running statistics) is the same on every rank
@@ -884,7 +894,13 @@ class ShardedDataParallel(nn.Module):
             changed = torch.tensor([int(self._buffers_now() != self._buffer_key)], dtype=torch.int32)
             if not self.comm.allreduce(changed, op="max").item():
                 return
-        self._bcast_coalesced(bufs)
+        # New tensors rather than copies in place: a forward's graph saves the buffers it read (BatchNorm's
+        # backward takes its running statistics), and an in-place write would fail that backward's version check.
+        fresh = self._bcast_coalesced(bufs, fresh=True)
+        for m in self.module.modules():
+            for name, t in m._buffers.items():
+                if t is not None and id(t) in fresh:
+                    m._buffers[name] = fresh[id(t)]
         self._buffer_key = self._buffers_now()
 
     def _padded_flat(self, b: _Bucket, tensors: Sequence[torch.Tensor | None], dtype) -> torch.Tensor:
@@ -1129,7 +1145,14 @@ class ShardedDataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         if self.stage == 3:
-            _refuse_compile()
+            return self._forward_eager(*args, **kwargs)
+        return self.call(self.module, *args, **kwargs)
+
+    @torch.compiler.disable
+    def _forward_eager(self, *args, **kwargs):
+        """Stage 3's forward, which ``torch.compile(sdp)`` leaves uncompiled (dynamo skips it: its gathers,
+        collectives and parameter rebinding cannot be traced), so a compiled wrapper computes what the wrapper
+        does. A module compiled on its own that reads freed stage-3 parameters raises by name instead."""
         return self.call(self.module, *args, **kwargs)
 
     def call(self, fn: Callable[..., Any], *args, **kwargs) -> Any:

@@ -1432,7 +1432,12 @@ class ShardedDataParallel(nn.Module):
             _wait(req)
 
     def remove(self) -> None:
-        """Take the hooks off the module (it keeps its current, possibly placeholder, parameters)."""
+        """Take the hooks off the module (it keeps its current, possibly placeholder, parameters). Reductions
+        still in flight (under :meth:`no_sync`, or a loop abandoned by an exception) are waited for first:
+        MPI still reads and writes their buffers. Collective when any are."""
+        if self.stage:
+            self._flush_staging(block=True)
+            self._drain(0)
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -8,7 +8,8 @@ vector of ``N_b`` elements padded to ``P * S_b`` (``P`` ranks in the group, ``S_
 so its state is sharded at every stage >= 1; a block's gradient is allocated when its first reduction
 arrives (as a parameter's ``.grad`` in one process), so gradients grow during backward instead of sitting
 allocated all step. Frozen parameters and buffers stay
-replicated (broadcast from group rank 0 at construction, as DDP does).
+replicated: broadcast from group rank 0 at construction, as DDP does (so are the trainable parameters, at every
+stage), and buffers again around every forward that changed one (:meth:`ShardedDataParallel.sync_buffers`).
 
 Plan per stage (one training step: forward, ``loss.backward()`` one or more times, :meth:`step`):
 
@@ -58,9 +59,10 @@ computes (a core while one is in flight); gathers are tested from hooks in both 
 reduce-scatter is consumed (added into the block's gradient, its buffers dropped) as soon as it completes.
 No hook waits for a reduce-scatter: a peer that never used a parameter (a branch taken on some ranks only)
 posts that bucket's reduce-scatter only at the end of its backward, and before that it may wait for a gather
-this rank would post only after the wait; so the reduce-scatters of a backward are waited for after it
-(:meth:`sync_grads`), and their buffers are bounded by the peers' progress rather than by a count (stage 1,
-which posts outside backward, keeps at most ``MAX_PENDING`` outstanding). Time spent blocked on a request is
+this rank would post only after the wait; so the reduce-scatters of a backward are waited for at its end (an
+autograd engine callback, when every rank has posted all of its own; :meth:`sync_grads`), and their buffers
+are bounded by the peers' progress rather than by a count (stage 1, which posts outside backward, keeps at
+most ``MAX_PENDING`` outstanding). Time spent blocked on a request is
 *exposed* communication, counted in :func:`zero_stats`, which also holds, as
 :func:`loom.parallel.data.dp_stats` does, the reduce-scatter time hidden behind backward (``overlapped_comm_s``:
 posted in backward, not yet seen complete when the step's :meth:`sync_grads` began) and the mechanism counts
@@ -93,8 +95,13 @@ that no hook blocks the host on a device copy and a prefetched bucket crosses th
   to the device on the training thread.
 
 Training loops: :meth:`step` (reduce, clip, update, gather), or the plain ``loss.backward();
-opt.step()``: torch's global optimizer step hooks call :meth:`sync_grads` before an optimizer over this
-wrapper's shards steps and gather the updated blocks (stages 1-2) after it.
+[torch.nn.utils.clip_grad_norm_(sdp.parameters(), c);] opt.step()``: the gradients are complete when
+``backward()`` returns (its end callback waits for the reductions), several ``backward()`` calls accumulate
+as under DDP (:meth:`no_sync` defers the wait), a norm of a shard's gradient is the bucket's over the group
+(:class:`_ShardGrad`), and torch's global optimizer step hooks gather the updated blocks (stages 1-2) after an
+optimizer over this wrapper's shards steps. The wrapped module's own habits (its forward, ``zero_grad``,
+``state_dict``, ``load_state_dict``, an optimizer over its parameters) answer as the wrapper or raise naming the
+fix (:meth:`ShardedDataParallel._hook_module`; the table in ``tests/mpi/check_zero_habits.py``).
 
 Compression (``compress=``, a :class:`loom.compress.CompressionPolicy` or preset name), ZeRO++ style: the
 gradient reduce-scatter uses the policy's ``dp`` codec (``hybrid``: int4) with its error feedback: each
@@ -644,7 +651,8 @@ class ShardedDataParallel(nn.Module):
         compress: a :class:`loom.compress.CompressionPolicy` or preset name (stages 2-3): its ``dp`` codec and
             error feedback on the gradient reduce-scatter; ``None``: exact.
         param_codec: codec of the stage-3 parameter gathers (default ``"int8"`` when ``compress`` is given).
-        micro_batches: stage 0 only: ``backward()`` calls per step (stages 1-3 reduce after every backward).
+        micro_batches: stage 0 only: the first ``micro_batches - 1`` ``backward()`` calls of a step accumulate
+            without a reduction (as under :meth:`no_sync`); any number of calls is exact either way.
         keep: stage 3: modules whose parameters are used outside their own forward (e.g. ``model.head`` when
             the loss reads ``head.weight`` directly); their buckets stay gathered from the start of forward
             until backward has reduced their gradients.
@@ -660,7 +668,10 @@ class ShardedDataParallel(nn.Module):
             as a zero gradient, so a stateful optimizer still moves it; ``"skip"``: a bucket for which no
             rank produced any gradient this step keeps ``.grad = None`` on its shard, so the optimizer skips
             it (no moment, step-count or decay update), which is torch's rule for the parameters of a bucket
-            used or unused together (e.g. a module's own bucket); one small allreduce of flags per step.
+            used or unused together: under "skip" a bucket holds one module's direct parameters, and a module
+            whose parameters are used in part is refused (ValueError); one small allreduce of flags per backward.
+        broadcast_buffers: synchronize the buffers from rank 0 around every forward that changed one (DDP's
+            default); ``False``: each rank keeps its own.
 
     The gradient reduction's factor is :attr:`scale` (``1 / P`` for ``"avg"``, ``1`` for ``"sum"``); a caller
     whose loss is not a plain mean over the group (a sequence-parallel share of the mean, summed over ``sp``

@@ -858,7 +858,12 @@ class Trainer:
         """Loss (mean over this rank's tokens, or over dp x pp under a pipeline) after filling ``.grad``: a
         detached tensor on the model's device, read on the host once per step with the gradient norm."""
         if self.hybrid is not None:
-            return self.hybrid.train_step(x, y, self.tm.loss_fn)
+            if self.sdp is None:
+                return self.hybrid.train_step(x, y, self.tm.loss_fn)
+            # One backward per micro-batch and stage: their reduce-scatters still run as each one computes, but
+            # the wait for them is the step's (sync_grads), not every micro-batch's end.
+            with self.sdp.no_sync():
+                return self.hybrid.train_step(x, y, self.tm.loss_fn)
         if self.reducer is not None:
             self.reducer.start(1)
         loss = self.sdp.call(self.tm.loss, x, y) if self.sdp is not None else self.tm.loss(x, y)

@@ -126,9 +126,9 @@ Every rank of the group must run the same modules in the same order at stage 3 (
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
-import sys
 import time
 import weakref
 from pathlib import Path
@@ -738,7 +738,6 @@ class ShardedDataParallel(nn.Module):
         self._no_sync = False  # inside no_sync(): backward() accumulates, the reduction waits for a later one
         self._unreduced = 0  # backward() calls whose gradients are not reduced yet (no_sync, micro_batches)
         self._depth = 0  # forward contexts entered (the root module's hooks enter one unless inside one)
-        self._root_cm: list[Any] = []
         self._internal = False  # this wrapper calls the module's state_dict / load_state_dict itself
         self._index_of: dict[int, tuple[int, int]] = {}
         self._inner_ids: set[int] = set()  # stages 1-3: the wrapped module's trainable parameters (not stepped)
@@ -800,31 +799,31 @@ class ShardedDataParallel(nn.Module):
 
     def _hook_module(self) -> None:
         """The wrapped module's own habits answer as this wrapper (FSDP2 users call the inner module): its
-        forward enters :meth:`forward_context`, its ``zero_grad()`` clears the shards' gradients too, its
+        forward runs in :meth:`forward_context`, its ``zero_grad()`` clears the shards' gradients too, its
         ``load_state_dict()`` reaches the shards (stages 1-2) or is refused (stage 3, like its ``state_dict()``,
         whose parameters are placeholders there), and an optimizer over its parameters is refused at stages
         1-3 (they are not what is stepped)."""
         m = self.module
-        self._hooks.append(m.register_forward_pre_hook(self._enter_root, prepend=True))
-        self._hooks.append(m.register_forward_hook(self._exit_root, always_call=True))
+        m.forward = self._inner_forward(m.forward)  # an instance attribute, so a forward that raises still
+        # leaves the context (forward hooks have no reliable exit then)
         self._hooks.append(m.register_state_dict_pre_hook(self._inner_state_dict))
         self._hooks.append(m.register_load_state_dict_pre_hook(self._inner_load))
         self._hooks.append(m.register_load_state_dict_post_hook(self._inner_loaded))
         m.zero_grad = self._inner_zero_grad  # an instance attribute: nn.Module has no zero_grad hook
 
-    @torch.compiler.disable
-    def _enter_root(self, module: nn.Module, args: Any) -> None:
-        cm = None
-        if not self._depth and not _in_backward():  # recomputed in backward: as its submodules are
-            cm = self.forward_context()
-            cm.__enter__()
-        self._root_cm.append(cm)
+    def _inner_forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """The wrapped module's forward, run in :meth:`forward_context` unless already inside one (this
+        wrapper's own forward) or recomputed in backward (then gathered as its submodules are)."""
 
-    @torch.compiler.disable
-    def _exit_root(self, module: nn.Module, args: Any, out: Any) -> None:
-        cm = self._root_cm.pop() if self._root_cm else None
-        if cm is not None:
-            cm.__exit__(*sys.exc_info())  # called from torch's except clause when the forward raised
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            if self._depth or _in_backward():
+                return forward(*args, **kwargs)
+            with self.forward_context():
+                return forward(*args, **kwargs)
+
+        run._loom_sdp = self
+        return run
 
     def _inner_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if self.stage == 3 and not self._internal:
@@ -1459,6 +1458,8 @@ class ShardedDataParallel(nn.Module):
         self._inner_ids = set()
         if self.module.__dict__.get("zero_grad") == self._inner_zero_grad:
             del self.module.zero_grad
+        if getattr(self.module.__dict__.get("forward"), "_loom_sdp", None) is self:
+            del self.module.forward
         if self.stage == 0:
             self.reducer.remove()
         elif self._worker is not None:

@@ -173,6 +173,18 @@ def _inner_forward(c: Cell):
     _plain(c, fwd=c.model)
 
 
+def _inner_forward_after_error(c: Cell):
+    """A forward that raises (a 1-D input, refused by the BatchNorm before it counts a batch) leaves nothing
+    behind: the next ones are whole again."""
+    try:
+        c.model(torch.randn(7, dtype=torch.float64))
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a 1-D input to BatchNorm1d was accepted")
+    _plain(c, fwd=c.model)
+
+
 def _inner_zero_grad(c: Cell):
     opt = torch.optim.Adam(c.sdp.parameters(), lr=LR)
     _plain(c, zero=c.model.zero_grad, opt=opt)
@@ -212,6 +224,7 @@ HABITS = [
     Habit("each rank builds its own model (seeded by rank)", _plain, per_rank_seed=True),
     Habit("BatchNorm + unused branch, one bucket", _plain, uses=_sometimes, bucket_mb=64),
     Habit("forward through the wrapped module", _inner_forward),
+    Habit("forward through the wrapped module after one raised", _inner_forward_after_error),
     Habit("wrapped module's zero_grad()", _inner_zero_grad),
     Habit("optimizer over the wrapped module's parameters", _inner_optimizer,
           expect={1: "ValueError", 2: "ValueError", 3: "ValueError"}, says="sdp.parameters()"),

@@ -8,7 +8,8 @@ vector of ``N_b`` elements padded to ``P * S_b`` (``P`` ranks in the group, ``S_
 so its state is sharded at every stage >= 1; a block's gradient is allocated when its first reduction
 arrives (as a parameter's ``.grad`` in one process), so gradients grow during backward instead of sitting
 allocated all step. Frozen parameters and buffers stay
-replicated (broadcast from group rank 0 at construction, as DDP does).
+replicated: broadcast from group rank 0 at construction, as DDP does (so are the trainable parameters, at every
+stage), and buffers again around every forward that changed one (:meth:`ShardedDataParallel.sync_buffers`).
 
 Plan per stage (one training step: forward, ``loss.backward()`` one or more times, :meth:`step`):
 
@@ -58,9 +59,10 @@ computes (a core while one is in flight); gathers are tested from hooks in both 
 reduce-scatter is consumed (added into the block's gradient, its buffers dropped) as soon as it completes.
 No hook waits for a reduce-scatter: a peer that never used a parameter (a branch taken on some ranks only)
 posts that bucket's reduce-scatter only at the end of its backward, and before that it may wait for a gather
-this rank would post only after the wait; so the reduce-scatters of a backward are waited for after it
-(:meth:`sync_grads`), and their buffers are bounded by the peers' progress rather than by a count (stage 1,
-which posts outside backward, keeps at most ``MAX_PENDING`` outstanding). Time spent blocked on a request is
+this rank would post only after the wait; so the reduce-scatters of a backward are waited for at its end (an
+autograd engine callback, when every rank has posted all of its own; :meth:`sync_grads`), and their buffers
+are bounded by the peers' progress rather than by a count (stage 1, which posts outside backward, keeps at
+most ``MAX_PENDING`` outstanding). Time spent blocked on a request is
 *exposed* communication, counted in :func:`zero_stats`, which also holds, as
 :func:`loom.parallel.data.dp_stats` does, the reduce-scatter time hidden behind backward (``overlapped_comm_s``:
 posted in backward, not yet seen complete when the step's :meth:`sync_grads` began) and the mechanism counts
@@ -93,8 +95,13 @@ that no hook blocks the host on a device copy and a prefetched bucket crosses th
   to the device on the training thread.
 
 Training loops: :meth:`step` (reduce, clip, update, gather), or the plain ``loss.backward();
-opt.step()``: torch's global optimizer step hooks call :meth:`sync_grads` before an optimizer over this
-wrapper's shards steps and gather the updated blocks (stages 1-2) after it.
+[torch.nn.utils.clip_grad_norm_(sdp.parameters(), c);] opt.step()``: the gradients are complete when
+``backward()`` returns (its end callback waits for the reductions), several ``backward()`` calls accumulate
+as under DDP (:meth:`no_sync` defers the wait), a norm of a shard's gradient is the bucket's over the group
+(:class:`_ShardGrad`), and torch's global optimizer step hooks gather the updated blocks (stages 1-2) after an
+optimizer over this wrapper's shards steps. The wrapped module's own habits (its forward, ``zero_grad``,
+``state_dict``, ``load_state_dict``, an optimizer over its parameters) answer as the wrapper or raise naming the
+fix (:meth:`ShardedDataParallel._hook_module`; the table in ``tests/mpi/check_zero_habits.py``).
 
 Compression (``compress=``, a :class:`loom.compress.CompressionPolicy` or preset name), ZeRO++ style: the
 gradient reduce-scatter uses the policy's ``dp`` codec (``hybrid``: int4) with its error feedback: each
@@ -119,6 +126,7 @@ Every rank of the group must run the same modules in the same order at stage 3 (
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import time
@@ -172,6 +180,8 @@ def _watch_steps(sdp: "ShardedDataParallel", params: Sequence[torch.Tensor]) -> 
         _STEP_HOOKS.append(register_optimizer_step_post_hook(lambda opt, a, k: _step_hook(opt, "_after_step")))
     for p in params:
         _STEP_OWNERS[id(p)] = sdp
+    for i in sdp._inner_ids:
+        _STEP_OWNERS[i] = sdp
     sdp._step_ids = {id(p) for p in params}
 
 
@@ -182,6 +192,12 @@ def _step_hook(opt: torch.optim.Optimizer, what: str) -> None:
     for g in opt.param_groups:
         for p in g["params"]:
             sdp = _STEP_OWNERS.get(id(p))
+            if sdp is not None and id(p) in sdp._inner_ids and what == "_before_step":
+                raise ValueError(
+                    f"ShardedDataParallel stage {sdp.stage}: this optimizer steps the wrapped module's own "
+                    f"parameters (one of shape {tuple(p.shape)}), which hold no reduced gradient and are "
+                    f"overwritten from the shards; build it over the wrapper's: torch.optim.AdamW(sdp.parameters(), "
+                    f"...) or sdp.optim_groups()")
             if sdp is not None and id(sdp) not in seen and id(p) in sdp._step_ids:
                 seen.add(id(sdp))
                 getattr(sdp, what)()
@@ -249,6 +265,17 @@ _META_OPS = frozenset({
 })
 
 
+_COMPILE_REFUSED = (
+    "ShardedDataParallel stage 3 does not run under torch.compile: its parameters are placeholders gathered by "
+    "hooks and rebound between uses, which a traced graph cannot follow; use stage 0-2 with torch.compile, or "
+    "stage 3 without it")
+
+
+def _refuse_compile() -> None:
+    if torch.compiler.is_compiling():
+        raise ValueError(_COMPILE_REFUSED)
+
+
 class _ShardedParameter(nn.Parameter):
     """A stage-3 parameter: between gathers its data is a placeholder, and computing with it raises instead of
     silently reading zeros (as FSDP2 refuses an unsharded read). ``_loom_freed`` holds the error message while
@@ -261,12 +288,81 @@ class _ShardedParameter(nn.Parameter):
         if name in ("__get__", "__set__"):  # a property: its own name (``shape`` reads metadata, ``T`` computes)
             name = getattr(getattr(func, "__self__", None), "__name__", name)
         if name not in _META_OPS:
+            _refuse_compile()
             for a in (*args, *kwargs.values()):
                 for t in (a if isinstance(a, (list, tuple)) else (a,)):
                     if type(t) is cls and t._loom_freed is not None:
                         raise RuntimeError(t._loom_freed)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+_NORMS = {torch.linalg.vector_norm: ("ord", 1, 2), torch.norm: ("p", 1, "fro"), torch.Tensor.norm: ("p", 1, "fro")}
+
+
+class _ShardGrad(torch.Tensor):
+    """The gradient of a stage >= 1 shard (this rank's block of a bucket's gradient). A norm of it is the norm
+    of the whole bucket's gradient, over every rank of the group (a collective: every rank takes it), so the
+    habits that read gradient norms give one process's answer: ``torch.nn.utils.clip_grad_norm_(sdp.parameters(),
+    c)``, grad-norm logging, ``GradScaler.unscale_`` (whose inf/nan flag is agreed by every rank, so all skip a
+    step together). Every other operation is a plain tensor's on this rank's block. ``_loom_comm``: the group."""
+
+    _loom_comm: Communicator
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if func is torch._foreach_norm:
+            ps = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+            return _global_norms(list(args[0]), list(out), ps)
+        if func in _NORMS:
+            key, pos, default = _NORMS[func]
+            ps = args[pos] if len(args) > pos else kwargs.get(key, default)
+            dim = args[pos + 1] if len(args) > pos + 1 else kwargs.get("dim")
+            if dim is None and type(args[0]) is cls:
+                return _global_norms([args[0]], [out], ps)[0]
+        elif func is torch._amp_foreach_non_finite_check_and_unscale_:
+            comm = next((t._loom_comm for t in args[0] if type(t) is cls), None)
+            if comm is not None and comm.size > 1:  # one rank's inf skips the step on every rank
+                args[1].copy_(comm.allreduce(args[1].detach().reshape(1).clone(), op="max").reshape(args[1].shape))
+        return out
+
+
+def _global_norms(tensors: list[torch.Tensor], norms: list[torch.Tensor], ps: Any) -> list[torch.Tensor]:
+    """``norms[i]`` (the local ``ps``-norm of ``tensors[i]``) made the norm over the group for each shard
+    gradient: one allreduce per group of the shards' norms (``ps``-th powers summed, or max / min)."""
+    ps = 2.0 if ps in (None, "fro") else ps
+    if isinstance(ps, str):  # "nuc": a matrix norm, local
+        return norms
+    ps = float(ps)
+    out = list(norms)
+    by_comm: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if type(t) is _ShardGrad and t._loom_comm.size > 1:
+            by_comm.setdefault(id(t._loom_comm), []).append(i)
+    for idx in by_comm.values():
+        comm = tensors[idx[0]]._loom_comm
+        with torch._C.DisableTorchFunctionSubclass():
+            v = torch.stack([norms[i].detach().to(torch.float64) for i in idx])
+            if ps in (float("inf"), float("-inf")):
+                v = comm.allreduce(v, op="max" if ps > 0 else "min")
+            elif ps == 0:
+                v = comm.allreduce(v)
+            else:
+                v = comm.allreduce(v.pow(ps)).pow(1.0 / ps)
+            for j, i in enumerate(idx):
+                out[i] = v[j].to(norms[i].dtype)
+    return out
+
+
+def _shard_grad(g: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    if type(g) is _ShardGrad:
+        return g
+    g = g.as_subclass(_ShardGrad)
+    g._loom_comm = comm
+    return g
 
 
 class _Out:
@@ -302,7 +398,7 @@ class _Bucket:
     """One flat group of parameters and its per-step state."""
 
     __slots__ = ("index", "params", "names", "offsets", "numel", "padded", "shard", "start", "owners",
-                 "full", "req", "grad", "ready", "posted", "group", "had", "host", "ev", "bound")
+                 "full", "req", "grad", "ready", "posted", "group", "had", "fresh", "host", "ev", "bound")
 
     def __init__(self, index: int, named: list[tuple[str, nn.Parameter]], size: int):
         self.index = index
@@ -323,7 +419,8 @@ class _Bucket:
         self.ready = 0  # parameters whose gradient arrived in this backward
         self.posted = False  # reduce-scatter of this backward posted
         self.group = 0  # parameter group (optim_groups)
-        self.had = False  # a gradient of this bucket arrived on this rank this step
+        self.had = [False] * len(self.params)  # each parameter's gradient arrived here since ``fresh`` was set
+        self.fresh = True  # the shard's gradient was None when this accumulation began (missing_grad="skip")
         self.host: torch.Tensor | None = None  # staged gather: the host buffer MPI gathers into
         self.ev: Any = None  # staged gather: the event of its host -> device copy into ``full``
         self.bound = False  # the parameters are views of ``full``
@@ -376,9 +473,10 @@ def _check_args(module, stage, bucket_mb, reduce, micro_batches) -> None:
         raise ValueError(f"micro_batches={micro_batches!r} must be an integer >= 1 (backward calls per step)")
 
 
-def _make_buckets(module: nn.Module, size: int, cap: int, group_of: dict[str, int] | None = None
-                  ) -> tuple[list[_Bucket], dict[nn.Module, list[int]]]:
+def _make_buckets(module: nn.Module, size: int, cap: int, group_of: dict[str, int] | None = None,
+                  per_module: bool = False) -> tuple[list[_Bucket], dict[nn.Module, list[int]]]:
     """Buckets of the trainable parameters, module by module; and the buckets each module's direct params use.
+    ``per_module``: a bucket holds one module's direct parameters at most (``missing_grad="skip"``).
 
     With parameter groups (``group_of``: parameter name -> group) every bucket holds one group's parameters:
     each group fills its own open bucket, numbered when it opens, so buckets stay in first-use order."""
@@ -416,7 +514,7 @@ def _make_buckets(module: nn.Module, size: int, cap: int, group_of: dict[str, in
         if own:
             owners[m] = sorted(own)
         for k, i in list(open_.items()):  # a module's direct parameters never straddle two buckets of a group
-            if sizes[i] >= cap:
+            if sizes[i] >= cap or per_module and own:
                 del open_[k]
     buckets = [_Bucket(i, named, size) for i, named in enumerate(lists)]
     for bk, k in zip(buckets, groups):
@@ -553,7 +651,8 @@ class ShardedDataParallel(nn.Module):
         compress: a :class:`loom.compress.CompressionPolicy` or preset name (stages 2-3): its ``dp`` codec and
             error feedback on the gradient reduce-scatter; ``None``: exact.
         param_codec: codec of the stage-3 parameter gathers (default ``"int8"`` when ``compress`` is given).
-        micro_batches: stage 0 only: ``backward()`` calls per step (stages 1-3 reduce after every backward).
+        micro_batches: stage 0 only: the first ``micro_batches - 1`` ``backward()`` calls of a step accumulate
+            without a reduction (as under :meth:`no_sync`); any number of calls is exact either way.
         keep: stage 3: modules whose parameters are used outside their own forward (e.g. ``model.head`` when
             the loss reads ``head.weight`` directly); their buckets stay gathered from the start of forward
             until backward has reduced their gradients.
@@ -569,7 +668,10 @@ class ShardedDataParallel(nn.Module):
             as a zero gradient, so a stateful optimizer still moves it; ``"skip"``: a bucket for which no
             rank produced any gradient this step keeps ``.grad = None`` on its shard, so the optimizer skips
             it (no moment, step-count or decay update), which is torch's rule for the parameters of a bucket
-            used or unused together (e.g. a module's own bucket); one small allreduce of flags per step.
+            used or unused together: under "skip" a bucket holds one module's direct parameters, and a module
+            whose parameters are used in part is refused (ValueError); one small allreduce of flags per backward.
+        broadcast_buffers: synchronize the buffers from rank 0 around every forward that changed one (DDP's
+            default); ``False``: each rank keeps its own.
 
     The gradient reduction's factor is :attr:`scale` (``1 / P`` for ``"avg"``, ``1`` for ``"sum"``); a caller
     whose loss is not a plain mean over the group (a sequence-parallel share of the mean, summed over ``sp``
@@ -581,7 +683,8 @@ class ShardedDataParallel(nn.Module):
                  compute_dtype: torch.dtype | None = None, reduce: str = "avg", micro_batches: int = 1,
                  compress: Any = None, param_codec: str | None = None, keep: Sequence[nn.Module] = (),
                  init: Init | None = None, groups: Sequence[dict[str, Any]] | None = None,
-                 device: Any = None, missing_grad: str = "zero", progress: str = "auto"):
+                 device: Any = None, missing_grad: str = "zero", progress: str = "auto",
+                 broadcast_buffers: bool = True):
         super().__init__()
         _check_args(module, stage, bucket_mb, reduce, micro_batches)
         if progress not in PROGRESS_MODES:
@@ -601,9 +704,14 @@ class ShardedDataParallel(nn.Module):
         self.comm = comm
         self.micro_batches = micro_batches
         self.scale = 1.0 / comm.size if reduce == "avg" else 1.0
+        self.broadcast_buffers = broadcast_buffers
+        self._buffer_key: tuple[tuple[int, int], ...] | None = None  # buffers' (id, version) at the last sync
         self._source = _MetaSource.open(module, init, stage, torch.device(device or "cpu"))
         self._broadcast_replicated()
-        self.buckets, self._owners = _make_buckets(module, comm.size, int(bucket_mb * (1 << 20)), group_of)
+        # missing_grad="skip": a bucket holds one module's direct parameters (used or unused together), so
+        # that the optimizer can skip it whole, as torch skips each parameter without a gradient.
+        self.buckets, self._owners = _make_buckets(module, comm.size, int(bucket_mb * (1 << 20)), group_of,
+                                                   per_module=missing_grad == "skip" and stage >= 1)
         trainable = [p for b in self.buckets for p in b.params]
         self.master_dtype = trainable[0].dtype if trainable else torch.float32
         # Buckets, shards, placeholders, gradients and (through the shards) the optimizer state live where the
@@ -626,14 +734,24 @@ class ShardedDataParallel(nn.Module):
         self.last: dict[str, float] = {}
         self._deferred: list[tuple[_Bucket, torch.Tensor]] = []  # compressed reduce-scatters run after backward
         self._hooks: list[Any] = []
+        self._bwd_open = False  # a backward() is running (its end callback is queued)
+        self._no_sync = False  # inside no_sync(): backward() accumulates, the reduction waits for a later one
+        self._unreduced = 0  # backward() calls whose gradients are not reduced yet (no_sync, micro_batches)
+        self._depth = 0  # forward contexts entered (the root module's hooks enter one unless inside one)
+        self._internal = False  # this wrapper calls the module's state_dict / load_state_dict itself
+        self._index_of: dict[int, tuple[int, int]] = {}
+        self._inner_ids: set[int] = set()  # stages 1-3: the wrapped module's trainable parameters (not stepped)
         if stage == 0:
             if compute_dtype not in (None, self.master_dtype):
                 raise ValueError("compute_dtype needs stage >= 1 (the fp32 master copy lives in the shard)")
+            self._broadcast_trainable(trainable)
+            # Registered before the reducer's hooks: the first gradient of a backward arms the reducer for it.
+            self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad0) for p in trainable]
             self.reducer = GradReducer(trainable, comm, bucket_mb=bucket_mb, progress=progress)
-            self.reducer.start(micro_batches)
             for p in trainable:  # a missing gradient counts as zero, as in the flat shard of stages 1-3
                 p.grad = torch.zeros_like(p)
             _watch_steps(self, trainable)
+            self._hook_module()
             return
         if self.compute_dtype != self.master_dtype:
             with torch.no_grad():
@@ -645,7 +763,9 @@ class ShardedDataParallel(nn.Module):
         self._rs = comm.dup(name=comm.name)  # gradient reduce-scatters, in theirs
         self._init_shards()
         trainable = [p for b in self.buckets for p in b.params]  # a meta model's were replaced by real ones
+        self._inner_ids = {id(p) for p in trainable}
         self._synced = False  # this step's gradients are reduced into the shards (sync_grads ran)
+        self._accumulating = False  # a backward ran since the last reduction (missing_grad="skip" flags)
         self._stepped = False  # the optimizer step hook refreshed the parameters
         if stage >= 2:
             self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
@@ -662,17 +782,136 @@ class ShardedDataParallel(nn.Module):
         self._live: dict[int, int] = {}  # storage address of a gathered bucket -> its index (stage 3)
         self._fwd_next = 0
         self._fwd_ran = [0] * len(self.buckets)
-        self._bwd_open = False
         self._bwd_next = -1
         self._rs_next = -1
+        self._hook_module()
 
     # ------------------------------------------------------------------ construction
     def _broadcast_replicated(self) -> None:
         """Replicated state (buffers, frozen parameters) starts equal on every rank, as under DDP."""
+        self._bcast_coalesced([*self.module.buffers(), *(p for p in self.module.parameters() if not p.requires_grad)])
+        self._buffer_key = self._buffers_now()
+
+    def _broadcast_trainable(self, params: Sequence[torch.Tensor]) -> None:
+        """Stage 0: every rank starts from rank 0's parameters, as DDP's construction (stages 1-3 broadcast each
+        bucket as they build its shards)."""
+        self._bcast_coalesced(params)
+
+    def _hook_module(self) -> None:
+        """The wrapped module's own habits answer as this wrapper (FSDP2 users call the inner module): its
+        forward runs in :meth:`forward_context`, its ``zero_grad()`` clears the shards' gradients too, its
+        ``load_state_dict()`` reaches the shards (stages 1-2) or is refused (stage 3, like its ``state_dict()``,
+        whose parameters are placeholders there), and an optimizer over its parameters is refused at stages
+        1-3 (they are not what is stepped)."""
+        m = self.module
+        m.forward = self._inner_forward(m.forward)  # an instance attribute, so a forward that raises still
+        # leaves the context (forward hooks have no reliable exit then)
+        self._hooks.append(m.register_state_dict_pre_hook(self._inner_state_dict))
+        self._hooks.append(m.register_load_state_dict_pre_hook(self._inner_load))
+        self._hooks.append(m.register_load_state_dict_post_hook(self._inner_loaded))
+        m.zero_grad = self._inner_zero_grad  # an instance attribute: nn.Module has no zero_grad hook
+
+    def _inner_forward(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """The wrapped module's forward, run in :meth:`forward_context` unless already inside one (this
+        wrapper's own forward) or recomputed in backward (then gathered as its submodules are)."""
+
+        @functools.wraps(forward)
+        def run(*args, **kwargs):
+            if self._depth or _in_backward():
+                return forward(*args, **kwargs)
+            with self.forward_context():
+                return forward(*args, **kwargs)
+
+        run._loom_sdp = self
+        return run
+
+    def _inner_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if self.stage == 3 and not self._internal:
+            raise ValueError(
+                "ShardedDataParallel stage 3: the wrapped module's state_dict() would hold placeholders (each "
+                "rank keeps only its shard of every parameter); call sdp.state_dict() on every rank (a collective: "
+                "full values on every rank), or sdp.save_sharded(path) for one file per rank")
+
+    def _inner_load(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
+        if self.stage == 3 and not self._internal:
+            raise ValueError(
+                "ShardedDataParallel stage 3: the wrapped module's load_state_dict() would write into "
+                "placeholders (each rank keeps only its shard of every parameter); call sdp.load_state_dict(sd) "
+                "(each rank takes its shard of the full values), or sdp.load_sharded(path)")
+
+    def _inner_loaded(self, module: nn.Module, incompatible: Any) -> None:
+        """Stages 1-2: the module's parameters (views of the gathered buckets) were loaded; each rank's master
+        block is taken from them, so the next optimizer step starts from the loaded values."""
+        if self.stage in (1, 2) and not self._internal:
+            r = self.comm.rank
+            self._stale_mirror()
+            with torch.no_grad():
+                for b in self.buckets:
+                    self._master(b).copy_(b.full[r * b.shard:(r + 1) * b.shard])
+
+    def _inner_zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped module's ``zero_grad()``: its parameters' gradients and this wrapper's shards'."""
+        nn.Module.zero_grad(self.module, set_to_none)
+        if self.stage:
+            self._zero_shard_grads(set_to_none)
+
+    def _zero_shard_grads(self, set_to_none: bool) -> None:
+        for sh in self.shards:
+            if set_to_none or sh.grad is None:
+                sh.grad = None
+            else:
+                sh.grad.zero_()
+
+    def _bcast_coalesced(self, tensors: Sequence[torch.Tensor], fresh: bool = False) -> dict[int, torch.Tensor]:
+        """Rank 0's values of ``tensors`` on every rank: one broadcast per (dtype, device), copied in place, or
+        (``fresh``) into new tensors, returned by ``id`` of the old one (ranks other than 0)."""
+        out: dict[int, torch.Tensor] = {}
+        if self.comm.size == 1:
+            return out
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in tensors:
+            if t.numel() and not t.is_meta:
+                groups.setdefault((t.dtype, t.device), []).append(t)
         with torch.no_grad():
-            for t in [*self.module.buffers(), *(p for p in self.module.parameters() if not p.requires_grad)]:
-                if t.numel():
-                    self.comm.bcast(t, root=0)
+            for ts in groups.values():
+                flat = self.comm.bcast(torch.cat([t.detach().reshape(-1) for t in ts]), root=0)
+                if self.comm.rank:
+                    off = 0
+                    for t in ts:
+                        got = flat[off:off + t.numel()].view_as(t)
+                        if fresh:
+                            out[id(t)] = got.clone()
+                        else:
+                            t.copy_(got)
+                        off += t.numel()
+        return out
+
+    def _buffers_now(self) -> tuple[tuple[int, int], ...]:
+        return tuple((id(t), t._version) for t in self.module.buffers())
+
+    @torch.compiler.disable  # collectives: run as they are, never traced into a graph (torch.compile at 0-2)
+    def sync_buffers(self, force: bool = False) -> None:
+        """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``): run at the start and the end of every
+        forward, so that a buffer a forward updates (BatchNorm's running statistics) is the same on every rank
+        between forwards, as is what each forward reads. A buffer is sent only when some rank's changed since
+        the last sync (one small allreduce finds out; ``force``: always). Collective over the group."""
+        if not self.broadcast_buffers or self.comm.size == 1:
+            return
+        bufs = list(self.module.buffers())
+        if not bufs:
+            return
+        if not force:
+            changed = torch.tensor([int(self._buffers_now() != self._buffer_key)], dtype=torch.int32)
+            if not self.comm.allreduce(changed, op="max").item():
+                return
+        # New tensors rather than copies in place: a forward's graph saves the buffers it read (BatchNorm's
+        # backward takes its running statistics), and an in-place write would fail that backward's version check.
+        fresh = self._bcast_coalesced(bufs, fresh=True)
+        for m in self.module.modules():
+            for name, t in m._buffers.items():
+                if t is not None and id(t) in fresh:
+                    m._buffers[name] = fresh[id(t)]
+        self._buffer_key = self._buffers_now()
 
     def _padded_flat(self, b: _Bucket, tensors: Sequence[torch.Tensor | None], dtype) -> torch.Tensor:
         flat = torch.zeros(b.padded, dtype=dtype, device=self.device)
@@ -915,6 +1154,15 @@ class ShardedDataParallel(nn.Module):
         return out
 
     def forward(self, *args, **kwargs):
+        if self.stage == 3:
+            return self._forward_eager(*args, **kwargs)
+        return self.call(self.module, *args, **kwargs)
+
+    @torch.compiler.disable
+    def _forward_eager(self, *args, **kwargs):
+        """Stage 3's forward, which ``torch.compile(sdp)`` leaves uncompiled (dynamo skips it: its gathers,
+        collectives and parameter rebinding cannot be traced), so a compiled wrapper computes what the wrapper
+        does. A module compiled on its own that reads freed stage-3 parameters raises by name instead."""
         return self.call(self.module, *args, **kwargs)
 
     def call(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
@@ -926,36 +1174,71 @@ class ShardedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
-        """The context one forward runs in (stage 3: gathers kept buckets, tracks saved tensors, and frees on
-        exit); for callers that run the module's pieces themselves, such as a pipeline's micro-batches."""
-        if self.stage < 3:
-            if self.stage:
-                self._synced = False
+        """The context one forward runs in (buffers synchronized from rank 0 on entry and exit; stage 3: gathers
+        kept buckets, tracks saved tensors, and frees on exit); for callers that run the module's pieces
+        themselves, such as a pipeline's micro-batches. A call of the wrapped module itself (``model(x)``, the
+        FSDP2 habit) enters it too, through a hook on the module."""
+        if self._depth:  # the module called inside this wrapper's own forward
             yield
             return
-        self._synced = False
-        self._fwd_next = 0
-        self._fwd_ran = [0] * len(self.buckets)
-        for i in self._keep:  # read outside any hook: gathered now, in the same order on every rank
-            self._post_gather(self.buckets[i])
-            self._ensure(self.buckets[i])
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+        if self.stage == 3:
+            _refuse_compile()
+        self._depth += 1
+        try:
+            self.sync_buffers()
+            if self.stage < 3:
+                if self.stage:
+                    self._synced = False
+                yield
+            else:
+                self._synced = False
+                self._fwd_next = 0
+                self._fwd_ran = [0] * len(self.buckets)
+                for i in self._keep:  # read outside any hook: gathered now, in the same order on every rank
+                    self._post_gather(self.buckets[i])
+                    self._ensure(self.buckets[i])
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    yield
+                self._forward_end()
+            self.sync_buffers()
+        finally:
+            self._depth -= 1
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation without a reduction per ``backward()`` (DDP's ``no_sync``): the gradients of
+        the backward calls inside accumulate, and the first ``backward()`` outside (or :meth:`sync_grads`, which
+        an optimizer step calls) reduces them all. Stages 0-1 accumulate locally and communicate nothing inside;
+        stages 2-3 hold no full gradients, so their reduce-scatters still run during each backward and only the
+        wait for them moves to the end of the first backward outside. Exact either way."""
+        old, self._no_sync = self._no_sync, True
+        try:
             yield
-        self._forward_end()
+        finally:
+            self._no_sync = old
 
     def sync_grads(self) -> None:
-        """Finish this step's gradient reduction: afterwards ``shards[b].grad`` holds this rank's reduced block.
-        Idempotent within a step (a second call, as from clipping or the optimizer's step hook, reduces nothing
-        again)."""
+        """Finish the gradient reduction: afterwards ``shards[b].grad`` (stage 0: each parameter's ``.grad``)
+        holds this rank's reduced block. Every ``backward()`` ends with this (its end callback) unless inside
+        :meth:`no_sync`, so the gradients are complete when ``backward()`` returns, as under DDP and FSDP2;
+        called explicitly (or by the optimizer's step hook) it reduces what :meth:`no_sync` left. Idempotent:
+        a second call reduces nothing again."""
         if self.stage == 0:
             if self.reducer.armed:
                 self.reducer.finish()
+            elif self._unreduced:  # backward calls under no_sync: their accumulated gradients, reduced now
+                self.reducer.start(1)
+                self.reducer.finish()
+            self._unreduced = 0
             return
         if self._synced:
             return
-        self._synced = True
         if self._bwd_open:
             self._backward_end()
+            if self._synced:
+                return
+        self._synced = True
+        self._unreduced = 0
         if self.stage == 1:
             self._post_stage1()
         for b, grad in self._deferred:
@@ -966,18 +1249,49 @@ class ShardedDataParallel(nn.Module):
         self._flush_staging(block=True)
         self._drain(0)
         self._account(t0, time.perf_counter())
-        skip = set()
-        if self.missing_grad == "skip":  # the buckets no rank produced a gradient for, agreed by every rank
-            had = torch.tensor([b.had for b in self.buckets], dtype=torch.int32, device="cpu")
-            had = self.comm.allreduce(had) if self.comm.size > 1 else had
-            skip = {i for i, v in enumerate(had.tolist()) if v == 0}
-        for b in self.buckets:
-            b.had = False
+        skip = self._skipped() if self.missing_grad == "skip" else set()
+        self._accumulating = False
         for i, sh in enumerate(self.shards):
             if i in skip:
                 sh.grad = None
             elif sh.grad is None:  # no gradient reached it this step: zero, the same on every rank
-                sh.grad = torch.zeros_like(sh)
+                sh.grad = _shard_grad(torch.zeros_like(sh), self.comm)
+            elif type(sh.grad) is not _ShardGrad:
+                sh.grad = _shard_grad(sh.grad, self.comm)
+
+    def _skipped(self) -> set[int]:
+        """``missing_grad="skip"``: the buckets whose shard gradient stays ``None`` (no rank produced a gradient
+        for any of its parameters since it was ``None``), agreed by every rank (one allreduce of a flag per
+        parameter). A bucket some of whose parameters got a gradient and others none cannot be skipped in part
+        (the optimizer steps a shard whole): refused by name, on every rank alike."""
+        had = torch.tensor([h for b in self.buckets for h in b.had], dtype=torch.int32)
+        had = self.comm.allreduce(had, op="max") if self.comm.size > 1 else had
+        flags, skip, off = had.tolist(), set(), 0
+        for b in self.buckets:
+            mine, off = flags[off:off + len(b.params)], off + len(b.params)
+            if b.fresh and not any(mine):
+                skip.add(b.index)
+            elif b.fresh and not all(mine):
+                without = [n for n, h in zip(b.names, mine) if not h]
+                with_ = [n for n, h in zip(b.names, mine) if h]
+                raise ValueError(
+                    f"missing_grad='skip': bucket {b.index} holds parameters with a gradient this step ({with_[:3]}) "
+                    f"and without one on every rank ({without[:3]}); the optimizer steps a bucket's shard whole, so "
+                    f"it cannot skip {without[0]!r} alone. Buckets hold one module's parameters under 'skip': "
+                    f"use that module's parameters together, or pass missing_grad='zero' (a missing gradient "
+                    f"counts as zeros)")
+        return skip
+
+    def _fresh_accumulation(self) -> None:
+        """The first backward after a reduction begins: a bucket whose shard gradient is ``None`` may stay
+        ``None`` (``fresh``); one holding a gradient (earlier backward calls, or zeros from the optimizer's
+        ``zero_grad(set_to_none=False)``) keeps it, as torch keeps a ``.grad`` that nothing adds to."""
+        if self._accumulating:
+            return
+        self._accumulating = True
+        for b, sh in zip(self.buckets, self.shards):
+            b.fresh = sh.grad is None
+            b.had = [False] * len(b.params)
 
     def _account(self, t0: float, t1: float) -> None:
         """This step's reduce-scatter accounting (:attr:`last`, :func:`zero_stats`); ``t0``-``t1``: blocked in
@@ -1015,7 +1329,7 @@ class ShardedDataParallel(nn.Module):
     def _post_stage1(self) -> None:
         for b in self.buckets:
             grads = [p.grad for p in b.params]
-            b.had = b.had or any(g is not None for g in grads)
+            b.had = [h or g is not None for h, g in zip(b.had, grads)]
             if all(g is None for g in grads):
                 flat = torch.zeros(b.padded, dtype=self.master_dtype, device=self.device)
             else:
@@ -1074,23 +1388,41 @@ class ShardedDataParallel(nn.Module):
         self._stale_mirror()
         if self.stage in (1, 2):
             self._gather_all()
-        elif self.stage == 0 and not self.reducer.armed:
-            self.reducer.start(self.micro_batches)
+
+    def _on_grad0(self, p: torch.Tensor) -> None:
+        """Stage 0, the first gradient of a backward: its end is queued, and unless the gradients accumulate
+        (:meth:`no_sync`, the first ``micro_batches - 1`` calls) the reducer is armed for it, so its buckets are
+        reduced while backward runs (the reducer's hooks come after this one)."""
+        if self._bwd_open:
+            return
+        self._bwd_open = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_end0)
+        if not self._no_sync and self._unreduced + 1 >= self.micro_batches:
+            self.reducer.start(1)  # each .grad, with what it accumulated, becomes its bucket view
+
+    def _backward_end0(self) -> None:
+        self._bwd_open = False
+        if self.reducer.armed:
+            self.reducer.finish()
+            self._unreduced = 0
+        else:
+            self._unreduced += 1
 
     def _on_grad1(self, p: torch.Tensor) -> None:
         self._synced = False  # stage 1: a backward ran, so this step's gradients wait for their reduce-scatter
+        if not self._bwd_open:
+            self._bwd_open = True
+            self._fresh_accumulation()
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.stage == 0:
+        if self.stage == 0:  # the gradients stay views of the reducer's buckets
             for b in self.buckets:
                 for p in b.params:
                     if p.grad is not None:
                         p.grad.zero_()
-            if not self.reducer.armed:
-                self.reducer.start(self.micro_batches)
             return
-        for sh in self.shards:
-            sh.grad = None
+        self._zero_shard_grads(set_to_none)
         for b in self.buckets:
             for p in b.params:
                 p.grad = None
@@ -1110,14 +1442,24 @@ class ShardedDataParallel(nn.Module):
             _wait(req)
 
     def remove(self) -> None:
-        """Take the hooks off the module (it keeps its current, possibly placeholder, parameters)."""
+        """Take the hooks off the module (it keeps its current, possibly placeholder, parameters). Reductions
+        still in flight (under :meth:`no_sync`, or a loop abandoned by an exception) are waited for first:
+        MPI still reads and writes their buffers. Collective when any are."""
+        if self.stage:
+            self._flush_staging(block=True)
+            self._drain(0)
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for i in self._step_ids:
+        for i in (*self._step_ids, *self._inner_ids):
             if _STEP_OWNERS.get(i) is self:
                 del _STEP_OWNERS[i]
         self._step_ids = set()
+        self._inner_ids = set()
+        if self.module.__dict__.get("zero_grad") == self._inner_zero_grad:
+            del self.module.zero_grad
+        if getattr(self.module.__dict__.get("forward"), "_loom_sdp", None) is self:
+            del self.module.forward
         if self.stage == 0:
             self.reducer.remove()
         elif self._worker is not None:
@@ -1146,6 +1488,7 @@ class ShardedDataParallel(nn.Module):
         if self._bwd_open:
             return
         self._bwd_open = True
+        self._fresh_accumulation()
         self._rs_next = len(self.buckets) - 1
         if self.stage == 3:
             self._bwd_next = len(self.buckets) - 1
@@ -1158,7 +1501,7 @@ class ShardedDataParallel(nn.Module):
         self._open_backward()
         bi, i = self._index_of[id(p)]
         b = self.buckets[bi]
-        b.had = True
+        b.had[i] = True
         b.ready += 1
         if self.stage == 3:
             # The gradients stay in ``.grad`` until the bucket's last one arrives; then the gathered bucket is
@@ -1222,22 +1565,30 @@ class ShardedDataParallel(nn.Module):
             self._rs_next -= 1
 
     def _backward_end(self) -> None:
-        """End of one ``backward()``: post what is left (missing gradients are zeros), close the gathers."""
-        if not self._at_bwd_end:
-            self._at_bwd_end = self.live
-        while self._rs_next >= 0:
-            self._post_rs(self.buckets[self._rs_next])
-            self._rs_next -= 1
-        if self.stage == 3:
-            while self._bwd_next >= 0:  # same gathers on every rank, even where a bucket was not needed
-                self._post_gather(self.buckets[self._bwd_next])
-                self._bwd_next -= 1
+        """End of one ``backward()`` (an autograd engine callback): post what is left (missing gradients are
+        zeros), close the gathers, then wait for this backward's reductions (:meth:`sync_grads`), unless inside
+        :meth:`no_sync`. Every rank has posted all its gathers and reduce-scatters of this backward by now, so
+        the wait cannot hold up a peer's backward."""
+        if self.stage >= 2:
+            if not self._at_bwd_end:
+                self._at_bwd_end = self.live
+            while self._rs_next >= 0:
+                self._post_rs(self.buckets[self._rs_next])
+                self._rs_next -= 1
+            if self.stage == 3:
+                while self._bwd_next >= 0:  # same gathers on every rank, even where a bucket was not needed
+                    self._post_gather(self.buckets[self._bwd_next])
+                    self._bwd_next -= 1
+                for b in self.buckets:
+                    self._free(b)
             for b in self.buckets:
-                self._free(b)
-        for b in self.buckets:
-            b.ready = 0
-            b.posted = False
+                b.ready = 0
+                b.posted = False
         self._bwd_open = False
+        if self._no_sync:
+            self._unreduced += 1
+        else:
+            self.sync_grads()
 
     # ------------------------------------------------------------------ parameters (stage 3)
     def _post_gather(self, b: _Bucket) -> None:
@@ -1395,9 +1746,13 @@ class ShardedDataParallel(nn.Module):
         return out
 
     def state_dict(self, *args, **kwargs) -> dict[str, Any]:
-        """The unsharded module's ``state_dict()`` (same keys, full values), on every rank (collective)."""
+        """The unsharded module's ``state_dict()`` (same keys, full values), on every rank (collective at stages
+        1-3, where the buffers are also synchronized from rank 0 first; local at stage 0, as DDP's)."""
+        if self.stage:
+            self.sync_buffers()
         values = self._full_values()
-        sd = self.module.state_dict()
+        with self._as_internal():
+            sd = self.module.state_dict()
         for name, p in self.module.named_parameters(remove_duplicate=False):
             if id(p) in values:
                 sd[name] = values[id(p)]
@@ -1414,7 +1769,8 @@ class ShardedDataParallel(nn.Module):
             raise ValueError(f"load_state_dict: the state has no entry for {missing[:5]} (it must come from "
                              f"the same model: its keys are module.state_dict()'s)")
         rest = {k: v for k, v in state_dict.items() if k not in owned}
-        result = self.module.load_state_dict(rest, strict=False)
+        with self._as_internal():
+            result = self.module.load_state_dict(rest, strict=False)
         if strict and result.unexpected_keys:
             raise ValueError(f"load_state_dict: unexpected keys {result.unexpected_keys[:5]}")
         with torch.no_grad():
@@ -1432,6 +1788,15 @@ class ShardedDataParallel(nn.Module):
                     b.full.copy_(full)
         return result
 
+    @contextlib.contextmanager
+    def _as_internal(self) -> Iterator[None]:
+        """This wrapper calls the module's ``state_dict`` / ``load_state_dict`` itself (not refused)."""
+        old, self._internal = self._internal, True
+        try:
+            yield
+        finally:
+            self._internal = old
+
     # ------------------------------------------------------------------ sharded checkpoints
     def save_sharded(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
                      extra: dict[str, Any] | None = None) -> None:
@@ -1445,7 +1810,8 @@ class ShardedDataParallel(nn.Module):
         d = Path(path)
         d.mkdir(parents=True, exist_ok=True)
         r, size = self.comm.rank, self.comm.size
-        replicated = {k: v for k, v in self.module.state_dict().items() if k not in self._trainable_names()}
+        with self._as_internal():
+            replicated = {k: v for k, v in self.module.state_dict().items() if k not in self._trainable_names()}
         blob = {"flat": self.flat_shard(), "optim": optimizer.state_dict() if optimizer else None,
                 "optim_buckets": self._optim_order(optimizer) if optimizer else None, "extra": extra,
                 "replicated": replicated if r == 0 else None, "error_feedback": self._ef_state()}
@@ -1481,7 +1847,8 @@ class ShardedDataParallel(nn.Module):
             for b, lay in zip(self.buckets, old.layouts):
                 self._master(b).copy_(self._reshard(old, b, lambda q, lay=lay: _block(old.get(q)["flat"], lay)))
         if old.get(0)["replicated"]:
-            self.module.load_state_dict(old.get(0)["replicated"], strict=False)
+            with self._as_internal():
+                self.module.load_state_dict(old.get(0)["replicated"], strict=False)
         if self.stage < 3:
             with torch.no_grad():
                 for b in self.buckets:

@@ -913,7 +913,12 @@ class Trainer:
         detached tensor on the model's device, read on the host once per step with the gradient norm.
         ``packed``: packed documents (``local_batch``'s third value)."""
         if self.hybrid is not None:
-            return self.hybrid.train_step(x, y, self.tm.loss_fn)
+            if self.sdp is None:
+                return self.hybrid.train_step(x, y, self.tm.loss_fn)
+            # One backward per micro-batch and stage: their reduce-scatters still run as each one computes, but
+            # the wait for them is the step's (sync_grads), not every micro-batch's end.
+            with self.sdp.no_sync():
+                return self.hybrid.train_step(x, y, self.tm.loss_fn)
         if self.reducer is not None:
             self.reducer.start(1)
         loss = self._loss(x, y, packed)

@@ -119,7 +119,7 @@ def _assert_state_equal(got, want, what):
 
 
 def _replicas_agree(comm, model, what):
-    for name, t in model.state_dict().items():
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:  # a stage-3 module's state_dict() raises
         if t.stride() and 0 in t.stride():
             continue  # a stage-3 placeholder: the value lives in the shards
         ts = comm.allgather(t.detach().reshape(1, -1).clone())

@@ -217,7 +217,7 @@ RESUMABLE: dict[str, frozenset[str]] = {
     "checkpoint": frozenset({"every", "keep", "dir"}),
     # The checkpoint holds whole stages (tp slices and ep experts gathered), so the replicas and shards can be
     # laid out again; pp must match.
-    "mesh": frozenset({"dp", "sp", "ep", "tp", "schedule"}),
+    "mesh": frozenset({"dp", "sp", "sp_ring", "ep", "tp", "schedule"}),
     "data": frozenset({"micro_batches"}),
     # Stage 1 saves the optimizer state unsharded and stages 2-3 reshard theirs, so the split can change on
     # resume (within 0-1 or within 2-3: the trainer checks); multi-path routing moves the same bytes by other

@@ -54,7 +54,7 @@ from ..models.llama import chunked_ffn, chunked_lm_loss
 from ..models.tokenizer import decode, encode
 from ..parallel.meta import guard_device_constructors
 from ..parallel.partition import Graph, Node, Ref, register_graph_source
-from ..parallel.sequence import check_sizes, fpdt_attention, gather_sequence, shard_sequence, ulysses_attention
+from ..parallel.sequence import check_sizes, fpdt_attention, gather_sequence, ring_attention, shard_sequence
 
 # Before any from_pretrained: it must not be the first to fill torch's device-context table (see the guard).
 guard_device_constructors()
@@ -117,11 +117,11 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
                          f"{sliding_window}")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     doc = sp.doc_ids(kwargs.get("position_ids"))
-    if sp.mode == "ulysses":
-        out = ulysses_attention(q, k, v, sp.comm, causal=True, scale=scaling, doc_ids=doc)
+    if sp.mode == "ulysses":  # ring 1: Ulysses
+        out = ring_attention(q, k, v, sp.comm, ring=sp.ring, causal=True, scale=scaling, doc_ids=doc)
     else:
         out = fpdt_attention(q, k, v, sp.comm, chunks=sp.chunks, causal=True, offload=sp.offload, scale=scaling,
-                             doc_ids=doc)
+                             doc_ids=doc, ring=sp.ring)
     return out, None
 
 
@@ -171,6 +171,8 @@ class SequenceParallel:
         ffn_chunks: chunks along the local sequence for each layer's MLP (1 = unchunked); default ``chunks``.
         loss_chunks: chunks for the LM head + loss in :meth:`loss` (1 = full logits); default ``chunks``.
         ignore_index: label value that contributes no loss.
+        ring: ring degree (Ulysses x ring, FPDT x ring: :func:`~loom.parallel.sequence.ring_attention`): the
+            heads split over ``comm.size / ring`` ranks, so ``comm.size`` may exceed the head count.
 
     Raises:
         ValueError: unsupported model, unknown mode, or head counts that do not split over ``comm.size``.
@@ -178,7 +180,7 @@ class SequenceParallel:
 
     def __init__(self, model: nn.Module, comm: Any, *, mode: str = "ulysses", chunks: int = 1,
                  offload: bool = False, ffn_chunks: int | None = None, loss_chunks: int | None = None,
-                 ignore_index: int = -100):
+                 ignore_index: int = -100, ring: int = 1):
         self.decoder = check_model(model)
         name = attention_name(mode)
         if mode == "ulysses" and chunks != 1:
@@ -186,7 +188,11 @@ class SequenceParallel:
         for what, v in (("chunks", chunks), ("ffn_chunks", ffn_chunks), ("loss_chunks", loss_chunks)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{what}={v!r} must be an integer >= 1")
+        if not isinstance(ring, int) or isinstance(ring, bool) or ring < 1 or comm.size % ring:
+            raise ValueError(f"ring={ring!r} with sp size {comm.size}: the ring degree is an integer >= 1 dividing "
+                             f"the sp size")
         self.model, self.comm, self.mode, self.chunks, self.offload = model, comm, mode, chunks, bool(offload)
+        self.ring = ring
         self.ffn_chunks = chunks if ffn_chunks is None else ffn_chunks
         self.loss_chunks = chunks if loss_chunks is None else loss_chunks
         self.ignore_index = ignore_index
@@ -194,7 +200,7 @@ class SequenceParallel:
         hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         probe = [torch.empty(1, chunks, h, hd) for h in (cfg.num_attention_heads, cfg.num_key_value_heads,
                                                          cfg.num_key_value_heads)]
-        check_sizes(*probe, comm.size, chunks)
+        check_sizes(*probe, comm.size // ring, chunks)
         self._docs: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._previous_attn = cfg._attn_implementation
         register()
@@ -228,10 +234,11 @@ class SequenceParallel:
                 raise ValueError(f"labels {tuple(labels.shape)} must have the shape of input_ids {(b, n)}")
             shift = shift_labels(labels, self.ignore_index)
             num = int((shift != self.ignore_index).sum())
-        local_pos = shard_sequence(position_ids, self.comm, chunks=u)
-        self._docs = (local_pos, None if docs is None else shard_sequence(docs, self.comm, chunks=u))
-        return SPBatch(input_ids=shard_sequence(input_ids, self.comm, chunks=u), position_ids=local_pos,
-                       shift_labels=None if shift is None else shard_sequence(shift, self.comm, chunks=u),
+        lay = dict(chunks=u, ring=self.ring)
+        local_pos = shard_sequence(position_ids, self.comm, **lay)
+        self._docs = (local_pos, None if docs is None else shard_sequence(docs, self.comm, **lay))
+        return SPBatch(input_ids=shard_sequence(input_ids, self.comm, **lay), position_ids=local_pos,
+                       shift_labels=None if shift is None else shard_sequence(shift, self.comm, **lay),
                        num_items=num or 0)
 
     def doc_ids(self, position_ids: torch.Tensor | None) -> torch.Tensor | None:
@@ -245,14 +252,15 @@ class SequenceParallel:
                              "pass batch.inputs from SequenceParallel.shard")
         if self._docs is not None and self._docs[0] is position_ids:
             return self._docs[1]
-        pos = gather_sequence(position_ids, self.comm, chunks=self.chunks)
+        pos = gather_sequence(position_ids, self.comm, chunks=self.chunks, ring=self.ring)
         docs = _documents(pos)
-        self._docs = (position_ids, None if docs is None else shard_sequence(docs, self.comm, chunks=self.chunks))
+        self._docs = (position_ids, None if docs is None else shard_sequence(docs, self.comm, chunks=self.chunks,
+                                                                             ring=self.ring))
         return self._docs[1]
 
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """The global tensor from every rank's sequence shard (not differentiable; for checks and logging)."""
-        return gather_sequence(x, self.comm, chunks=self.chunks, dim=dim)
+        return gather_sequence(x, self.comm, chunks=self.chunks, dim=dim, ring=self.ring)
 
     # ------------------------------------------------------------------------------------------ loss
     def loss(self, batch: SPBatch) -> torch.Tensor:
@@ -623,7 +631,7 @@ def build_train_model(cfg: Any, *, sp_comm: Any = None, dtype: torch.dtype = tor
         s = cfg.sequence
         fpdt = s.algorithm == "fpdt"
         sp = SequenceParallel(model, sp_comm, mode=s.algorithm, chunks=s.chunks if fpdt else 1,
-                              offload=s.offload and fpdt)
+                              offload=s.offload and fpdt, ring=max(1, cfg.mesh.sp_ring))
     return HFTrainModel(model, sp, _tokenizer(cfg.model))
 
 

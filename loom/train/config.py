@@ -489,10 +489,9 @@ class Config:
             mesh.sp_ring = 1 if fits(mesh.sp) or not rings else rings[0]
         ring, u = mesh.sp_ring, mesh.sp // mesh.sp_ring
         if ring > 1:
-            _need(mesh.pp == 1 and tp == 1 and not (m.hf or m.hf_config),
-                  f"mesh.sp_ring = {ring} with mesh.pp = {mesh.pp}, mesh.tp = {tp}"
-                  f"{', a transformers model' if m.hf or m.hf_config else ''}: Ulysses x ring composes with dp "
-                  f"and ZeRO only so far; use mesh.pp = mesh.tp = 1 and loom's Llama, or mesh.sp_ring = 1")
+            _need(mesh.pp == 1 and tp == 1,
+                  f"mesh.sp_ring = {ring} with mesh.pp = {mesh.pp}, mesh.tp = {tp}: the ring composes with dp "
+                  f"and ZeRO only so far; use mesh.pp = mesh.tp = 1, or mesh.sp_ring = 1")
         if tp > 1:  # _check_tp words the even rule under tp
             return
         group = "mesh.sp" if ring == 1 else "sp / sp_ring"

@@ -19,14 +19,14 @@ TOL = 1e-10
 SEQ = 24  # divisible by sp x chunks for sp in (1, 2, 4) and chunks in (1, 3)
 
 
-def tiny(family: str, kv_heads: int, *, tie: bool = False, layers: int = 2):
+def tiny(family: str, kv_heads: int, *, tie: bool = False, layers: int = 2, heads: int = 4):
     """A tiny random-initialised fp64 ``*ForCausalLM`` of ``family`` (same weights on every rank after seeding)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
     kind = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[family]
     extra = {"sliding_window": None} if family in ("mistral", "qwen2") else {}
     cfg = kind(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=layers,
-               num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=128,
+               num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=128,
                tie_word_embeddings=tie, attn_implementation="sdpa", **extra)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float64)
 
@@ -61,18 +61,19 @@ def close(name: str, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert err <= TOL, f"{name}: error {err:.3g} > {TOL} ({what})"
 
 
-def compare(comm, family: str, mode: str, kv_heads: int, packed: bool, *, tie: bool = False) -> None:
+def compare(comm, family: str, mode: str, kv_heads: int, packed: bool, *, tie: bool = False, heads: int = 4,
+            ring: int = 1) -> None:
     from loom.integrations.transformers import SequenceParallel
 
     g = seeded(comm)
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=g)))
-    model = tiny(family, kv_heads, tie=tie)
+    model = tiny(family, kv_heads, tie=tie, heads=heads)
     ref_model = copy.deepcopy(model)
     ids, labels, pos = batch(g, packed=packed)
     ref_logits, ref_loss, ref_grads = reference(ref_model, ids, labels, pos)
     chunks = 3 if mode == "fpdt" else 1
-    sp = SequenceParallel(model, comm, mode=mode, chunks=chunks, offload=mode == "fpdt")
-    what = f"{family} {mode} sp={comm.size} kv_heads={kv_heads} packed={packed} tie={tie}"
+    sp = SequenceParallel(model, comm, mode=mode, chunks=chunks, offload=mode == "fpdt", ring=ring)
+    what = f"{family} {mode} sp={comm.size} kv_heads={kv_heads} packed={packed} tie={tie} ring={ring}"
     b = sp.shard(ids, labels=labels, position_ids=pos)
     with torch.no_grad():
         logits = model(**b.inputs).logits
@@ -100,6 +101,14 @@ def check_llama_fpdt_gqa(comm):
 def check_packed_documents(comm):
     compare(comm, "llama", "ulysses", 2, packed=True)
     compare(comm, "llama", "fpdt", 1, packed=True)
+
+
+def check_llama_past_its_heads(comm):
+    """2 query heads and 1 kv head over all the sp ranks: Ulysses x ring (packed documents too) and FPDT x ring."""
+    if comm.size < 2:
+        return
+    compare(comm, "llama", "ulysses", 1, packed=True, heads=2, ring=comm.size // 2 if comm.size > 2 else 2)
+    compare(comm, "llama", "fpdt", 1, packed=False, heads=2, ring=comm.size)
 
 
 def check_qwen2_and_mistral(comm):

@@ -26,8 +26,10 @@ SCRIPT_ARGS = True  # loom/cli.py reads --ranks only before the script: what fol
 def parser() -> argparse.ArgumentParser:
     p = cli_args.ArgumentParser(prog="loom run", description="run a torch.distributed script on MPI ranks, "
                                 "with the \"loom\" backend registered (torchrun's role)")
-    p.add_argument("-n", "--ranks", type=cli_args.parse_ranks, default=None,
-                   help="outside an MPI job: launch this many local ranks (before the script; inside a job: ignored)")
+    if "--ranks" not in p._option_string_actions:  # the shared parser lists it while loom offers --ranks
+        p.add_argument("-n", "--ranks", type=cli_args.parse_ranks, default=None,
+                       help="outside an MPI job: launch this many local ranks (before the script; inside a job: "
+                            "ignored)")
     p.add_argument("script", help="Python file every rank runs as __main__")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return p

@@ -463,7 +463,10 @@ class LoomProcessGroup(dist.ProcessGroup):
         back = _into(output.view(torch.uint8) if output.dtype == torch.bool else output)
         if _big(x, opts):
             return _later(self.comm.ireduce_scatter(x, xop), [output], back)
-        back(self.comm.reduce_scatter(x, xop))
+        if output.is_contiguous() and output.dtype == x.dtype:  # reduced straight into the output
+            self.comm.reduce_scatter(x, xop, out=output.view(1, -1))
+        else:
+            back(self.comm.reduce_scatter(x, xop))
         return None
 
     def reduce_scatter_single(self, output, inp, opts=None) -> LoomWork:

@@ -398,6 +398,11 @@ class Communicator:
         res = _b.cast(_to_device(res, tensor), x.dtype)
         return res if out is None else _b.finish_recv(out, res)
 
+    def pairwise(self, tensor: _b.Buffer) -> bool:
+        """Whether :meth:`allreduce` of ``tensor`` exchanges blocks and folds them with torch (at least
+        ``LOOM_PAIRWISE_BYTES``, contiguous, on the host, a dtype torch and MPI reduce alike, 2 ranks or more)."""
+        return self.size > 1 and tensor.nbytes >= _pairwise_min() and _pairwise_view(tensor) is not None
+
     def _pairwise(self, src: torch.Tensor, counts: list[int], dst: torch.Tensor, op: str) -> None:
         """Reduce block ``rank`` of flat ``src`` (cut into blocks of ``counts`` elements) across ranks into ``dst``.
 

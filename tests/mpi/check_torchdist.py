@@ -108,6 +108,15 @@ def check_pairwise_reductions_match_gloo(comm):
                     return out
                 _same(*_both(scatter), f"reduce_scatter_tensor {op} {dtype}")
                 _same(*_both(lambda g: scatter(g, True)), f"reduce_scatter_tensor {op} {dtype} strided")
+        big = _rand((96, 128), torch.float32, gen)  # asked asynchronously: completed on the caller's thread
+
+        def asked_async(g):
+            x = big.clone()
+            work = dist.all_reduce(x, group=g, async_op=True)
+            assert g is not _groups()[0] or work.is_completed()
+            work.wait()
+            return x
+        _same(*_both(asked_async), "all_reduce async_op=True")
         every = [_rand((2 * p + 1,), torch.float64, torch.Generator().manual_seed(9 + r)) for r in range(p)]
         x = every[comm.rank].clone()
         dist.all_reduce(x, op=dist.ReduceOp.AVG)

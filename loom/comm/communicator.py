@@ -468,13 +468,17 @@ class Communicator:
         """Reduce across ranks, then rank r keeps block r of dim 0 (dim 0 must divide by the size)."""
         mop = _op(op)
         p = self.size
+        if out is not None:
+            n0, _ = self._check_blocks(tensor, "reduce_scatter")
+            if tuple(out.shape) != (n0 // p, *tensor.shape[1:]):
+                raise ValueError(f"reduce_scatter: out has shape {tuple(out.shape)} but this rank's block has "
+                                 f"{(n0 // p, *tensor.shape[1:])}; pass an out of that shape (or none)")
         if p > 1 and tensor.nbytes >= _pairwise_min() and (flat := _pairwise_view(tensor)) is not None:
             n0, _ = self._check_blocks(tensor, "reduce_scatter")
             if op == "avg" and not flat.is_floating_point():
                 raise TypeError(f"reduce_scatter op 'avg' needs a floating dtype, got {tensor.dtype}")
             shape = (n0 // p, *tensor.shape[1:])
-            into = _pairwise_view(out) if out is not None and tuple(out.shape) == shape \
-                and type(out) is type(tensor) else None
+            into = _pairwise_view(out) if out is not None and type(out) is type(tensor) else None
             if into is None or into.dtype != flat.dtype:
                 out = (torch.empty(shape, dtype=flat.dtype) if type(tensor) is _Tensor
                        else np.empty(shape, tensor.dtype))

@@ -12,7 +12,7 @@ import asyncio
 import numpy as np
 import torch
 
-from loom.comm import Mesh, Request, stats, reset_stats, wait_all
+from loom.comm import Mesh, Request, reset_stats, safety, stats, wait_all
 from loom.testing import mpi_checks
 
 BASE = None
@@ -222,6 +222,20 @@ def check_pairwise_reductions(comm):
         npx = [data(s, (2, 5), torch.float32, 47).numpy() for s in range(p)]
         got = comm.allreduce(npx[r])
         assert isinstance(got, np.ndarray) and np.array_equal(got, functools.reduce(np.add, npx))
+        safety.configure(check=True)  # out= of the block's shape passes the cross-rank check; another raises
+        try:
+            rows = [data(s, (3 * p, 2), salt=48) for s in range(p)]
+            into = torch.empty(3, 2, dtype=torch.float64)
+            assert comm.reduce_scatter(rows[r], out=into) is into
+            assert torch.equal(into, functools.reduce(torch.add, rows)[3 * r:3 * r + 3])
+            try:
+                comm.reduce_scatter(rows[r], out=torch.empty(4, 2, dtype=torch.float64))
+            except ValueError as exc:
+                assert "out has shape (4, 2)" in str(exc), exc
+            else:
+                raise AssertionError("reduce_scatter accepted an out of the wrong shape")
+        finally:
+            safety.configure(check=False)
     finally:
         C._PAIRWISE_MIN = saved
 

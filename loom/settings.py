@@ -118,6 +118,10 @@ _DECLARED = (
             "and raise the same error on every rank when they differ"),
     Setting("timeout", "float", None, "seconds a rank may wait in one MPI call before a watchdog reports where "
             "every rank is stuck and aborts the job (unset: no watchdog)", minimum=0, positive=True),
+    Setting("pairwise_bytes", "int", 16 << 20, "host allreduces and reduce-scatters of at least this many bytes "
+            "(contiguous, of a dtype MPI reduces) exchange blocks with MPI and reduce them with torch, the "
+            "rank-order fold, instead of MPI's own reduction (faster above it on one host; see `loom bench "
+            "allreduce`)", minimum=0),
     Setting("cuda_aware", "bool", None, "hand CUDA tensors to MPI directly (unset: ask MPI whether it is "
             "CUDA-aware; else they are staged through host memory)"),
     Setting("doorbell", "bool", True, "pollers on one host ring each other awake through a Unix socket instead of "

@@ -138,6 +138,37 @@ def _displs(sizes: list[int]) -> list[int]:
     return out
 
 
+_PAIRWISE_MIN: int | None = None  # LOOM_PAIRWISE_BYTES, read once (a settings read costs a 1-byte allreduce 25%)
+_PAIRWISE_DTYPES = {torch.float64, torch.float32, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
+_PAIRWISE_NP = {np.dtype(d) for d in (np.float64, np.float32, np.int64, np.int32, np.int16, np.int8, np.uint8)}
+_FOLD = {"sum": torch.add, "avg": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}
+
+
+def _pairwise_min() -> int:
+    global _PAIRWISE_MIN
+    if _PAIRWISE_MIN is None:
+        _PAIRWISE_MIN = settings.get("pairwise_bytes")
+    return _PAIRWISE_MIN
+
+
+def _pairwise_view(x) -> torch.Tensor | None:
+    """``x`` as a flat CPU tensor sharing its memory, when the pairwise reduction can take it (contiguous, writable,
+    no autograd, a dtype torch and MPI reduce alike), else ``None``."""
+    t = type(x)
+    if t is _Tensor:
+        if x.is_cpu and not x.requires_grad and x.is_contiguous() and x.dtype in _PAIRWISE_DTYPES:
+            return x.view(-1)
+    elif t is _ndarray and x.flags.c_contiguous and x.flags.writeable and x.dtype in _PAIRWISE_NP:
+        return torch.from_numpy(x.reshape(-1))
+    return None
+
+
+def _span(x: torch.Tensor, counts: list[int], es: int) -> list:
+    """``[buffer, byte counts, byte displacements, BYTE]`` over flat ``x`` cut into blocks of ``counts`` elements."""
+    return [_fromaddress(x.data_ptr(), x.nbytes), [c * es for c in counts], [d * es for d in _displs(counts)],
+            _BYTE]
+
+
 class Communicator:
     """A group of ranks that communicate: an mpi4py intracommunicator plus loom's safety and accounting.
 
@@ -146,7 +177,7 @@ class Communicator:
         name: label for byte accounting and error messages (a mesh axis name, ``"world"``, ...).
     """
 
-    __slots__ = ("mpi", "name", "rank", "size", "bytes_sent", "_vcache", "_subs", "__weakref__")
+    __slots__ = ("mpi", "name", "rank", "size", "bytes_sent", "_vcache", "_subs", "_inbox", "__weakref__")
 
     def __init__(self, mpi_comm: MPI.Intracomm, *, name: str = "world"):
         if not isinstance(mpi_comm, MPI.Intracomm):
@@ -159,6 +190,8 @@ class Communicator:
         self.bytes_sent: dict[str, int] = _stats.counters("comm", name)
         self._vcache: dict[tuple, tuple] = {}
         self._subs: dict[str, Communicator] = {}
+        self._inbox = torch.empty(0, dtype=torch.uint8)  # the pairwise reductions' receive buffer, kept: a fresh
+        # one per call faults in every page (a 64 MiB allreduce's 32 MiB inbox: several ms)
 
     def __repr__(self) -> str:
         return f"Communicator(name={self.name!r}, rank={self.rank}, size={self.size})"
@@ -319,6 +352,9 @@ class Communicator:
         if out is not None and tuple(out.shape) != tuple(tensor.shape):
             raise ValueError(f"allreduce: out has shape {tuple(out.shape)} but the input has "
                              f"{tuple(tensor.shape)}; pass an out of the same shape (or none)")
+        if self.size > 1 and tensor.nbytes >= _pairwise_min() \
+                and (res := self._pairwise_allreduce(tensor, op, out)) is not None:
+            return res
         # Fast path: contiguous CPU buffers of an MPI-reducible dtype, no staging, no casts.
         if op != "avg" and (sin := _b.fast_typed(tensor)) is not None:
             res = out if out is not None and type(out) is type(tensor) and out.dtype == tensor.dtype else None
@@ -362,10 +398,94 @@ class Communicator:
         res = _b.cast(_to_device(res, tensor), x.dtype)
         return res if out is None else _b.finish_recv(out, res)
 
-    def reduce_scatter(self, tensor: _b.Buffer, op: str = "sum") -> _b.Buffer:
+    def pairwise(self, tensor: _b.Buffer) -> bool:
+        """Whether :meth:`allreduce` of ``tensor`` exchanges blocks and folds them with torch (at least
+        ``LOOM_PAIRWISE_BYTES``, contiguous, on the host, a dtype torch and MPI reduce alike, 2 ranks or more)."""
+        return self.size > 1 and tensor.nbytes >= _pairwise_min() and _pairwise_view(tensor) is not None
+
+    def _pairwise(self, src: torch.Tensor, counts: list[int], dst: torch.Tensor, op: str) -> None:
+        """Reduce block ``rank`` of flat ``src`` (cut into blocks of ``counts`` elements) across ranks into ``dst``.
+
+        Each rank sends block j to rank j (one ``MPI_Alltoallv`` of bytes) and the owner folds the contributions
+        with torch in rank order, ``((x0 op x1) op x2) ...`` in the tensor's dtype: vectorized, where MPI's own
+        reduction loop is not, and the result is a fixed function of the inputs (the reference's rank-order fold,
+        bit for bit). ``dst`` may be ``src``'s own block."""
+        p, r, es = self.size, self.rank, src.element_size()
+        n = counts[r]
+        need = (p - 1) * n * es
+        if self._inbox.numel() < need:
+            self._inbox = torch.empty(need, dtype=torch.uint8)
+        inbox = self._inbox[:need].view(src.dtype).view(p - 1, n)
+        send = _span(src, counts, es)
+        send[1][r] = 0
+        self.mpi.Alltoallv(send, [_fromaddress(inbox.data_ptr(), inbox.nbytes), [0 if j == r else n * es for j in
+                                  range(p)], [(j - (j > r)) * n * es for j in range(p)], _BYTE])
+        start = sum(counts[:r])
+        mine = src[start:start + n]
+        fold = _FOLD[op]
+        acc = None
+        for j in range(p):
+            c = mine if j == r else inbox[j - (j > r)]
+            if acc is None:
+                acc = c
+            else:  # ranks before this one fold into the inbox, this rank's block and after into dst
+                tgt = dst if j >= r else acc
+                fold(acc, c, out=tgt)
+                acc = tgt
+        if op == "avg":
+            dst.div_(p)
+
+    def _pairwise_allreduce(self, tensor: _b.Buffer, op: str, out: _b.Buffer | None):
+        """:meth:`allreduce` as :meth:`_pairwise` over ``size`` near-equal blocks, then an in-place
+        ``MPI_Allgatherv`` of the reduced blocks: every rank ends with the owners' bits. ``None`` when the
+        buffers do not qualify (then MPI's allreduce runs)."""
+        flat = _pairwise_view(tensor)
+        if flat is None:
+            return None
+        if out is tensor:
+            res, into = out, flat
+        elif out is None:
+            res = tensor.clone() if type(tensor) is _Tensor else tensor.copy()
+            into = _pairwise_view(res)
+        else:
+            into = _pairwise_view(out)
+            if into is None or into.dtype != flat.dtype or tuple(out.shape) != tuple(tensor.shape) \
+                    or type(out) is not type(tensor):
+                return None
+            into.copy_(flat)
+            res = out
+        p = self.size
+        q, m = divmod(into.numel(), p)
+        counts = [q + (j < m) for j in range(p)]
+        start = q * self.rank + min(self.rank, m)
+        self._pairwise(into, counts, into[start:start + counts[self.rank]], op)
+        self.mpi.Allgatherv(MPI.IN_PLACE, _span(into, counts, into.element_size()))
+        d = self.bytes_sent
+        d["allreduce"] = d.get("allreduce", 0) + 2 * tensor.nbytes * (p - 1) // p
+        return res
+
+    def reduce_scatter(self, tensor: _b.Buffer, op: str = "sum", *, out: _b.Buffer | None = None) -> _b.Buffer:
         """Reduce across ranks, then rank r keeps block r of dim 0 (dim 0 must divide by the size)."""
         mop = _op(op)
         p = self.size
+        if out is not None:
+            n0, _ = self._check_blocks(tensor, "reduce_scatter")
+            if tuple(out.shape) != (n0 // p, *tensor.shape[1:]):
+                raise ValueError(f"reduce_scatter: out has shape {tuple(out.shape)} but this rank's block has "
+                                 f"{(n0 // p, *tensor.shape[1:])}; pass an out of that shape (or none)")
+        if p > 1 and tensor.nbytes >= _pairwise_min() and (flat := _pairwise_view(tensor)) is not None:
+            n0, _ = self._check_blocks(tensor, "reduce_scatter")
+            if op == "avg" and not flat.is_floating_point():
+                raise TypeError(f"reduce_scatter op 'avg' needs a floating dtype, got {tensor.dtype}")
+            shape = (n0 // p, *tensor.shape[1:])
+            into = _pairwise_view(out) if out is not None and type(out) is type(tensor) else None
+            if into is None or into.dtype != flat.dtype:
+                out = (torch.empty(shape, dtype=flat.dtype) if type(tensor) is _Tensor
+                       else np.empty(shape, tensor.dtype))
+                into = _pairwise_view(out)
+            self._pairwise(flat, [flat.numel() // p] * p, into, op)
+            self._count("reduce_scatter", tensor.nbytes * (p - 1) // p)
+            return out
         if _b.staging(tensor):  # pipelined through pinned memory, reduced in fp32 for bf16/fp16
             n0, _ = self._check_blocks(tensor, "reduce_scatter")
             res, _host = _b.staged_blocks(self.mpi, tensor, "reduce_scatter", mop)
@@ -373,12 +493,13 @@ class Communicator:
             if op == "avg":
                 res /= p
             return res.view(n0 // p, *tensor.shape[1:]).to(tensor.dtype)
-        x, xin, out = self._reduce_scatter_buffers(tensor, "reduce_scatter")
-        self.mpi.Reduce_scatter_block(_as_send(xin), _as_send(out), mop)
+        x, xin, res = self._reduce_scatter_buffers(tensor, "reduce_scatter")
+        self.mpi.Reduce_scatter_block(_as_send(xin), _as_send(res), mop)
         self._count("reduce_scatter", _b.nbytes(x) * (p - 1) // p)
         if op == "avg":
-            out /= p
-        return _b.cast(_to_device(out, tensor), x.dtype)
+            res /= p
+        res = _b.cast(_to_device(res, tensor), x.dtype)
+        return res if out is None else _b.finish_recv(out, res)
 
     def _staged_blocks(self, kind: str, tensor: torch.Tensor, shape: tuple[int, ...],
                        out: torch.Tensor | None) -> torch.Tensor:

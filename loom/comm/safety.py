@@ -147,6 +147,12 @@ def _sig_reduce(name):
     return sig
 
 
+def _sig_reduce_scatter(self, tensor, op="sum", *, out=None):
+    dt, shape = _desc(tensor)
+    want = (shape[0] // self.size, *shape[1:]) if shape else shape
+    return ("reduce_scatter", op, dt, shape), _out_error("reduce_scatter", out, want)
+
+
 def _sig_gather(name, trailing_only: bool, result_rows=None):
     def sig(self, tensor, *, out=None):
         dt, shape = _desc(tensor)
@@ -188,7 +194,7 @@ _SIGNATURES: dict[str, Callable] = {
     "barrier": _sig_plain("barrier"),
     "allreduce": _sig_reduce("allreduce"),  # out= on allreduce, allgather, alltoall (as the methods take it)
     "iallreduce": _sig_reduce("allreduce"),
-    "reduce_scatter": _sig_reduce("reduce_scatter"),
+    "reduce_scatter": _sig_reduce_scatter,
     "ireduce_scatter": _sig_reduce("reduce_scatter"),
     "allgather": _sig_gather("allgather", trailing_only=False, result_rows=lambda c, n: n * c.size),
     "iallgather": _sig_gather("allgather", trailing_only=False, result_rows=lambda c, n: n * c.size),

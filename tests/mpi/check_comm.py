@@ -12,7 +12,7 @@ import asyncio
 import numpy as np
 import torch
 
-from loom.comm import Mesh, Request, stats, reset_stats, wait_all
+from loom.comm import Mesh, Request, reset_stats, safety, stats, wait_all
 from loom.testing import mpi_checks
 
 BASE = None
@@ -182,6 +182,62 @@ def check_reduce_scatter(comm):
             assert "does not divide" in str(exc) and "pad dim 0" in str(exc)
         else:
             raise AssertionError("reduce_scatter accepted an indivisible dim 0")
+
+
+def check_pairwise_reductions(comm):
+    """The block-exchange allreduce and reduce-scatter (LOOM_PAIRWISE_BYTES, forced here at every size): bit for
+    bit the rank-order fold ``((x0 op x1) op x2) ...`` in the tensor's dtype, the same on every rank, for uneven
+    sizes (fewer elements than ranks, 0 elements), in place, into out=, numpy, and every op."""
+    import functools
+
+    from loom.comm import communicator as C
+
+    p, r = comm.size, comm.rank
+    folds = {"sum": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}
+    saved, C._PAIRWISE_MIN = C._PAIRWISE_MIN, 0
+    try:
+        for dtype in (torch.float64, torch.float32, torch.int32):
+            for n in (0, 1, p - 1, 2 * p + 1, 37):
+                for op in ("sum", "max", "min", "prod", "avg"):
+                    if op == "avg" and not dtype.is_floating_point:
+                        continue
+                    xs = [data(s, (n,), dtype, 45 + n) for s in range(p)]
+                    ref = functools.reduce(folds.get(op, torch.add), xs)
+                    ref = ref / p if op == "avg" else ref
+                    got = comm.allreduce(xs[r], op)
+                    assert got.dtype == dtype and torch.equal(got, ref), (dtype, n, op)
+                    buf = xs[r].clone()
+                    assert comm.allreduce(buf, op, out=buf) is buf and torch.equal(buf, ref), (dtype, n, op, "inplace")
+                    out = torch.empty_like(buf)
+                    assert comm.allreduce(xs[r], op, out=out) is out and torch.equal(out, ref), (dtype, n, op, "out")
+                    assert torch.equal(xs[r], data(r, (n,), dtype, 45 + n)), "the input was changed"
+                    everyone = comm.allgather(got.reshape(1, -1))
+                    assert all(torch.equal(everyone[0], e) for e in everyone)
+                    rows = [data(s, (3 * p, 2), dtype, 46 + n) for s in range(p)]
+                    rref = functools.reduce(folds.get(op, torch.add), rows)
+                    rref = (rref / p if op == "avg" else rref)[3 * r:3 * r + 3]
+                    assert torch.equal(comm.reduce_scatter(rows[r], op), rref), (dtype, op, "reduce_scatter")
+                    into = torch.empty(3, 2, dtype=dtype)
+                    assert comm.reduce_scatter(rows[r], op, out=into) is into and torch.equal(into, rref)
+        npx = [data(s, (2, 5), torch.float32, 47).numpy() for s in range(p)]
+        got = comm.allreduce(npx[r])
+        assert isinstance(got, np.ndarray) and np.array_equal(got, functools.reduce(np.add, npx))
+        safety.configure(check=True)  # out= of the block's shape passes the cross-rank check; another raises
+        try:
+            rows = [data(s, (3 * p, 2), salt=48) for s in range(p)]
+            into = torch.empty(3, 2, dtype=torch.float64)
+            assert comm.reduce_scatter(rows[r], out=into) is into
+            assert torch.equal(into, functools.reduce(torch.add, rows)[3 * r:3 * r + 3])
+            try:
+                comm.reduce_scatter(rows[r], out=torch.empty(4, 2, dtype=torch.float64))
+            except ValueError as exc:
+                assert "out has shape (4, 2)" in str(exc), exc
+            else:
+                raise AssertionError("reduce_scatter accepted an out of the wrong shape")
+        finally:
+            safety.configure(check=False)
+    finally:
+        C._PAIRWISE_MIN = saved
 
 
 def check_allgather(comm):

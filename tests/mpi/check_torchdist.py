@@ -81,6 +81,50 @@ def check_all_reduce_every_op_dtype_and_layout_matches_gloo(comm):
                     _same(*_both(run), f"all_reduce {op} {dtype} {shape} {layout}")
 
 
+def check_pairwise_reductions_match_gloo(comm):
+    """Blocking all_reduce and reduce_scatter_tensor on loom.comm's block-exchange path (LOOM_PAIRWISE_BYTES,
+    forced here at every size): uneven and empty sizes, every op, AVG, an output written directly and one that
+    is not contiguous."""
+    from loom.comm import communicator as C
+
+    p = comm.size
+    gen = torch.Generator().manual_seed(300 + comm.rank)
+    saved, C._PAIRWISE_MIN = C._PAIRWISE_MIN, 0
+    try:
+        for dtype in (torch.float64, torch.float32, torch.int32):
+            for n in (0, 1, p + 1, 4 * p + 3):
+                base = _rand((n,), dtype, gen)
+                for op in (dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT):
+                    def run(g):
+                        x = base.clone()
+                        dist.all_reduce(x, op=op, group=g)
+                        return x
+                    _same(*_both(run), f"all_reduce {op} {dtype} {n}")
+            rows = _rand((p * 3, 2), dtype, gen)
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+                def scatter(g, strided=False):
+                    out = torch.zeros(2, 3, dtype=dtype).t() if strided else torch.zeros(3, 2, dtype=dtype)
+                    dist.reduce_scatter_tensor(out, rows, op=op, group=g)
+                    return out
+                _same(*_both(scatter), f"reduce_scatter_tensor {op} {dtype}")
+                _same(*_both(lambda g: scatter(g, True)), f"reduce_scatter_tensor {op} {dtype} strided")
+        big = _rand((96, 128), torch.float32, gen)  # asked asynchronously: completed on the caller's thread
+
+        def asked_async(g):
+            x = big.clone()
+            work = dist.all_reduce(x, group=g, async_op=True)
+            assert g is not _groups()[0] or work.is_completed()
+            work.wait()
+            return x
+        _same(*_both(asked_async), "all_reduce async_op=True")
+        every = [_rand((2 * p + 1,), torch.float64, torch.Generator().manual_seed(9 + r)) for r in range(p)]
+        x = every[comm.rank].clone()
+        dist.all_reduce(x, op=dist.ReduceOp.AVG)
+        assert torch.equal(x, sum(every) / p)
+    finally:
+        C._PAIRWISE_MIN = saved
+
+
 def check_avg_premul_and_16_bit_floats_are_exact(comm):
     """AVG (gloo has none) is SUM / P; PREMUL_SUM scales first; bf16/fp16 are summed widened and rounded once."""
     _groups()

@@ -1,6 +1,7 @@
 """``loom run --ranks N SCRIPT [ARGS]`` (the "loom" torch.distributed backend's launcher): a script's arguments are
-its own, a rank that raises ends the job with its traceback, ``LOOM_CHECK=1`` turns a shape mismatch across ranks
-into the same error on every rank, and a missing script is one usage error (exit 2). Each test is one 2-rank job."""
+its own, torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE are set, a rank that raises ends the job
+with its traceback, ``LOOM_CHECK=1`` turns a shape mismatch across ranks into the same error on every rank, and a
+missing script is one usage error (exit 2). Each test is one 2-rank job."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import sys
 from loom.testing import ROOT
 
 SCRIPT = """
-import sys, torch, torch.distributed as dist
+import os, sys, torch, torch.distributed as dist
+torchrun = [int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]  # as torchrun sets
 dist.init_process_group("loom")
 r = dist.get_rank()
 mode = sys.argv[1]
@@ -19,7 +21,7 @@ if mode == "raise" and r == 1:
     raise RuntimeError("rank one fails on purpose")
 x = torch.ones(2 + (r if mode == "mismatch" else 0), dtype=torch.float64) * (r + 1)
 dist.all_reduce(x)
-print(f"rank {r} of {dist.get_world_size()}: {x.tolist()} argv {sys.argv[1:]}", flush=True)
+print(f"rank {r} of {dist.get_world_size()}: {x.tolist()} argv {sys.argv[1:]} env {torchrun}", flush=True)
 dist.destroy_process_group()
 """
 
@@ -38,7 +40,7 @@ def test_script_gets_its_arguments_and_the_job_reduces(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     for r in (0, 1):
-        assert f"rank {r} of 2: [3.0, 3.0] argv ['ok', '-n', '5']" in proc.stdout, out
+        assert f"rank {r} of 2: [3.0, 3.0] argv ['ok', '-n', '5'] env [{r}, 2, {r}, 2]" in proc.stdout, out
 
 
 def test_a_rank_that_raises_ends_the_job(tmp_path):

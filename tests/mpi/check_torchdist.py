@@ -469,6 +469,56 @@ def check_pipelining_gpipe_and_1f1b_match_gloo(comm):
         _close(ga, gb, f"{schedule.__name__} grads")
 
 
+def check_fsdp2_clip_grad_norm_and_full_state_dict_match_gloo(comm):
+    """clip_grad_norm_ over FSDP2's DTensor gradients (a norm reduced across the group) then Adam, and
+    get_state_dict / set_state_dict (full) of model and optimizer into a fresh sharded model: norms and
+    parameters as on gloo and as one process on every rank's batches, the state restored bit for bit."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    _groups()
+    batches = _batches(comm.rank, 2)
+    full = StateDictOptions(full_state_dict=True)
+
+    def run(backend):
+        mesh = _mesh((comm.size,), ("dp",), backend)
+        model = _mlp(5)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        norms = []
+        for x, y in batches:
+            ((model(x) - y) ** 2).mean().backward()
+            norms.append(nn.utils.clip_grad_norm_(model.parameters(), 0.05).full_tensor())
+            opt.step()
+            opt.zero_grad()
+        msd, osd = get_state_dict(model, opt, options=full)
+        fresh = _mlp(6)
+        fully_shard(fresh, mesh=mesh)
+        fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+        set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd, options=full)
+        for a, b in zip(_params(model), _params(fresh)):
+            assert torch.equal(a, b), "set_state_dict did not restore the parameters"
+        return norms, _params(model)
+
+    (na, pa), (nb, pb) = run("loom"), run("gloo")
+    _close(na, nb, "fsdp2 clip_grad_norm_")
+    _close(pa, pb, "fsdp2 params after clipping")
+    # one process on every rank's batches (equal sizes: the mean of the ranks' mean losses)
+    every = [_batches(r, 2) for r in range(comm.size)]
+    ref = _mlp(5)
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    ref_norms = []
+    for step in range(2):
+        x = torch.cat([b[step][0] for b in every])
+        y = torch.cat([b[step][1] for b in every])
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_norms.append(nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
+        opt.step()
+        opt.zero_grad()
+    _close(na, ref_norms, "fsdp2 clip_grad_norm_ vs one process")
+    _close(pa, _params(ref), "fsdp2 params after clipping vs one process")
+
+
 def check_dcp_save_load_round_trip(comm):
     """torch.distributed.checkpoint saves an FSDP2 model's sharded state over loom and loads it into a fresh
     model: every parameter comes back bit for bit."""

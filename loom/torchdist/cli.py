@@ -3,7 +3,8 @@
     loom run --ranks 4 train.py --epochs 3        # or: mpiexec -n 4 python train.py --epochs 3
 
 Every rank runs ``SCRIPT`` as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` after ``import loom``, so
-``dist.init_process_group("loom")`` needs nothing else (rank and size from MPI, no ``MASTER_ADDR``). loom's own
+``dist.init_process_group("loom")`` needs nothing else (rank and size from MPI, no ``MASTER_ADDR``; torchrun's
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are set for scripts that read them). loom's own
 options (``--ranks N``) come before the script; everything after it is the script's. ``--ranks N`` launches the
 job as ``loom train --ranks N`` does (:func:`loom.cli.relaunch`): Ctrl-C stops every rank with one line and exit
 code 130, and a rank that raises prints its traceback (prefixed with its rank) and ends the job, exit code 1.
@@ -18,7 +19,7 @@ import sys
 
 from .. import cli_args, settings
 
-__all__ = ["main", "parser"]
+__all__ = ["main", "parser", "torchrun_env"]
 
 SCRIPT_ARGS = True  # loom/cli.py reads --ranks only before the script: what follows is the script's
 
@@ -26,13 +27,27 @@ SCRIPT_ARGS = True  # loom/cli.py reads --ranks only before the script: what fol
 def parser() -> argparse.ArgumentParser:
     p = cli_args.ArgumentParser(prog="loom run", description="run a torch.distributed script on MPI ranks, "
                                 "with the \"loom\" backend registered (torchrun's role)")
-    if "--ranks" not in p._option_string_actions:  # the shared parser lists it while loom offers --ranks
+    if "--ranks" not in p._option_string_actions:  # the dispatcher offers it on every command it launches
         p.add_argument("-n", "--ranks", type=cli_args.parse_ranks, default=None,
                        help="outside an MPI job: launch this many local ranks (before the script; inside a job: "
                             "ignored)")
     p.add_argument("script", help="Python file every rank runs as __main__")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     return p
+
+
+def torchrun_env(env) -> None:
+    """Set the variables torchrun sets that scripts read (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``) from the MPI launcher's, where the script's environment does not already have them.
+    ``MASTER_ADDR``/``MASTER_PORT`` stay unset: without them ``env://`` takes its store's address over MPI."""
+    from ..comm.devices import local_rank
+
+    info = settings.launch_info()
+    rank, size = (0, 1) if info is None else (info.rank, info.size)
+    local_size = info.local_size if info is not None and info.local_size is not None else size
+    for key, value in (("RANK", rank), ("WORLD_SIZE", size), ("LOCAL_RANK", local_rank()),
+                       ("LOCAL_WORLD_SIZE", local_size)):
+        env.setdefault(key, str(value))
 
 
 def main(argv: list[str]) -> int:
@@ -46,6 +61,7 @@ def main(argv: list[str]) -> int:
         return 2
     import loom  # noqa: F401 - registers the "loom" backend (already imported here; kept explicit)
 
+    torchrun_env(os.environ)
     sys.argv = [ns.script, *ns.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(ns.script)))
     try:

@@ -25,6 +25,14 @@ cross-entropy chunked and recomputed); ``+ FFN chunking``; ``+ attention pipelin
 pipeline, still checkpointed); ``+ offload`` (no checkpointing: each block keeps its input and
 attention-output chunks and its pipeline's q/k/v/out/lse chunks in host memory: full FPDT).
 Then, at the Ulysses limit: time per token of both, the all-to-alls per layer and the host<->device bytes.
+
+With ``--ring R`` (2-D sequence parallelism, for heads too few for Ulysses over all ``P`` ranks) the rows
+above run at ``sp = P / R`` with ``R`` data-parallel replicas on the same ranks (each replica its own
+sequence, the per-rank budget unchanged), and one more row, ``FPDT x ring R``, runs full FPDT at ``sp = P``:
+``R`` Ulysses groups of ``P / R`` ranks with ring attention across them
+(:class:`loom.parallel.sequence.FPDTRingPipeline`). Then, at FPDT's longest length: time per token of FPDT
+(``sp = P / R`` x ``dp = R``: ``R`` sequences per step) and of FPDT x ring (one sequence over ``P`` ranks).
+Times are forward + backward only (no gradient reduction over sp or dp, as in every row).
 """
 
 from __future__ import annotations
@@ -48,6 +56,11 @@ __all__ = ["main", "parser"]
 STEPS = ("ulysses", "+ loss chunking", "+ FFN chunking", "+ attention pipeline", "+ offload (FPDT)")
 
 
+def ring_step(ring: int) -> str:
+    """The row name of full FPDT with ring attention across ``ring`` Ulysses groups (``--ring``)."""
+    return f"FPDT x ring {ring}"
+
+
 def parser() -> argparse.ArgumentParser:
     p = cli_args.ArgumentParser(prog="loom bench seqlen", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -65,6 +78,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ratio", type=float, default=0.0,
                    help="stop searching the later rows beyond this multiple of the first row's longest length "
                         "(17: enough to show FPDT's 16x goal without climbing further; 0: no cap)")
+    p.add_argument("--ring", type=int, default=1,
+                   help="ring degree R: the rows run at sp = ranks / R (x dp = R replicas), and a last row runs "
+                        "FPDT x ring R at sp = ranks (for heads that stop Ulysses at ranks / R)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--no-breakdown", action="store_true", help="only Ulysses and full FPDT")
     p.add_argument("--repeats", type=int, default=3, help="timed steps at the equal length (best kept)")
@@ -91,9 +107,13 @@ def chunk_counts(s_local: int, args) -> tuple[int, int]:
 
 
 def _config(step: str, args, seq: int, p: int) -> LlamaConfig:
+    """The model of row ``step`` at global length ``seq`` on ``p`` sp ranks."""
     u_small, u_attn = chunk_counts(seq // p, args)
     base: dict[str, Any] = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                                 vocab=args.vocab, ffn=args.ffn, checkpoint=True)
+    if step == ring_step(args.ring):  # full FPDT, its attention pipeline a ring across the Ulysses groups
+        return LlamaConfig(**base | {"checkpoint": False}, sequence_parallel="fpdt", chunks=u_attn,
+                           loss_chunks=u_small, ffn_chunks=u_small, offload=True, ring=args.ring)
     i = STEPS.index(step)
     if i < 3:  # Ulysses, then Ulysses with the loss and then also the FFN chunked
         return LlamaConfig(**base, sequence_parallel="ulysses", loss_chunks=u_small if i >= 1 else 1,
@@ -106,7 +126,10 @@ def _config(step: str, args, seq: int, p: int) -> LlamaConfig:
 
 
 def _granule(args, p: int, step: str) -> int:
-    """Search step: the chunked rows need whole chunks per rank; plain Ulysses is searched 16 tokens/rank fine."""
+    """Search step: the chunked rows need whole chunks per rank; plain Ulysses is searched 16 tokens/rank fine;
+    the ring row also needs ``2 R`` zig-zag pieces (:func:`loom.parallel.sequence.ring_positions`)."""
+    if step == ring_step(args.ring):
+        return math.lcm(p * args.chunk, 2 * args.ring)
     return p * (16 if step == STEPS[0] else args.chunk)
 
 
@@ -139,17 +162,25 @@ class _Runner:
         self.args, self.comm = args, comm
         self.dtype = getattr(torch, args.dtype)
         self.device = _device()
+        ring = args.ring
+        u = comm.size // ring  # --ring: the plain rows' sp groups are consecutive ranks, one per replica
+        self.sp = comm if ring == 1 else comm.split(comm.rank // u, comm.rank % u, name=f"{comm.name}.sp{u}")
+
+    def sp_comm(self, step: str):
+        """The sp communicator of row ``step``: every rank for the ring row, else ``P / R`` ranks."""
+        ring = self.args.ring
+        return self.comm if ring == 1 or step == ring_step(ring) else self.sp
 
     def step(self, step: str, seq: int, *, measure: bool = True) -> dict[str, float]:
         """One forward + backward at global length ``seq``; peak bytes (max over ranks), seconds, counters."""
-        args, comm = self.args, self.comm
+        args, comm = self.args, self.sp_comm(step)
         cfg = _config(step, args, seq, comm.size)
         model = Llama(cfg, comm).to(device=self.device, dtype=self.dtype)
         g = torch.Generator().manual_seed(seq)
         tok = torch.randint(0, args.vocab, (args.batch, seq), generator=g)
         tgt = torch.randint(0, args.vocab, (args.batch, seq), generator=g)
-        tok = shard_sequence(tok, comm, chunks=cfg.layout_chunks).to(self.device)
-        tgt = shard_sequence(tgt, comm, chunks=cfg.layout_chunks).to(self.device)
+        tok = shard_sequence(tok, comm, chunks=cfg.layout_chunks, ring=cfg.layout_ring).to(self.device)
+        tgt = shard_sequence(tgt, comm, chunks=cfg.layout_chunks, ring=cfg.layout_ring).to(self.device)
         return self._measure(lambda: model.loss(tok, tgt).backward(), [*model.parameters(), tok, tgt], measure)
 
     def _measure(self, run, track: list[torch.Tensor], measure: bool) -> dict[str, float]:
@@ -181,7 +212,7 @@ class _Runner:
     def longest(self, step: str, max_seq: int | None = None) -> tuple[int, dict[str, float], int]:
         """The longest fitting global length up to ``max_seq`` (default ``--max-seq``), its measurements, and
         the number of probes run."""
-        args, p = self.args, self.comm.size
+        args, p = self.args, self.sp_comm(step).size
         max_seq = args.max_seq if max_seq is None else max_seq
         gran = _granule(args, p, step)
         budget = args.budget
@@ -212,7 +243,7 @@ class _Runner:
             """Lengths above a failing ``seq`` that may still fit: the first of each of the next two attention
             chunk counts (more, smaller blocks). At a fixed chunk count the peak grows with the length, but
             one more chunk shrinks every block, so the attention-pipeline rows' peak is a sawtooth."""
-            if step not in self.PIPELINED:
+            if step not in self.PIPELINED and step != ring_step(args.ring):
                 return []
             out, n = [], seq
             u = chunk_counts(seq // p, args)[1]
@@ -382,24 +413,34 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     torch.set_num_threads(1)
     comm = world()
-    p = comm.size
+    ring = args.ring
+    if ring < 1 or comm.size % ring:
+        raise SystemExit(f"loom bench seqlen: --ring {ring} does not divide {comm.size} ranks; the ring degree is a "
+                         f"divisor of the rank count (1: no ring)")
     if args.hf_config:
+        if ring > 1:
+            raise SystemExit(f"loom bench seqlen: --ring {ring} with --hf-config: the transformers rows have no ring "
+                             f"row; drop --ring")
         return _main_hf(args, comm)
+    p, dp = comm.size // ring, ring  # the plain rows' sp size and their replicas on the same ranks
     if args.heads % p:
-        raise SystemExit(f"loom bench seqlen: --heads {args.heads} is not divisible by {p} ranks; "
-                         f"use a multiple of {p}")
+        raise SystemExit(f"loom bench seqlen: --heads {args.heads} is not divisible by {p} sp ranks; "
+                         f"use a multiple of {p}, or a larger --ring")
     if args.kv_heads % p and p % args.kv_heads:
         raise SystemExit(f"loom bench seqlen: --kv-heads {args.kv_heads} is neither a multiple nor a divisor of {p} "
-                         f"ranks; choose one that is")
+                         f"sp ranks; choose one that is")
     run = _Runner(args, comm)
     steps = [STEPS[0], STEPS[-1]] if args.no_breakdown else list(STEPS)
+    rows = steps + ([ring_step(ring)] if ring > 1 else [])
     table = Table("Longest Trainable Sequence (forward + backward)",
                   ["Mode", "Max seq", "Peak MiB", "x Ulysses", "Step gain", "Probes"], rank=comm.rank)
     table.meta = {
         "model": f"Llama layers={args.layers} hidden={args.hidden} heads={args.heads} kv_heads={args.kv_heads} "
                  f"vocab={args.vocab} ({args.vocab / args.hidden:.1f}x hidden) ffn={args.ffn} {args.dtype} "
                  f"batch={args.batch}; Ulysses rows checkpoint every block",
-        "ranks": f"{p} (sp={p})",
+        "ranks": f"{p} (sp={p})" if ring == 1 else
+                 f"{comm.size}: sp={p} x dp={dp} replicas (each its own sequence) for every row but the last; "
+                 f"{ring_step(ring)}: sp={comm.size} = {p} Ulysses x ring {ring}",
         "budget": _budget_note(args, run.device),
         "chunks": f"FFN/loss chunk {args.chunk} tokens/rank, attention chunk {args.attn_chunk} tokens/rank",
     }
@@ -409,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = _progress(table, args, run, results)
     base = prev = None
     cap = args.max_seq
-    for st in steps:
+    for st in rows:
         seq, m, probes = run.longest(st, cap)
         if base is None and args.max_ratio > 0:
             cap = max(seq, min(cap, int(args.max_ratio * seq)))
@@ -435,8 +476,9 @@ def main(argv: list[str] | None = None) -> int:
         tu, tf = times[steps[0]], times[steps[-1]]
         capped = f" (searched up to {cap}: --max-ratio {args.max_ratio:g})" if cap < args.max_seq else ""
         print(f"# longest sequence: Ulysses {seq_ul}, FPDT {fp['max_seq']}: {ratio:.1f}x (goal >= 16x){capped}")
-        print(f"# equal length {seq_eq}: time/token Ulysses {tu / seq_eq * 1e6:.1f} us, "
-              f"FPDT {tf / seq_eq * 1e6:.1f} us; "
+        tok = dp * seq_eq  # tokens per step over all ranks: each replica its own sequence
+        print(f"# equal length {seq_eq}: time/token Ulysses {tu / tok * 1e6:.1f} us, "
+              f"FPDT {tf / tok * 1e6:.1f} us; "
               f"FPDT throughput = {tu / tf:.2f}x Ulysses (goal >= 0.8x)")
         for st in (steps[0], steps[-1]):
             c = counts[st]
@@ -446,10 +488,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# host<->device per rank per step: at {seq_eq}: {counts[steps[-1]]['to_host'] / 2**20:.1f} MiB "
               f"to host, {counts[steps[-1]]['to_device'] / 2**20:.1f} MiB back; at {fp['max_seq']}: "
               f"{fp['to_host'] / 2**20:.1f} MiB to host, {fp['to_device'] / 2**20:.1f} MiB back")
+    ring_extra = _ring_rows(args, run, results, steps[-1], cap) if ring > 1 else {}
     table.write_json(args.json, partial=False, ratio=ratio, results=results, times=times,
                      a2a_per_layer={k: v["a2a"] / args.layers for k, v in counts.items()}, probes=progress,
-                     search_cap=cap)
+                     search_cap=cap, **ring_extra)
     return 0
+
+
+def _ring_rows(args, run: _Runner, results: dict[str, Any], fpdt: str, cap: int) -> dict[str, Any]:
+    """``--ring``: FPDT x ring's longest length against FPDT's at ``sp = P / R``, and the time per token of both
+    at FPDT's longest (a length both lay out); prints the summary lines on rank 0 and returns the JSON fields."""
+    comm, ring = run.comm, args.ring
+    rs = ring_step(ring)
+    p, dp = comm.size // ring, ring
+    seq_fp = results[fpdt]["max_seq"]
+    unit = math.lcm(_granule(args, p, fpdt), _granule(args, comm.size, rs))
+    seq_eq = max(unit, seq_fp // unit * unit)
+    secs = {st: min(run.step(st, seq_eq, measure=False)["secs"] for _ in range(max(1, args.repeats)))
+            for st in (fpdt, rs)}
+    # tokens per step over all P ranks: dp sequences for FPDT at sp = P / R, one for the ring
+    us = {fpdt: secs[fpdt] / (dp * seq_eq) * 1e6, rs: secs[rs] / seq_eq * 1e6}
+    longer = results[rs]["max_seq"] / seq_fp
+    if comm.rank == 0:
+        capped = f" (searched up to {cap}: --max-ratio {args.max_ratio:g})" if cap < args.max_seq else ""
+        print(f"# longest sequence at {comm.size} ranks: FPDT at sp={p} {seq_fp}, {rs} at sp={comm.size} "
+              f"{results[rs]['max_seq']}: {longer:.2f}x (goal >= 1.8x){capped}")
+        print(f"# equal length {seq_eq}: time/token FPDT sp={p} x dp={dp} ({dp} sequences per step) {us[fpdt]:.1f} us, "
+              f"{rs} {us[rs]:.1f} us; {rs} throughput = {us[fpdt] / us[rs]:.2f}x FPDT (goal >= 0.8x)")
+    return {"ring": {"longest_ratio": longer, "equal_length": seq_eq, "us_per_token": us, "sp": comm.size,
+                     "sp_plain": p, "dp_plain": dp}}
 
 
 if __name__ == "__main__":

@@ -432,7 +432,8 @@ def ring_groups(comm, ring: int):
     """``(ulysses, ring)`` communicators of 2-D sequence parallelism over ``comm`` (made once, then cached).
 
     sp rank ``r = j U + i`` (``U = comm.size / ring``) is rank ``i`` of Ulysses group ``j`` (consecutive ranks:
-    the all-to-all is the heavier traffic) and rank ``j`` of ring ``i``. Collective on first use.
+    the all-to-all is the heavier traffic) and rank ``j`` of ring ``i``. Collective on first use. Both record
+    the bytes they send (all-to-alls, ring ``isend``) under ``comm``'s name, the sp axis of ``loom.comm.stats()``.
     """
     p = comm.size
     if not isinstance(ring, int) or isinstance(ring, bool) or ring < 1 or p % ring:
@@ -444,6 +445,7 @@ def ring_groups(comm, ring: int):
         j, i = divmod(comm.rank, u)
         uly = comm.split(j, i, name=f"{comm.name}.ulysses")
         rng = comm.split(i, j, name=f"{comm.name}.ring")
+        uly.bytes_sent = rng.bytes_sent = comm.bytes_sent  # their bytes count under the sp axis (loom.stats)
         got = _GROUPS[key] = (comm, uly, rng)  # comm kept alive, so its id is not reused
     return got[1], got[2]
 

@@ -155,14 +155,17 @@ def attention_kernel(cfg: Config) -> str:
 
 
 def _kernel_work(cfg: Config, d: dict[str, int]) -> int:
-    """The block kernel's own working set in one FPDT block's backward (q block ``[rows, heads/sp, seq/u, D]``
-    against one kv block): a few score tiles for the tiled torch kernel, linear buffers for the CUDA SDPA kernels."""
+    """The block kernel's own working set in one FPDT block's backward (q block ``[rows, heads/U, seq/(R c), D]``
+    against one kv block, ``U = sp / R`` ranks per Ulysses group, ``R`` the ring, ``c`` the chunks): a few score
+    tiles for the tiled torch kernel, linear buffers for the CUDA SDPA kernels."""
     from ..parallel.blocks import workspace
 
     m, p = cfg.model, cfg.mesh.sp
+    ring = max(1, cfg.mesh.sp_ring)
+    u = p // ring  # FPDT's pipeline runs inside each Ulysses group, on its seq / ring tokens
     rows = d["t"] // (cfg.data.seq_len // p)
-    block = cfg.data.seq_len // cfg.sequence.chunks
-    return workspace(attention_kernel(cfg), rows, m.heads // p, max(1, d["kv"] // m.head_dim // p), block, block,
+    block = cfg.data.seq_len // (ring * cfg.sequence.chunks)
+    return workspace(attention_kernel(cfg), rows, m.heads // u, max(1, d["kv"] // m.head_dim // u), block, block,
                      m.head_dim, d["e"])
 
 

@@ -18,6 +18,7 @@ from loom.parallel.sequence import (
     gather_sequence,
     local_positions,
     ring_attention,
+    ring_groups,
     shard_sequence,
     ulysses_attention,
 )
@@ -155,6 +156,30 @@ def check_ring_exact(comm):
             finally:
                 del os.environ["LOOM_ATTN_KERNEL"]
                 blocks.TILE = tile
+
+
+def check_ring_bytes_counted_under_sp(comm):
+    """The ring's isend bytes count under the sp communicator's name in loom.comm.stats(), as the all-to-alls
+    do: per rank, forward passes K/V R - 1 times, backward passes K/V R - 1 times and the (dk, dv) accumulators
+    R times (fp64 here: its accumulators are fp64 too), besides Ulysses' all-to-all bytes."""
+    from loom.comm import reset_stats, stats
+
+    g = seeded(comm, 11)
+    p = comm.size
+    for ring in _rings(p):
+        u = p // ring
+        b, n, h, hk, d = 2, 2 * p * 3, 2, 1, 4
+        q, k, v = (torch.randn(b, n, x, d, generator=g, dtype=torch.float64) for x in (h, hk, hk))
+        loc = [shard_sequence(t, comm, ring=ring).requires_grad_() for t in (q, k, v)]
+        ring_groups(comm, ring)  # made before the count: a split sends nothing through these counters anyway
+        reset_stats()
+        out = ring_attention(*loc, comm, ring=ring, causal=True)
+        out.sum().backward()
+        got = stats().get(comm.name, {})
+        kv_local = b * max(hk // u, 1) * (n // ring) * d * 8  # one of k, v in head layout on this rank
+        assert got.get("send", 0) == 2 * kv_local * (2 * (ring - 1) + ring), (ring, got, kv_local)
+        if u > 1:
+            assert got.get("alltoall", 0) > 0, got
 
 
 def _uneven(p: int) -> list[tuple[int, int]]:

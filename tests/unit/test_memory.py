@@ -124,6 +124,13 @@ def test_fpdt_kernel_term(monkeypatch):
     acts = [peak(_cfg(mesh={"sp": 2}, sequence=fp, data={"seq_len": n, "batch": 1})).activations
             for n in (2**14, 2**15)]
     assert acts[1] <= 2.05 * acts[0], acts
+    # FPDT x ring: the pipeline runs inside each Ulysses group of sp / ring ranks, so a rank holds heads / 2
+    # at sp = 4 x ring 2, as at sp = 2 (not heads / 4)
+    ring = _cfg(mesh={"sp": 4, "sp_ring": 2}, sequence=fp, data={"seq_len": 4096, "batch": 1})
+    monkeypatch.setenv("LOOM_ATTN_KERNEL", "flash")
+    flash_ring = peak(ring).activations
+    monkeypatch.setenv("LOOM_ATTN_KERNEL", "torch")
+    assert peak(ring).activations - flash_ring == tiles
 
 
 @pytest.mark.parametrize("tp", [2, 3])

@@ -190,8 +190,9 @@ class Communicator:
         self.bytes_sent: dict[str, int] = _stats.counters("comm", name)
         self._vcache: dict[tuple, tuple] = {}
         self._subs: dict[str, Communicator] = {}
-        self._inbox = torch.empty(0, dtype=torch.uint8)  # the pairwise reductions' receive buffer, kept: a fresh
-        # one per call faults in every page (a 64 MiB allreduce's 32 MiB inbox: several ms)
+        # The pairwise reductions' receive buffer, kept: a fresh one per call faults in every page (a 64 MiB
+        # allreduce's 32 MiB inbox: several ms).
+        self._inbox = torch.empty(0, dtype=torch.uint8, device="cpu")
 
     def __repr__(self) -> str:
         return f"Communicator(name={self.name!r}, rank={self.rank}, size={self.size})"
@@ -414,7 +415,7 @@ class Communicator:
         n = counts[r]
         need = (p - 1) * n * es
         if self._inbox.numel() < need:
-            self._inbox = torch.empty(need, dtype=torch.uint8)
+            self._inbox = torch.empty(need, dtype=torch.uint8, device="cpu")
         inbox = self._inbox[:need].view(src.dtype).view(p - 1, n)
         send = _span(src, counts, es)
         send[1][r] = 0
@@ -480,7 +481,7 @@ class Communicator:
             shape = (n0 // p, *tensor.shape[1:])
             into = _pairwise_view(out) if out is not None and type(out) is type(tensor) else None
             if into is None or into.dtype != flat.dtype:
-                out = (torch.empty(shape, dtype=flat.dtype) if type(tensor) is _Tensor
+                out = (torch.empty(shape, dtype=flat.dtype, device="cpu") if type(tensor) is _Tensor
                        else np.empty(shape, tensor.dtype))
                 into = _pairwise_view(out)
             self._pairwise(flat, [flat.numel() // p] * p, into, op)

@@ -326,7 +326,8 @@ def check_imports(py: str, env: dict[str, str]) -> dict[str, str]:
 
 def _signal(proc: subprocess.Popen, sig: int, family: list[tuple[int, int]]) -> None:
     """``sig`` to ``proc``'s process group and to each process of ``family`` (pid, start time) that is still the
-    one found (a launcher puts its ranks in a session of their own; a rank outlives a killed launcher)."""
+    one found (a launcher may start its ranks under setsid, in a new process session; a rank outlives a killed
+    launcher)."""
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):

@@ -548,6 +548,17 @@ def _ring_pass(comm, x: torch.Tensor, tag: int):
     return [comm.isend(x, (j + 1) % r, tag), comm.irecv(nxt, (j - 1) % r, tag)], nxt
 
 
+def _ring_hand_over(store, held: tuple[int, int], visiting: bool, reqs, nxt: list) -> None:
+    """One chunk's ring step done: free the K/V chunk ``held`` if it was a visiting group's (this rank's own stay
+    for backward), and keep the chunk the ring brought in (``reqs``) in ``store`` for the next step (``nxt``)."""
+    if visiting:
+        store.free(held[0])
+        store.free(held[1])
+    if reqs is not None:
+        kv = _ring_wait(reqs)
+        nxt.append((store.put(kv[0]), store.put(kv[1])))
+
+
 def _ring_wait(reqs) -> torch.Tensor:
     pending, nxt = reqs
     _wait_all(pending)
@@ -882,13 +893,7 @@ class FPDTRingPipeline(FPDTPipeline):
                         store.replace(hacc[a][1], l_acc)
                     del o, lse, o_acc, l_acc
                 del kb, vb
-                if t > 0:  # a visiting group's chunk (this rank's own stay for backward)
-                    store.free(kvs[b][0])
-                    store.free(kvs[b][1])
-                if reqs is not None:
-                    kv = _ring_wait(reqs)
-                    nxt.append((store.put(kv[0]), store.put(kv[1])))
-                    del kv
+                _ring_hand_over(store, kvs[b], t > 0, reqs, nxt)  # a visiting chunk freed, the next one kept
             kvs = nxt
         for a in range(u):
             oa = store.pop(hacc[a][0]).to(dtype)
@@ -937,13 +942,7 @@ class FPDTRingPipeline(FPDTPipeline):
                     sent[b].wait()
                 sent[b] = rc.isend(dkv, (j + 1) % r, 1)
                 del kb, vb, dkv
-                if t > 0:
-                    store.free(kvs[b][0])
-                    store.free(kvs[b][1])
-                if reqs is not None:
-                    kv = _ring_wait(reqs)
-                    nxt.append((store.put(kv[0]), store.put(kv[1])))
-                    del kv
+                _ring_hand_over(store, kvs[b], t > 0, reqs, nxt)
             kvs = nxt
         for b in range(u):  # after R passes each accumulator is back at its owner
             mine = rc.irecv(torch.empty(shape, dtype=acc, device=dev), (j - 1) % r, 1).wait()

@@ -901,7 +901,7 @@ class ShardedDataParallel(nn.Module):
         if not bufs:
             return
         if not force:
-            changed = torch.tensor([int(self._buffers_now() != self._buffer_key)], dtype=torch.int32)
+            changed = torch.tensor([int(self._buffers_now() != self._buffer_key)], dtype=torch.int32, device="cpu")
             if not self.comm.allreduce(changed, op="max").item():
                 return
         # New tensors rather than copies in place: a forward's graph saves the buffers it read (BatchNorm's
@@ -1264,7 +1264,7 @@ class ShardedDataParallel(nn.Module):
         for any of its parameters since it was ``None``), agreed by every rank (one allreduce of a flag per
         parameter). A bucket some of whose parameters got a gradient and others none cannot be skipped in part
         (the optimizer steps a shard whole): refused by name, on every rank alike."""
-        had = torch.tensor([h for b in self.buckets for h in b.had], dtype=torch.int32)
+        had = torch.tensor([h for b in self.buckets for h in b.had], dtype=torch.int32, device="cpu")
         had = self.comm.allreduce(had, op="max") if self.comm.size > 1 else had
         flags, skip, off = had.tolist(), set(), 0
         for b in self.buckets:

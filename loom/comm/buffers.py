@@ -531,12 +531,22 @@ def staged_rows(mpi_comm: Any, x: torch.Tensor, send_rows: list[int], recv_rows:
     return res, hout
 
 
+def plain(x: torch.Tensor) -> bool:
+    """``x``'s memory, read in order, is its values: contiguous and without a lazy conjugate or negative bit
+    (``z.conj()``, ``z.conj().imag``), whose raw bytes are the values before the lazy operation. Only a plain
+    tensor may be handed to MPI by address."""
+    return x.is_contiguous() and not x.is_conj() and not x.is_neg()
+
+
 def host_view(x: Buffer) -> Buffer:
-    """A contiguous host (CPU) version of ``x`` for reading, without autograd history. Zero-copy when possible;
-    a CUDA tensor without a CUDA-aware MPI is staged into a pooled pinned buffer (:func:`to_host`)."""
+    """A contiguous host (CPU) version of ``x`` for reading, without autograd history, lazy conjugate and
+    negative bits resolved. Zero-copy when possible; a CUDA tensor without a CUDA-aware MPI is staged into a
+    pooled pinned buffer (:func:`to_host`)."""
     if isinstance(x, torch.Tensor):
         if x.requires_grad:
             x = x.detach()
+        if x.is_conj() or x.is_neg():
+            x = x.resolve_conj().resolve_neg()
         if x.device.type == "cuda":
             if not cuda_aware():
                 return to_host(x)
@@ -585,7 +595,7 @@ def fast_typed(x: Buffer) -> list | None:
             mt = _NP_RED.get(x.dtype)
             if mt is not None:
                 return [x, mt]
-    elif t is torch.Tensor and x.is_cpu and not x.requires_grad and x.is_contiguous():
+    elif t is torch.Tensor and x.is_cpu and not x.requires_grad and plain(x):
         mt = _T_RED.get(x.dtype)
         if mt is not None:
             return [_fromaddress(x.data_ptr(), x.nbytes), mt]
@@ -629,7 +639,7 @@ def recv_target(out: Buffer) -> Buffer:
             return pinned_empty(tuple(out.shape), out.dtype)
         if out.device.type != "cpu" and out.device.type != "cuda":
             return torch.empty(out.shape, dtype=out.dtype, device="cpu")
-        if not out.is_contiguous():
+        if not plain(out):  # MPI writes raw memory: a conjugate-bit view would read it back conjugated
             return torch.empty(out.shape, dtype=out.dtype, device=out.device)
         return out
     if not out.flags.c_contiguous or not out.flags.writeable:
@@ -644,7 +654,7 @@ def direct_target(out: Buffer, like: Buffer) -> bool:
     if type(out) is not type(like) or out.dtype != like.dtype:
         return False
     if isinstance(out, torch.Tensor):
-        return out.is_contiguous() and out.device == like.device and not (out.requires_grad and out.is_leaf)
+        return plain(out) and out.device == like.device and not (out.requires_grad and out.is_leaf)
     return out.flags.c_contiguous and out.flags.writeable
 
 
@@ -653,7 +663,7 @@ def finish_recv(out: Buffer, tmp: Buffer) -> Buffer:
     if tmp is not out:
         if isinstance(out, torch.Tensor):
             if out.is_cuda and not tmp.is_cuda:
-                to_device(tmp, out.device, out=out) if out.is_contiguous() else out.copy_(tmp)
+                to_device(tmp, out.device, out=out) if plain(out) else out.copy_(tmp)
             else:
                 out.copy_(tmp)
         else:

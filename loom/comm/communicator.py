@@ -156,7 +156,7 @@ def _pairwise_view(x) -> torch.Tensor | None:
     no autograd, a dtype torch and MPI reduce alike), else ``None``."""
     t = type(x)
     if t is _Tensor:
-        if x.is_cpu and not x.requires_grad and x.is_contiguous() and x.dtype in _PAIRWISE_DTYPES:
+        if x.is_cpu and not x.requires_grad and _b.plain(x) and x.dtype in _PAIRWISE_DTYPES:
             return x.view(-1)
     elif t is _ndarray and x.flags.c_contiguous and x.flags.writeable and x.dtype in _PAIRWISE_NP:
         return torch.from_numpy(x.reshape(-1))
@@ -217,7 +217,7 @@ class Communicator:
         if t is _ndarray and tensor.flags.c_contiguous:
             self.mpi.Send([tensor, _BYTE], dest, tag)
             n = tensor.nbytes
-        elif t is _Tensor and tensor.is_cpu and tensor.is_contiguous():
+        elif t is _Tensor and tensor.is_cpu and _b.plain(tensor):
             n = tensor.nbytes
             self.mpi.Send([_fromaddress(tensor.data_ptr(), n), _BYTE], dest, tag)
         else:
@@ -233,7 +233,7 @@ class Communicator:
         if t is _ndarray and out.flags.c_contiguous and out.flags.writeable:
             self.mpi.Recv([out, _BYTE], source, tag)
             return out
-        if t is _Tensor and out.is_cpu and not out.requires_grad and out.is_contiguous():
+        if t is _Tensor and out.is_cpu and not out.requires_grad and _b.plain(out):
             self.mpi.Recv([_fromaddress(out.data_ptr(), out.nbytes), _BYTE], source, tag)
             return out
         tmp = _b.recv_target(out)
@@ -508,7 +508,7 @@ class Communicator:
         copied straight into ``out`` when it can take them (contiguous, same shape, dtype and device), else
         into a new tensor (copied into ``out`` after, on the caller's stream)."""
         direct = (out is not None and tuple(out.shape) == shape and out.dtype == tensor.dtype
-                  and out.device == tensor.device and out.is_contiguous() and not (out.requires_grad and out.is_leaf))
+                  and out.device == tensor.device and _b.plain(out) and not (out.requires_grad and out.is_leaf))
         res, _host = _b.staged_blocks(self.mpi, tensor, kind, out=out if direct else None)
         if out is None:
             return res.view(shape)

@@ -87,6 +87,51 @@ def check_send_recv_traps(comm):
     comm.barrier()
 
 
+def check_lazy_conjugate_and_negative_views(comm):
+    """``z.conj()`` and ``z.conj().imag`` are contiguous views whose memory holds the values before the lazy
+    operation: every path that hands a tensor to MPI by address (send, isend, recv into, allreduce fast and
+    block-exchange paths, allgather, bcast, alltoall, ``out=``) must move the values the tensor reads."""
+    p, r = comm.size, comm.rank
+    z = torch.complex(data(0, (3, 5), salt=11), data(0, (3, 5), salt=12))
+    zc, im = z.conj(), z.conj().imag
+    assert zc.is_conj() and im.is_neg() and zc.is_contiguous()
+    for x in (zc, im):
+        want = x.resolve_conj().resolve_neg()
+        assert torch.equal(comm.allreduce(x), want * p)
+        assert torch.equal(comm.allgather(x), torch.cat([want] * p))
+        assert torch.equal(comm.bcast(x if r == 0 else torch.zeros_like(want), 0), want)
+        rows = x.reshape(1, -1).expand(p, -1).contiguous()
+        assert torch.equal(comm.alltoall(rows), want.reshape(1, -1).expand(p, -1))
+        out = torch.zeros_like(z).conj() if x.is_complex() else torch.zeros_like(z).conj().imag
+        comm.allreduce(x, out=out)                       # a lazy-bit out: written as its values, not its memory
+        assert torch.equal(out, want * p)
+    from loom.comm import communicator as C
+
+    saved, C._PAIRWISE_MIN = C._PAIRWISE_MIN, 0         # the block-exchange reduction takes tensors by address too
+    try:
+        assert torch.equal(comm.allreduce(im), im.resolve_neg() * p)
+    finally:
+        C._PAIRWISE_MIN = saved
+    if p < 2:
+        return
+    if r == 0:
+        comm.send(zc, 1, tag=21)
+        comm.send(im, 1, tag=22)
+        comm.isend(zc, 1, tag=23).wait()
+        comm.send(z, 1, tag=24)
+    elif r == 1:
+        got = torch.empty_like(z)
+        assert torch.equal(comm.recv(got, 0, 21), z.conj().resolve_conj())
+        got_im = torch.empty(3, 5)
+        assert torch.equal(comm.recv(got_im, 0, 22), -z.imag)
+        req = comm.irecv(torch.empty_like(z), 0, 23)
+        assert torch.equal(req.wait(), z.conj().resolve_conj())
+        target = torch.zeros_like(z).conj()              # receive into a conjugate view: it reads back as sent
+        comm.recv(target, 0, 24)
+        assert torch.equal(target, z)
+    comm.barrier()
+
+
 def check_recv_into_strided_view(comm):
     p, r = comm.size, comm.rank
     if p < 2:

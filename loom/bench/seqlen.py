@@ -33,6 +33,19 @@ sequence, the per-rank budget unchanged), and one more row, ``FPDT x ring R``, r
 (:class:`loom.parallel.sequence.FPDTRingPipeline`). Then, at FPDT's longest length: time per token of FPDT
 (``sp = P / R`` x ``dp = R``: ``R`` sequences per step) and of FPDT x ring (one sequence over ``P`` ranks).
 Times are forward + backward only (no gradient reduction over sp or dp, as in every row).
+
+With ``--offload-checkpoints`` one more row, ``ulysses, ckpt on host``, follows ``ulysses``: the same
+checkpointed blocks with their saved inputs in host memory (``loom train --sequence.offload_checkpoints``,
+:class:`loom.parallel.offload.HostPool` behind :func:`loom.models.llama.recompute`), and two columns give
+the memory model's view of both rows (:func:`loom.train.memory.longest_sequence` with
+``forward_backward=True``: weights + activations at the start of backward, no optimizer state, as these
+rows run no optimizer): its longest sequence under the same budget and, on the host row, its factor over
+the Ulysses row, beside the measured factor ("Step gain"). The two rows' searches then narrow to one
+search step (not ``1/32`` of the length). On CPU the host is the same memory: as for FPDT's offloaded
+chunks, the tracker counts what a device would hold: a block input copied out (``put``) is cloned outside
+its view and not counted, the device tensor it came from is freed once its block's forward has run, and the copy
+brought back in backward (``prefetch``/``get``, a new tensor) is counted from that moment until the block's
+recompute drops it; the bytes moved are the ``to_host`` / ``to_device`` counters.
 """
 
 from __future__ import annotations
@@ -54,6 +67,8 @@ from .omb import Table, parse_size
 __all__ = ["main", "parser"]
 
 STEPS = ("ulysses", "+ loss chunking", "+ FFN chunking", "+ attention pipeline", "+ offload (FPDT)")
+CKPT_STEP = "ulysses, ckpt on host"
+"""``--offload-checkpoints``: the Ulysses row with its block inputs (checkpoints) in host memory."""
 
 
 def ring_step(ring: int) -> str:
@@ -81,6 +96,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ring", type=int, default=1,
                    help="ring degree R: the rows run at sp = ranks / R (x dp = R replicas), and a last row runs "
                         "FPDT x ring R at sp = ranks (for heads that stop Ulysses at ranks / R)")
+    p.add_argument("--offload-checkpoints", action="store_true",
+                   help=f"add the row '{CKPT_STEP}' (the Ulysses row's checkpointed block inputs in host memory, "
+                        f"loom train's --sequence.offload_checkpoints) and the memory model's longest sequence and "
+                        f"factor beside the measured ones")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--no-breakdown", action="store_true", help="only Ulysses and full FPDT")
     p.add_argument("--repeats", type=int, default=3, help="timed steps at the equal length (best kept)")
@@ -111,6 +130,8 @@ def _config(step: str, args, seq: int, p: int) -> LlamaConfig:
     u_small, u_attn = chunk_counts(seq // p, args)
     base: dict[str, Any] = dict(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                                 vocab=args.vocab, ffn=args.ffn, checkpoint=True)
+    if step == CKPT_STEP:
+        return LlamaConfig(**base, sequence_parallel="ulysses", offload_checkpoints=True)
     if step == ring_step(args.ring):  # full FPDT, its attention pipeline a ring across the Ulysses groups
         return LlamaConfig(**base | {"checkpoint": False}, sequence_parallel="fpdt", chunks=u_attn,
                            loss_chunks=u_small, ffn_chunks=u_small, offload=True, ring=args.ring)
@@ -130,7 +151,7 @@ def _granule(args, p: int, step: str) -> int:
     the ring row also needs ``2 R`` zig-zag pieces (:func:`loom.parallel.sequence.ring_positions`)."""
     if step == ring_step(args.ring):
         return math.lcm(p * args.chunk, 2 * args.ring)
-    return p * (16 if step == STEPS[0] else args.chunk)
+    return p * (16 if step in (STEPS[0], CKPT_STEP) else args.chunk)
 
 
 def equal_length(seq: int, args, p: int, steps: list[str]) -> int:
@@ -209,9 +230,10 @@ class _Runner:
         return {"peak": peak, "secs": secs, "a2a": alltoall_stats()["count"], "to_host": tr["to_host"],
                 "to_device": tr["to_device"]}
 
-    def longest(self, step: str, max_seq: int | None = None) -> tuple[int, dict[str, float], int]:
+    def longest(self, step: str, max_seq: int | None = None, *,
+                fine: bool = False) -> tuple[int, dict[str, float], int]:
         """The longest fitting global length up to ``max_seq`` (default ``--max-seq``), its measurements, and
-        the number of probes run."""
+        the number of probes run; ``fine``: to within one search step (else ``1/32`` of the length)."""
         args, p = self.args, self.sp_comm(step).size
         max_seq = args.max_seq if max_seq is None else max_seq
         gran = _granule(args, p, step)
@@ -259,7 +281,7 @@ class _Runner:
             bad = sorted(k for k, m in seen.items() if m["peak"] > budget)
             lo = ok[-1]
             hi = next((k for k in bad if k > lo), None)
-            tol = max(gran, rnd(lo / 32))
+            tol = gran if fine else max(gran, rnd(lo / 32))
             if hi is not None and hi - lo <= tol:
                 more = [n for n in beyond(hi) if n not in seen]
                 if not more:
@@ -421,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
         if ring > 1:
             raise SystemExit(f"loom bench seqlen: --ring {ring} with --hf-config: the transformers rows have no ring "
                              f"row; drop --ring")
+        if args.offload_checkpoints:
+            raise SystemExit("loom bench seqlen: --offload-checkpoints with --hf-config: the transformers rows do not "
+                             "checkpoint their layers, so there is no checkpoint to offload; drop "
+                             "--offload-checkpoints")
         return _main_hf(args, comm)
     p, dp = comm.size // ring, ring  # the plain rows' sp size and their replicas on the same ranks
     if args.heads % p:
@@ -431,9 +457,12 @@ def main(argv: list[str] | None = None) -> int:
                          f"sp ranks; choose one that is")
     run = _Runner(args, comm)
     steps = [STEPS[0], STEPS[-1]] if args.no_breakdown else list(STEPS)
-    rows = steps + ([ring_step(ring)] if ring > 1 else [])
+    ckpt = [CKPT_STEP] if args.offload_checkpoints else []
+    rows = steps[:1] + ckpt + steps[1:] + ([ring_step(ring)] if ring > 1 else [])
+    model_seq = _model_longest(args, p) if ckpt else {}
     table = Table("Longest Trainable Sequence (forward + backward)",
-                  ["Mode", "Max seq", "Peak MiB", "x Ulysses", "Step gain", "Probes"], rank=comm.rank)
+                  ["Mode", "Max seq", "Peak MiB", "x Ulysses", "Step gain", "Probes"]
+                  + (["Model seq", "Model gain"] if ckpt else []), rank=comm.rank)
     table.meta = {
         "model": f"Llama layers={args.layers} hidden={args.hidden} heads={args.heads} kv_heads={args.kv_heads} "
                  f"vocab={args.vocab} ({args.vocab / args.hidden:.1f}x hidden) ffn={args.ffn} {args.dtype} "
@@ -444,20 +473,26 @@ def main(argv: list[str] | None = None) -> int:
         "budget": _budget_note(args, run.device),
         "chunks": f"FFN/loss chunk {args.chunk} tokens/rank, attention chunk {args.attn_chunk} tokens/rank",
     }
-    table.widths = [24, 10, 11, 11, 11, 8]
+    table.widths = [24, 10, 11, 11, 11, 8] + ([11, 12] if ckpt else [])
     table.header()
     results: dict[str, Any] = {}
     progress = _progress(table, args, run, results)
     base = prev = None
     cap = args.max_seq
     for st in rows:
-        seq, m, probes = run.longest(st, cap)
+        seq, m, probes = run.longest(st, cap, fine=st in model_seq)
         if base is None and args.max_ratio > 0:
             cap = max(seq, min(cap, int(args.max_ratio * seq)))
         base = base or seq
+        if st == CKPT_STEP:  # its peer is the Ulysses row (recompute with the inputs on the device)
+            prev = results[STEPS[0]]["max_seq"]
         gain = "-" if prev is None else f"{seq / prev:.2f}x"
-        table.add(st, seq, m["peak"] / 2**20, f"{seq / base:.2f}x", gain, probes)
-        results[st] = {"max_seq": seq, **m}
+        model = []
+        if ckpt:
+            ms, m0 = model_seq.get(st), model_seq[STEPS[0]]
+            model = [ms or "-", f"{ms / m0:.2f}x" if st == CKPT_STEP and ms and m0 else "-"]
+        table.add(st, seq, m["peak"] / 2**20, f"{seq / base:.2f}x", gain, probes, *model)
+        results[st] = {"max_seq": seq, **m} | ({"model_seq": model_seq[st]} if st in model_seq else {})
         prev = seq
     ratio = results[steps[-1]]["max_seq"] / results[steps[0]]["max_seq"]
     seq_ul = results[steps[0]]["max_seq"]
@@ -489,10 +524,42 @@ def main(argv: list[str] | None = None) -> int:
               f"to host, {counts[steps[-1]]['to_device'] / 2**20:.1f} MiB back; at {fp['max_seq']}: "
               f"{fp['to_host'] / 2**20:.1f} MiB to host, {fp['to_device'] / 2**20:.1f} MiB back")
     ring_extra = _ring_rows(args, run, results, steps[-1], cap) if ring > 1 else {}
+    ckpt_extra = _ckpt_summary(args, comm, results) if ckpt else {}
     table.write_json(args.json, partial=False, ratio=ratio, results=results, times=times,
                      a2a_per_layer={k: v["a2a"] / args.layers for k, v in counts.items()}, probes=progress,
-                     search_cap=cap, **ring_extra)
+                     search_cap=cap, **ring_extra, **ckpt_extra)
     return 0
+
+
+def _model_longest(args, p: int) -> dict[str, int]:
+    """The memory model's longest sequence (:func:`loom.train.memory.longest_sequence`, forward + backward
+    terms only: these rows run no optimizer) of the Ulysses row and of :data:`CKPT_STEP` at ``p`` sp ranks,
+    from the ``loom train`` config that builds the same model (recompute, no loss or FFN chunks)."""
+    from ..train.config import config_from_dict
+    from ..train.memory import longest_sequence
+
+    cfg = config_from_dict({
+        "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
+                  "vocab": args.vocab, "ffn": args.ffn},
+        "mesh": {"sp": p}, "data": {"seq_len": 16 * p, "batch": args.batch}, "train": {"dtype": args.dtype},
+        "sequence": {"algorithm": "ulysses", "recompute": True}})
+    return {st: longest_sequence(cfg, args.budget, forward_backward=True, offload_checkpoints=on)
+            for st, on in ((STEPS[0], False), (CKPT_STEP, True))}
+
+
+def _ckpt_summary(args, comm, results: dict[str, Any]) -> dict[str, Any]:
+    """``--offload-checkpoints``: the measured factor of the host-checkpoint row over the Ulysses row against
+    the memory model's; prints the summary line on rank 0 and returns the JSON field."""
+    uly, host = results[STEPS[0]], results[CKPT_STEP]
+    measured = host["max_seq"] / uly["max_seq"]
+    model = host["model_seq"] / max(1, uly["model_seq"])
+    off = measured / model - 1
+    if comm.rank == 0:
+        print(f"# checkpoint offload: longest Ulysses {uly['max_seq']} -> {host['max_seq']}: {measured:.3f}x "
+              f"measured, {model:.3f}x by the memory model ({off:+.1%}; goal: within 10 %); host<->device per rank "
+              f"at {host['max_seq']}: {host['to_host'] / 2**20:.1f} MiB to host, "
+              f"{host['to_device'] / 2**20:.1f} MiB back")
+    return {"offload_checkpoints": {"measured_factor": measured, "model_factor": model, "error": off}}
 
 
 def _ring_rows(args, run: _Runner, results: dict[str, Any], fpdt: str, cap: int) -> dict[str, Any]:

@@ -26,7 +26,9 @@ The prediction follows what the code keeps alive, term by term, for the most loa
     while it is recomputed; with ``sequence.offload_checkpoints`` (or FPDT's ``sequence.offload``) the inputs
     live in host memory instead; with ``offload_checkpoints`` backward holds two of them on the device: the
     block's it recomputes and the previous block's, prefetched meanwhile (the device bytes saved:
-    ``(blocks - 2) e t h``, where the peak is at the start of backward), FPDT's offload alone one;
+    ``(blocks - 2) e t h``, where the peak is at the start of backward; none where it is at the first block's
+    backward, beside every gradient: that block holds its input and its recomputed output either way), FPDT's
+    offload alone one;
   - FPDT: each block is one chunk pipeline that keeps its input and output chunks and the head-layout
     q/k/v/out chunks, ``e t (4 h + 2 kv)``, in the chunk store: on the device, or in host memory with
     ``sequence.offload`` (then nothing sequence-sized stays on the device between forward and backward);
@@ -60,7 +62,7 @@ from .config import Config
 from .progress import fmt_bytes as _fmt
 
 __all__ = ["Estimate", "estimate", "peak", "plan", "stage_split", "unit_params", "zero_settings", "longest_sequence",
-           "attention_kernel"]
+           "forward_backward_peak", "attention_kernel"]
 
 _ELEM = {"float32": 4, "float64": 8, "bfloat16": 2}
 
@@ -169,8 +171,9 @@ def _kernel_work(cfg: Config, d: dict[str, int]) -> int:
                      m.head_dim, d["e"])
 
 
-def _block(cfg: Config, d: dict[str, int]) -> tuple[int, int, int]:
-    """``(saved on device, saved on host, backward working set)`` bytes of one block for one micro-batch."""
+def _block(cfg: Config, d: dict[str, int]) -> tuple[int, int, int, int]:
+    """``(saved on device, saved on host, backward working set, the first block's backward working set)`` bytes
+    of one block for one micro-batch (the first block's backward is where every later gradient exists)."""
     e, t, h, kv = d["e"], d["t"], d["h"], d["kv"]
     plain = e * t * (9 * h + 2 * kv + _ffn_saved(cfg, d))
     work = e * t * (3 * h + 2 * d["F"])  # gradients of the widest intermediates while backpropagating
@@ -196,8 +199,12 @@ def _block(cfg: Config, d: dict[str, int]) -> tuple[int, int, int]:
         # the input back from the host); from the host, the previous block's input is prefetched meanwhile
         # and, outside FPDT, the block's own comes back as a new tensor
         back = (inp + (0 if fpdt else inp)) if getattr(s, "offload_checkpoints", False) else 0
-        return (0 if on_host else inp), (inp if on_host else 0), work + plain + (2 if fpdt else 1) * inp + back
-    return plain, host, work
+        busy = work + plain + (2 if fpdt else 1) * inp + back
+        # Outside FPDT the first block's backward (every later gradient made) holds its input (kept, or back
+        # from the host) and its recomputed output and prefetches nothing: the same bytes wherever it was kept.
+        first = busy if fpdt else work + plain + 2 * inp
+        return (0 if on_host else inp), (inp if on_host else 0), busy, first
+    return plain, host, work, work
 
 
 def _loss(cfg: Config, d: dict[str, int], last: bool) -> tuple[int, int]:
@@ -261,7 +268,7 @@ def estimate(cfg: Config, zero: tuple[int, tuple[str, ...]] | None = None) -> li
             cap = int(getattr(getattr(cfg, "zero", None), "bucket_mb", cfg.compress.bucket_mb) * 2**20)
             gathered = min(max(layer, cap * e // m), e * n)
             zbuf += min(3, -(-e * n // gathered)) * gathered + (e * units[-1] if last and cfg.mesh.pp == 1 else 0)
-        saved, host, work = _block(cfg, d)
+        saved, host, work, first = _block(cfg, d)
         loss_saved, loss_work = _loss(cfg, d, last)
         flight = _in_flight(cfg, s)
         acts = flight * blocks * saved
@@ -269,7 +276,7 @@ def estimate(cfg: Config, zero: tuple[int, tuple[str, ...]] | None = None) -> li
         # Backward of the loss (every block's activations still saved), of the last block (the loss's freed),
         # of the first block (every later gradient made): saved activations shrink as gradients grow.
         start_bwd = max(acts + head_grad + max(flight * loss_saved + loss_work, (flight - 1) * loss_saved + work),
-                        g + work)
+                        g + first)
         bucket = min(int(cfg.compress.bucket_mb * 2**20), g)
         sync = g + 2 * bucket
         if zstage == 1 and cfg.compress.policy == "none":  # also under tp and pp (Trainer._zero1_rs)
@@ -287,23 +294,33 @@ def peak(cfg: Config, zero: tuple[int, tuple[str, ...]] | None = None) -> Estima
     return max(estimate(cfg, zero), key=lambda x: x.total)
 
 
-def longest_sequence(cfg: Config, budget: int, zero: tuple[int, tuple[str, ...]] | None = None,
-                     **sequence: Any) -> int:
+def forward_backward_peak(e: Estimate) -> int:
+    """The part of ``e`` that one forward + backward holds with no optimizer: the weights and the activations
+    at the start of backward (gradients included), without Adam's moments, ZeRO's buffers or the gradient
+    sync (what ``loom bench seqlen`` measures)."""
+    return e.weights + e.activations
+
+
+def longest_sequence(cfg: Config, budget: int, zero: tuple[int, tuple[str, ...]] | None = None, *,
+                     forward_backward: bool = False, **sequence: Any) -> int:
     """The longest ``data.seq_len`` whose predicted peak fits ``budget`` bytes per rank (0 if none does).
 
     ``zero`` as in :func:`estimate`; ``sequence`` overrides ``[sequence]`` keys (``algorithm="ulysses",
     chunks=1``) for a what-if. Lengths are multiples of ``sp x chunks``, as the layout needs.
+    ``forward_backward``: count only :func:`forward_backward_peak` (a step with no optimizer).
     """
     s = dataclasses.replace(cfg.sequence, **sequence)
     unit = cfg.mesh.sp * s.chunks
 
     def fits(n: int) -> bool:
         c = dataclasses.replace(cfg, sequence=s, data=dataclasses.replace(cfg.data, seq_len=n * unit))
-        return peak(c, zero).total <= budget
+        e = peak(c, zero)
+        return (forward_backward_peak(e) if forward_backward else e.total) <= budget
 
-    if not fits(1):
+    first = -(-2 // unit)  # data.seq_len >= 2: at sp = 1 the first length is 2, not 1
+    if not fits(first):
         return 0
-    lo, hi = 1, 2
+    lo, hi = first, 2 * first
     while fits(hi):
         lo, hi = hi, hi * 2
     while hi - lo > 1:

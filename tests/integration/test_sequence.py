@@ -9,23 +9,34 @@ pytestmark = pytest.mark.mpi
 
 
 def test_bench_seqlen_smoke(tmp_path):
-    """`loom bench seqlen` end to end on 2 ranks with a tiny model: FPDT fits a longer sequence than Ulysses."""
+    """`loom bench seqlen` end to end on 2 ranks with a tiny model: FPDT fits a longer sequence than Ulysses.
+    ``--offload-checkpoints`` adds the Ulysses row with its block inputs on the host: every input goes out and
+    comes back once (bytes exact), and the memory model's longest lengths and factor stand beside the measured."""
     import json
     import subprocess
     import sys
 
     out = tmp_path / "seqlen.json"
-    cmd = [sys.executable, "-m", "loom.cli", "bench", "seqlen", "--ranks", "2", "--layers", "1", "--hidden", "16",
+    cmd = [sys.executable, "-m", "loom.cli", "bench", "seqlen", "--ranks", "2", "--layers", "2", "--hidden", "16",
            "--heads", "2", "--kv-heads", "1", "--vocab", "500", "--budget", "400K", "--chunk", "16",
-           "--attn-chunk", "32", "--no-breakdown", "--repeats", "1", "--max-seq", "768", "--json", str(out)]
+           "--attn-chunk", "32", "--no-breakdown", "--repeats", "1", "--max-seq", "768", "--offload-checkpoints",
+           "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     res = doc["meta"]["results"]
-    uly, fpdt = res["ulysses"], res["+ offload (FPDT)"]
-    assert uly["peak"] <= 400 * 1024 and fpdt["peak"] <= 400 * 1024
+    assert list(res) == ["ulysses", "ulysses, ckpt on host", "+ offload (FPDT)"], res
+    uly, host, fpdt = res["ulysses"], res["ulysses, ckpt on host"], res["+ offload (FPDT)"]
+    assert all(r["peak"] <= 400 * 1024 for r in res.values()), res
     assert fpdt["max_seq"] >= 4 * uly["max_seq"], res
     assert fpdt["to_host"] > 0 and fpdt["to_device"] > 0
+    inputs = 2 * (host["max_seq"] // 2) * 16 * 4  # 2 blocks' fp32 inputs of seq / 2 tokens x hidden 16
+    assert host["to_host"] == host["to_device"] == inputs and uly["to_host"] == 0, res
+    ck = doc["meta"]["offload_checkpoints"]
+    assert uly["model_seq"] > 0 and host["model_seq"] > 0, res
+    assert ck["measured_factor"] == host["max_seq"] / uly["max_seq"], ck
+    assert ck["model_factor"] == host["model_seq"] / uly["model_seq"], ck
+    assert doc["columns"][-2:] == ["Model seq", "Model gain"] and "# checkpoint offload: longest Ulysses" in proc.stdout
 
 
 def test_bench_seqlen_ring_smoke(tmp_path):

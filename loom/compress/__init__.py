@@ -7,8 +7,8 @@
 """
 
 from .codecs import CODECS, Codec, Packet, codec_names, get_codec
-from .collectives import (DEFAULT_MIN_BYTES, allgather, allreduce, alltoallv, isend, recv, reset_stats, send,
-                          stats)
+from .collectives import (DEFAULT_MIN_BYTES, allgather, allreduce, alltoallv, isend, recv, reduce_scatter,
+                          reset_stats, send, stats)
 from .feedback import ErrorFeedback
 from .policy import PRESETS, CompressionPolicy, DPHook, dp_hook
 
@@ -29,6 +29,7 @@ __all__ = [
     "get_codec",
     "isend",
     "recv",
+    "reduce_scatter",
     "reset_stats",
     "send",
     "stats",

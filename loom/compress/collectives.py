@@ -7,9 +7,10 @@ uncompressed when it is smaller than ``min_bytes``: below a few KiB the encode c
 message outweigh the bytes saved (the receiver applies the same rule, so both sides agree without talking).
 
 Byte accounting (:func:`stats`): per communicator name, ``raw`` is what the uncompressed operation would put
-on the wire under ``loom.comm``'s bandwidth-optimal accounting (allreduce ``2 n (P-1)/P``, allgather
-``n (P-1)``, alltoallv and send: the bytes addressed to others), ``wire`` what this rank actually sent,
-measured as the growth of ``comm.bytes_sent`` during the call (so metadata messages count too).
+on the wire under ``loom.comm``'s bandwidth-optimal accounting (allreduce ``2 n (P-1)/P``, reduce-scatter
+``n (P-1)/P``, allgather ``n (P-1)``, alltoallv and send: the bytes addressed to others), ``wire`` what this
+rank actually sent, measured as the growth of ``comm.bytes_sent`` during the call (so metadata messages count
+too).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from ..comm import Communicator, Request
 from .codecs import Codec, NoneCodec, PowerSGDCodec, get_codec, orthonormalize
 from .feedback import ErrorFeedback
 
-__all__ = ["allreduce", "allgather", "alltoallv", "send", "recv", "stats", "reset_stats", "DEFAULT_MIN_BYTES"]
+__all__ = ["allreduce", "allgather", "alltoallv", "reduce_scatter", "send", "recv", "stats", "reset_stats",
+           "DEFAULT_MIN_BYTES"]
 
 DEFAULT_MIN_BYTES = 65536
 """Tensors smaller than this travel uncompressed: a compressed allreduce is two latency-bound collectives plus
@@ -156,14 +158,18 @@ def allreduce(
     return out
 
 
-def _allreduce_sharded(x, comm, codec: Codec, ef: ErrorFeedback | None, key) -> torch.Tensor:
-    p, me = comm.size, comm.rank
-    rdt = _reduce_dtype(x.dtype)
-    y = (ef.apply(key, x) if ef is not None else x).reshape(-1).to(rdt)
-    bounds = _shard_bounds(y.numel(), p, getattr(codec, "block", 1))
-    residual = torch.zeros_like(y) if ef is not None else None
+def _reduce_own_shard(y: torch.Tensor, comm: Communicator, codec: Codec, bounds: list[tuple[int, int]],
+                      residual: torch.Tensor | None) -> tuple[torch.Tensor, list[int | None]]:
+    """Phases 1-2 of the sharded allreduce and the whole compressed reduce-scatter: every rank's flat ``y`` (in
+    the reduction dtype) is cut at ``bounds`` (one element range per rank, the same on every rank); shard ``j``
+    is encoded and sent to rank ``j`` in one ``alltoallv`` of bytes (the own shard is kept exact, not sent);
+    this rank decodes the ``P - 1`` shards it received and sums them with its own in ``y``'s dtype.
 
-    # Phase 1: encode every other rank's shard, one alltoallv of bytes.
+    ``residual`` (``y``'s shape, zeros), when given, receives what each sent shard's encode dropped.
+    Returns ``(this rank's reduced shard, encoded bytes per shard: None for a variable-size codec)``.
+    """
+    p, me = comm.size, comm.rank
+    rdt = y.dtype
     chunks, counts = [], []
     for j, (lo, hi) in enumerate(bounds):
         if j == me:
@@ -176,12 +182,10 @@ def _allreduce_sharded(x, comm, codec: Codec, ef: ErrorFeedback | None, key) -> 
             residual[lo:hi] = y[lo:hi] - codec.decode(pkt).to(rdt)
     # Fixed-size codecs: every rank can compute every byte count, so no count exchanges are needed.
     sizes = [codec.wire_bytes(hi - lo, rdt) for lo, hi in bounds]
-    fixed = all(sz is not None for sz in sizes)
     send_buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=y.device)
-    known = [0 if i == me else sizes[me] for i in range(p)] if fixed else None
+    known = [0 if i == me else sizes[me] for i in range(p)] if all(sz is not None for sz in sizes) else None
     recv_buf, recv_counts = comm.alltoallv(send_buf, counts, known)
 
-    # Phase 2: decode and reduce my shard in the reduction dtype.
     lo, hi = bounds[me]
     acc = y[lo:hi].clone()
     off = 0
@@ -189,6 +193,19 @@ def _allreduce_sharded(x, comm, codec: Codec, ef: ErrorFeedback | None, key) -> 
         if i != me:
             acc += codec.decode(codec.from_wire(recv_buf[off:off + c], (hi - lo,), rdt)).to(rdt)
         off += c
+    return acc, sizes
+
+
+def _allreduce_sharded(x, comm, codec: Codec, ef: ErrorFeedback | None, key) -> torch.Tensor:
+    p, me = comm.size, comm.rank
+    rdt = _reduce_dtype(x.dtype)
+    y = (ef.apply(key, x) if ef is not None else x).reshape(-1).to(rdt)
+    bounds = _shard_bounds(y.numel(), p, getattr(codec, "block", 1))
+    residual = torch.zeros_like(y) if ef is not None else None
+    # Phases 1-2: reduce-scatter by all-to-all.
+    acc, sizes = _reduce_own_shard(y, comm, codec, bounds, residual)
+    fixed = all(sz is not None for sz in sizes)
+    lo, hi = bounds[me]
 
     # Phase 3: encode the reduced shard once; allgather the encoded bytes; everyone decodes the same bytes.
     pkt = codec.encode(acc)
@@ -209,6 +226,106 @@ def _allreduce_sharded(x, comm, codec: Codec, ef: ErrorFeedback | None, key) -> 
         residual[lo:hi] = acc - out[lo:hi]
         ef.set(key, residual.view(x.shape))
     return out.view(x.shape).to(x.dtype)
+
+
+def reduce_scatter(
+    tensor: torch.Tensor,
+    comm: Communicator,
+    codec: "str | Codec",
+    *,
+    error_feedback: ErrorFeedback | None = None,
+    key: Hashable = 0,
+    min_bytes: int = DEFAULT_MIN_BYTES,
+    counts: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Rank ``r`` gets block ``r`` of dim 0 of the element-wise sum over ``comm`` (like ``MPI_Reduce_scatter``),
+    compressed: phases 1-2 of :func:`allreduce`, one quantization in all.
+
+    Plan (quantizing codecs: bf16, fp16, int8, int4, topk, zfp, zstd, none):
+
+    1. *All-to-all of encoded shards*: the tensor (plus the error-feedback residual) is cut along dim 0 into
+       ``P`` shards -- ``dim 0 / P`` rows each, or ``counts[r]`` rows for rank ``r`` -- shard ``j`` is encoded
+       and sent to rank ``j`` in one ``alltoallv`` of bytes (own shard kept exact, not sent; fixed-size codecs
+       know every byte count in advance, variable-size ones let the alltoallv exchange them). Buffers: one send
+       buffer of the ``P - 1`` encoded shards, one receive buffer of the ``P - 1`` encoded shards for this rank.
+    2. *Reduce*: this rank decodes the ``P - 1`` shards it received and sums them with its own in float32
+       (float64 for float64 input) into its block, returned in ``tensor``'s dtype.
+
+    Error bound (per element of rank ``j``'s block): ``sum_{i != j} e(y_i)``, with ``e`` the codec's round-trip
+    bound and ``y_i`` rank ``i``'s input (plus residual) on that block: each input is quantized once, the own
+    shard not at all (and then the rounding to a 16-bit output dtype). With ``error_feedback`` each rank keeps
+    what its phase-1 encodes dropped (zero on its own shard), so the residuals summed over ranks are exactly
+    ``sum(inputs) - result`` on every block.
+
+    PowerSGD has no reduce-scatter (its low-rank factors are of the whole matrix, not of a block): it raises
+    ``ValueError``; give the group a quantizing codec (``int8``, ``bf16``) or reduce with :func:`allreduce`.
+    Tensors below ``min_bytes``, ``codec="none"``, and single-rank communicators take ``comm.reduce_scatter``
+    (uneven ``counts``: the same alltoallv with raw shards); a residual left from compressed steps is added
+    first and dropped.
+
+    Byte accounting: ``raw`` is the bytes addressed to other ranks, ``n (P-1)/P`` for equal blocks.
+
+    Args:
+        tensor: floating tensor with at least one dim (integer tensors with lossless codecs only); not modified.
+        comm: the ranks to reduce over.
+        codec: codec name or instance.
+        error_feedback: residual store; the residual for ``key`` is added before encoding and updated.
+        key: which residual.
+        min_bytes: below this size (of the whole ``tensor``) the plain reduce-scatter runs.
+        counts: rows of dim 0 per rank (``P`` non-negative entries summing to dim 0), the same on every rank;
+            default equal blocks (dim 0 must divide by ``P``).
+
+    Returns:
+        A new tensor, this rank's block of the sum: ``(counts[rank], *tensor.shape[1:])``, ``tensor``'s dtype.
+    """
+    _check(tensor, comm)
+    codec = _resolve(codec)
+    if isinstance(codec, PowerSGDCodec):
+        raise ValueError(f"reduce_scatter: codec {codec.name!r} has no reduce-scatter (its low-rank factors are "
+                         f"of the whole matrix, not of one rank's block); use a quantizing codec (int8, bf16) for "
+                         f"reduce-scatters, or loom.compress.allreduce with powersgd")
+    x = tensor.detach()
+    p, me = comm.size, comm.rank
+    if x.ndim == 0:
+        raise ValueError("reduce_scatter needs a tensor with at least one dim (rank r keeps block r of dim 0); "
+                         "use x.reshape(1)")
+    n0 = x.shape[0]
+    if counts is None:
+        if n0 % p:
+            raise ValueError(f"reduce_scatter: dim 0 ({n0}) does not divide by {p} ranks; pad it or pass counts "
+                             f"(rows per rank)")
+        rows = [n0 // p] * p
+    else:
+        rows = [int(c) for c in counts]
+        if len(rows) != p or any(c < 0 for c in rows) or sum(rows) != n0:
+            raise ValueError(f"reduce_scatter: counts {rows} must have {p} non-negative entries summing to dim 0 "
+                             f"({n0} rows)")
+    row = math.prod(x.shape[1:])
+    starts = [sum(rows[:j]) * row for j in range(p)]
+    bounds = [(a, a + c * row) for a, c in zip(starts, rows)]
+    shape = (rows[me], *x.shape[1:])
+    before = _sent(comm)
+    raw = (_nbytes(x) - rows[me] * row * x.element_size()) if p > 1 else 0
+    ef = error_feedback
+    if p == 1 or isinstance(codec, NoneCodec) or _nbytes(x) < min_bytes or x.numel() == 0:
+        if ef is not None and key in ef and p > 1:
+            x = ef.apply(key, x)  # flush a residual left from compressed steps
+            ef.reset(key)
+        if p == 1:
+            out = x.clone()
+        elif len(set(rows)) == 1:
+            out = comm.reduce_scatter(x)
+        else:
+            y = x.reshape(-1).to(_reduce_dtype(x.dtype))
+            out = _reduce_own_shard(y, comm, _RAW, bounds, None)[0]
+    else:
+        y = (ef.apply(key, x) if ef is not None else x).reshape(-1).to(_reduce_dtype(x.dtype))
+        residual = torch.zeros_like(y) if ef is not None else None
+        out = _reduce_own_shard(y, comm, codec, bounds, residual)[0]
+        if residual is not None:
+            ef.set(key, residual.view(x.shape))
+    _account(comm, raw, before)
+    return out.reshape(shape).to(tensor.dtype)
 
 
 def _allreduce_powersgd(x, comm, codec: PowerSGDCodec, ef: ErrorFeedback | None, key, shapes) -> torch.Tensor:

@@ -34,8 +34,9 @@ every rank; so collectives on one communicator are posted in the same order ever
   (``comm.sub("rooted")``), so they never match the user's ``send``/``recv`` on the same tags.
 
 Compression (:func:`set_compression`, ``LOOM_TORCH_COMPRESS``): a codec per group, keyed by DeviceMesh dim
-name, applied by :func:`loom.compress.allreduce` to that group's floating SUM/AVG allreduces outside
-:func:`exact`; reduce-scatters and all-gathers stay uncompressed.
+name, applied by :func:`loom.compress.allreduce` to that group's floating SUM/AVG allreduces and by
+:func:`loom.compress.reduce_scatter` to its floating SUM/AVG reduce-scatters (FSDP2's gradient reduction)
+outside :func:`exact`; all-gathers, all-to-alls and the rooted operations stay uncompressed.
 
 Check mode (``LOOM_CHECK=1``) and the watchdog (``LOOM_TIMEOUT``) are loom.comm's: every collective here is a
 Communicator method, so a shape or dtype mismatch across ranks raises on every rank instead of hanging.
@@ -72,16 +73,20 @@ _EXACT = threading.local()
 
 
 def set_compression(policy: "dict[str, str] | str | None") -> None:
-    """Codecs for the allreduces of groups made from now on: ``{"dp": "int8", "tp": "bf16"}`` or the text form
-    of ``LOOM_TORCH_COMPRESS`` (``"dp=int8;tp=bf16"``); ``None``/``{}`` for none. Keys are DeviceMesh dim names
-    (a group described ``mesh_dp`` is ``dp``) or ``world`` (the default group: also a 1-D mesh over every rank,
-    which torch serves with the default group).
+    """Codecs for the allreduces and reduce-scatters of groups made from now on: ``{"dp": "int8", "tp": "bf16"}``
+    or the text form of ``LOOM_TORCH_COMPRESS`` (``"dp=int8;tp=bf16"``); ``None``/``{}`` for none. Keys are
+    DeviceMesh dim names (a group described ``mesh_dp`` is ``dp``) or ``world`` (the default group: also a 1-D
+    mesh over every rank, which torch serves with the default group).
 
     A compressed allreduce is :func:`loom.compress.allreduce` (its plan and error bound) of a floating tensor
     of at least the codec's minimum size under SUM, AVG or PREMUL_SUM, with error feedback per buffer (DDP's
-    buckets keep theirs across steps); MIN, MAX, PRODUCT, integers, and everything inside :func:`exact` run
-    uncompressed. Bytes raw and on the wire per group: ``loom.compress.stats()`` (the ``compress`` kind of
-    ``loom.stats``), under the group's communicator name (``torch.mesh_dp``, ``torch`` for the world).
+    buckets keep theirs across steps); a compressed reduce-scatter (``reduce_scatter_tensor``,
+    ``reduce_scatter``: FSDP2's gradients) is :func:`loom.compress.reduce_scatter` (one quantization of each
+    rank's input), with error feedback per call of a backward pass (FSDP2 reduces its groups in the same order
+    every step). PowerSGD compresses allreduces only: a reduce-scatter on a powersgd group raises
+    ``ValueError``. MIN, MAX, PRODUCT, integers, and everything inside :func:`exact` run uncompressed. Bytes
+    raw and on the wire per group: ``loom.compress.stats()`` (the ``compress`` kind of ``loom.stats``), under
+    the group's communicator name (``torch.mesh_dp``, ``torch`` for the world).
     """
     global _POLICY
     _POLICY = _parse_policy(policy, "set_compression") if isinstance(policy, str) else dict(policy or {})
@@ -348,6 +353,7 @@ class LoomProcessGroup(dist.ProcessGroup):
         self._coalesced: list[LoomWork] | None = None
         self._codec = None  # this group's codec under the compression policy (set_compression), from its name
         self._feedback = None
+        self._rs_task, self._rs_seen = -1, {}  # the backward pass of the last reduce-scatter; calls per shape in it
 
     # -------------------------------------------------------------------- identity (torch reads these)
     def getBackendName(self) -> str:
@@ -392,8 +398,7 @@ class LoomProcessGroup(dist.ProcessGroup):
     def _allreduce_one(self, t: torch.Tensor, op: str, factor: Any, opts: Any = None) -> LoomWork | None:
         if t.numel() == 0:
             return None
-        if self._codec is not None and op in ("sum", "avg") and t.is_floating_point() \
-                and not getattr(_EXACT, "depth", 0):
+        if self._compresses(t, op):
             self._compressed(t, op, factor)
             return None
         x, xop = _reducible(t, op, "all_reduce")
@@ -403,6 +408,39 @@ class LoomProcessGroup(dist.ProcessGroup):
             return _later(self.comm.iallreduce(x, xop, out=x), [t])
         self.comm.allreduce(x, xop, out=x)
         return None
+
+    def _compresses(self, t: torch.Tensor, op: str) -> bool:
+        """Whether this reduction of ``t`` goes through the group's codec (floating SUM/AVG outside exact())."""
+        return (self._codec is not None and op in ("sum", "avg") and t.is_floating_point()
+                and not getattr(_EXACT, "depth", 0))
+
+    def _rs_key(self, x: torch.Tensor) -> tuple:
+        """The error-feedback key of a compressed reduce-scatter, the same for the same call every step: its
+        shape, dtype and how many reduce-scatters of that shape this backward pass (autograd's graph task) made
+        before it; FSDP2 allocates new buffers every step but reduces its groups in the same order. Outside a
+        backward pass, shape and dtype alone (one residual per shape)."""
+        task = torch._C._current_graph_task_id()
+        if task != self._rs_task:
+            self._rs_task, self._rs_seen = task, {}
+        sig = (tuple(x.shape), x.dtype)
+        i = self._rs_seen.get(sig, 0) if task != -1 else 0
+        self._rs_seen[sig] = i + 1
+        return ("reduce_scatter", *sig, i)
+
+    def _compressed_rs(self, output: torch.Tensor, x: torch.Tensor, op: str) -> None:
+        """``output`` = this rank's row of ``x`` (``P`` rows) summed over the group by
+        :func:`loom.compress.reduce_scatter` with this group's codec (blocking)."""
+        from loom.compress import reduce_scatter
+        from loom.compress.codecs import PowerSGDCodec
+
+        if isinstance(self._codec, PowerSGDCodec):
+            raise ValueError(f"reduce_scatter on group {self._desc or self.comm.name!r}: its compression codec "
+                             f"{self._codec.name!r} has no reduce-scatter (FSDP2's gradient reduction); give the "
+                             f"group a quantizing codec (LOOM_TORCH_COMPRESS='dp=int8'), or train it with DDP")
+        out = reduce_scatter(x, self.comm, self._codec, error_feedback=self._feedback, key=self._rs_key(x))
+        if op == "avg":
+            out /= self.comm.size
+        output.copy_(out.view(output.shape))
 
     def _compressed(self, t: torch.Tensor, op: str, factor: Any) -> None:
         """``t`` reduced in place by :func:`loom.compress.allreduce` with this group's codec (blocking)."""
@@ -465,6 +503,9 @@ class LoomProcessGroup(dist.ProcessGroup):
         x, xop = _reducible(_unaliased(_flat_rows(inp, p), output), op, what)
         if factor is not None:
             x = _scale(x, factor)
+        if self._compresses(x, op):
+            self._compressed_rs(output, x, op)
+            return None
         back = _into(output.view(torch.uint8) if output.dtype == torch.bool else output)
         if _big(x, opts):
             return _later(self.comm.ireduce_scatter(x, xop), [output], back)

@@ -128,6 +128,82 @@ def check_error_feedback_bounded_drift(comm):
             assert noef > 3 * drift.abs().max(), (name, float(noef), float(drift.abs().max()))
 
 
+def _rs_layouts(p):
+    """Rows per rank: equal blocks (None), and uneven ones with a zero at 4 ranks."""
+    return [None, [(3 * j + 1) % 5 for j in range(p)]]
+
+
+def check_reduce_scatter_within_bound_even_and_uneven(comm):
+    """Each rank's block of the sum within one quantization of every other rank's input (its own is exact),
+    equal and uneven blocks; the bytes on the wire are exactly the encoded shards sent (int8 of fp64: 0.13x
+    the raw); below min_bytes it is comm.reduce_scatter; powersgd raises by name."""
+    g = seeded(comm, 11)
+    p, me = comm.size, comm.rank
+    for counts in _rs_layouts(p):
+        rows = counts if counts is not None else [2] * p
+        lo, hi = sum(rows[:me]), sum(rows[:me + 1])
+        for name in QUANT_CODECS:
+            codec = get_codec(name)
+            for dtype in (torch.float32, torch.float64):
+                xs = [(torch.randn(sum(rows), 3, generator=g, dtype=torch.float64) * (1 + r)).to(dtype)
+                      for r in range(p)]
+                ref = sum(x.double() for x in xs)[lo:hi]
+                out = lc.reduce_scatter(xs[me], comm, codec, min_bytes=0, counts=counts)
+                assert out.dtype == dtype and out.shape == (rows[me], 3), (name, out.dtype, out.shape)
+                tol = sum(codec.error_bound(xs[i][lo:hi].double()) for i in range(p) if i != me) \
+                    + 1e-6 * (1 + ref.abs())
+                err = (out.double() - ref).abs()
+                assert (err <= tol).all(), f"{name} counts={counts} {dtype}: max excess {(err - tol).max():.3g}"
+    x = torch.randn(64 * p, 16, generator=g, dtype=torch.float64)
+    for name in ("int8", "bf16"):
+        codec = get_codec(name)
+        lc.reset_stats()
+        lc.reduce_scatter(x, comm, codec, min_bytes=0)
+        st = lc.stats()[comm.name]
+        assert st["raw"] == x.numel() * 8 * (p - 1) // p and st["calls"] == 1, st
+        assert st["wire"] == (p - 1) * codec.wire_bytes(64 * 16, torch.float64), (name, st)
+        if p > 1:
+            assert st["wire"] <= (0.14 if name == "int8" else 0.26) * st["raw"], (name, st)
+    small = lc.reduce_scatter(x, comm, "int4", min_bytes=1 << 20)
+    assert torch.equal(small, comm.reduce_scatter(x))
+    counts = _rs_layouts(p)[1]
+    y = torch.randn(sum(counts), 5, generator=g, dtype=torch.float64) * (1 + me)
+    lo = sum(counts[:me])
+    want = comm.allreduce(y)[lo:lo + counts[me]]
+    got = lc.reduce_scatter(y, comm, "int4", min_bytes=1 << 20, counts=counts)  # uneven, raw shards
+    assert ((got - want).abs() <= 1e-12 * (1 + want.abs())).all(), "uneven uncompressed"
+    try:
+        lc.reduce_scatter(x, comm, "powersgd:rank=2")
+    except ValueError as exc:
+        assert "powersgd" in str(exc) and "int8" in str(exc), exc
+    else:
+        raise AssertionError("powersgd reduce_scatter did not raise")
+
+
+def check_reduce_scatter_error_feedback_keeps_the_difference(comm):
+    """Over 3 steps of int4 with error feedback: result + R_t - R_{t-1} = sum of inputs (R the residuals summed
+    over ranks), to fp64 rounding; each rank's residual is zero on its own block and not zero elsewhere."""
+    g = seeded(comm, 12)
+    p, me = comm.size, comm.rank
+    counts = [c + 2 for c in _rs_layouts(p)[1]]
+    n0 = sum(counts)
+    lo, hi = sum(counts[:me]), sum(counts[:me + 1])
+    ef = ErrorFeedback()
+    prev = torch.zeros(n0, 4, dtype=torch.float64)
+    for step in range(3):
+        xs = [torch.randn(n0, 4, generator=g, dtype=torch.float64) for _ in range(p)]
+        out = lc.reduce_scatter(xs[me], comm, "int4", error_feedback=ef, key="g", min_bytes=0, counts=counts)
+        whole = comm.allgatherv(out.reshape(-1).contiguous())[0].view(n0, 4)
+        res = ef.get("g")
+        now = comm.allreduce(res.double()) if res is not None else torch.zeros_like(prev)
+        ident = (whole + now - prev - sum(xs)).abs().max()
+        assert ident <= 1e-12 * (1 + sum(xs).abs().max()), f"step {step}: residuals are not the difference {ident}"
+        if p > 1:
+            assert torch.equal(res[lo:hi], torch.zeros_like(res[lo:hi])), "own block's residual is not zero"
+            assert res.abs().max() > 0, "nothing kept: int4 drops something"
+        prev = now
+
+
 def _rank_r(g, m, n, r, ranks):
     a = torch.randn(m, r, generator=g, dtype=torch.float64)
     return [a @ torch.randn(n, r, generator=g, dtype=torch.float64).T for _ in range(ranks)]

@@ -342,7 +342,8 @@ class _FPDTBlock(torch.autograd.Function):
         store = chunk_store(cfg.offload, x.device)
         scale = 1.0 / math.sqrt(cfg.head_dim)
         if cfg.ring > 1:
-            pipe = FPDTRingPipeline(a.sp, cfg.ring, u, cfg.causal, scale, store, x.device, block.heads_plan())
+            pipe = FPDTRingPipeline(a.sp, cfg.ring, u, cfg.causal, scale, store, x.device, block.heads_plan(),
+                                    block.doc)
         else:
             pipe = FPDTPipeline(a.sp, u, cfg.causal, scale, store, x.device, block.doc, block.heads_plan())
         out = torch.empty_like(x)
@@ -458,10 +459,7 @@ class Block(nn.Module):
         cfg, a = self.cfg, self.attn
         self.pos = pos
         if cfg.sequence_parallel == "fpdt":
-            if doc_ids is not None and cfg.ring > 1:
-                raise ValueError(f"doc_ids with sequence_parallel='fpdt' and ring = {cfg.ring}: packed documents "
-                                 f"do not run under FPDT x ring yet; use 'ulysses' with the ring, or ring = 1")
-            self.doc = _global_docs(doc_ids, x, a.sp, cfg.chunks)  # x: [B, s, ...] like q
+            self.doc = _global_docs(doc_ids, x, a.sp, cfg.chunks, cfg.ring)  # x: [B, s, ...] like q
             b, s, _ = x.shape
             meta = torch.empty(b, s, cfg.heads, cfg.head_dim, device="meta")
             check_sizes(meta, meta[:, :, :cfg.kv_heads], meta[:, :, :cfg.kv_heads], a.sp.size // cfg.ring,

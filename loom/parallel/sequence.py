@@ -541,6 +541,21 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+def _ring_docs(full: torch.Tensor, p: int, ring: int) -> list[torch.Tensor]:
+    """Every ring group's ``[front, back]`` document ids ``[B, n / ring]`` (:func:`ring_positions`) from the global
+    ids ``full`` ``[B, n]``: what the group's all-to-all puts in order on each of its ranks."""
+    n, u = full.shape[1], p // ring
+    return [full[:, torch.cat([ring_positions(n, p, ring, g * u + i, device=full.device) for i in range(u)])]
+            for g in range(ring)]
+
+
+def _row_unique(doc: torch.Tensor) -> torch.Tensor:
+    """Document ids ``[B, n]`` made unique per batch row (equal within a row exactly where ``doc`` is), so that
+    one ``isin`` over flattened rows tests whether any two tokens of the same row share a document."""
+    lo, hi = doc.amin(), doc.amax()
+    return (doc - lo) + torch.arange(doc.shape[0], device=doc.device)[:, None] * (hi - lo + 1)
+
+
 def _ring_pass(comm, x: torch.Tensor, tag: int):
     """Send ``x`` to the next ring rank and receive the previous one's into a new buffer (non-blocking)."""
     r, j = comm.size, comm.rank
@@ -619,10 +634,7 @@ def ring_attention(
     if doc_ids is not None:  # every ring group's [front, back] document ids
         if tuple(doc_ids.shape) != tuple(q.shape[:2]):
             raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must be [batch, seq_local] = {tuple(q.shape[:2])}")
-        full = gather_sequence(doc_ids.to(torch.int64), comm, ring=ring).to(q.device)
-        n = full.shape[1]
-        docs = [full[:, torch.cat([ring_positions(n, p, ring, g * u + i, device=q.device) for i in range(u)])]
-                for g in range(ring)]
+        docs = _ring_docs(gather_sequence(doc_ids.to(torch.int64), comm, ring=ring).to(q.device), p, ring)
     o = _RingAttention.apply(qh, kh, vh, rng, bool(causal), float(scale), docs)
     return _to_seq(o, uly, plan)
 
@@ -678,9 +690,7 @@ class FPDTPipeline:
         if self._seen is None:
             b, u = self.doc.shape[0], self.u
             # ids made unique per batch row, so one isin per pair of chunks tests every row at once
-            d = (self.doc - self.doc.amin()) + torch.arange(b, device=self.doc.device)[:, None] * (
-                self.doc.amax() - self.doc.amin() + 1)
-            d = d.reshape(b, u, -1).transpose(0, 1).reshape(u, -1)
+            d = _row_unique(self.doc).reshape(b, u, -1).transpose(0, 1).reshape(u, -1)
             seen = torch.stack([torch.stack([torch.isin(d[i], d[j]).any() for j in range(u)]) for i in range(u)])
             self._seen = seen.tolist()
         return self._seen[i][j]
@@ -834,18 +844,46 @@ class FPDTRingPipeline(FPDTPipeline):
     Backward mirrors it with the (dk, dv) accumulator of each K/V chunk travelling one step behind it, as in
     :class:`_RingAttention`. Zig-zag blocks: ring group ``j``'s chunk sequence is its ``[front, back]``, so
     an earlier group's K/V chunks are seen up to its front half, a later group's by this group's back half.
+    Packed documents: every group's ``[front, back]`` document ids are known to every rank (one allgather, as
+    :func:`ring_attention`), so a visiting K/V chunk's ids are looked up by its group and chunk index beside it;
+    blocks that no query can see are skipped.
 
     Args:
         comm: the sequence-parallel communicator (``U x R`` ranks, :func:`ring_groups`).
         ring: ``R``.
-        Others as :class:`FPDTPipeline` (``plan`` over the Ulysses group; no packed documents).
+        doc: packed documents: global document ids ``[B, n]`` in sequence order, or None.
+        Others as :class:`FPDTPipeline` (``plan`` over the Ulysses group).
     """
 
     def __init__(self, comm, ring: int, chunks: int, causal: bool, scale: float, store, device: torch.device,
-                 plan: HeadPlan | None = None):
+                 plan: HeadPlan | None = None, doc: torch.Tensor | None = None):
         uly, rng = ring_groups(comm, ring)
         super().__init__(uly, chunks, causal, scale, store, device, None, plan)
         self.ring = rng
+        # each ring group's [front, back] ids, unique per batch row (so that one isin tests a whole block)
+        self.rdocs = None if doc is None else _ring_docs(_row_unique(doc), comm.size, ring)
+        self._ring_seen: dict[tuple[int, int, int], bool] | None = None
+
+    def _blk(self, src: int, a: int, b: int, rows: int):
+        """:meth:`_block` with the block's ``(doc_q, doc_k)`` (packed documents; else None) appended, or None
+        where the block is empty or no query of it shares a document with a key of it."""
+        blk = self._block(src, a, b, rows)
+        if blk is None or self.rdocs is None:
+            return None if blk is None else (*blk, None)
+        if self._ring_seen is None:  # one host sync per pipeline
+            keys = [(s, i, k) for s in range(self.ring.size) for i in range(self.u) for k in range(self.u)
+                    if self._block(s, i, k, rows) is not None]
+            seen = [torch.isin(*(d.reshape(-1) for d in self._block_docs(*key, rows))).any() for key in keys]
+            self._ring_seen = dict(zip(keys, torch.stack(seen).tolist()))
+        # a q chunk's diagonal block is never skipped, so its first block in forward covers all its rows
+        return (*blk, self._block_docs(src, a, b, rows)) if self._ring_seen[(src, a, b)] else None
+
+    def _block_docs(self, src: int, a: int, b: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Document ids of the rows of q chunk ``a`` (this group) and the columns of K/V chunk ``b`` of ring group
+        ``src`` that the block pairs (:meth:`_block`)."""
+        ra, cb, _ = self._block(src, a, b, rows)
+        mine, theirs = self.rdocs[self.ring.rank], self.rdocs[src]
+        return mine[:, a * rows:(a + 1) * rows][:, ra], theirs[:, b * rows:(b + 1) * rows][:, cb]
 
     def _block(self, src: int, a: int, b: int, rows: int):
         """``(rows, cols, causal)`` of q chunk ``a`` against K/V chunk ``b`` of ring group ``src``, or None."""
@@ -876,12 +914,13 @@ class FPDTRingPipeline(FPDTPipeline):
                 kb, vb = store.get(kvs[b][0]), store.get(kvs[b][1])
                 reqs = _ring_pass(rc, torch.stack([kb, vb]), 0) if t + 1 < r else None
                 for a in range(u):
-                    blk = self._block(src, a, b, rows)
+                    blk = self._blk(src, a, b, rows)
                     if blk is None:
                         continue
-                    ra, cb, diag = blk
+                    ra, cb, diag, bd = blk
                     qa = store.get(self.hq[a])
-                    o, lse = _block_forward(qa[:, :, ra], kb[:, :, cb], vb[:, :, cb], diag, self.scale, self.kernel)
+                    o, lse = _block_forward(qa[:, :, ra], kb[:, :, cb], vb[:, :, cb], diag, self.scale, self.kernel,
+                                            bd)
                     del qa
                     if hacc[a] is None:  # the first block of every q chunk covers all its rows
                         o_acc, l_acc = _merge(None, None, o, lse)
@@ -920,13 +959,13 @@ class FPDTRingPipeline(FPDTPipeline):
                 incoming = rc.irecv(torch.empty(shape, dtype=acc, device=kb.device), (j - 1) % r, 1) if t else None
                 dkv = torch.zeros(shape, dtype=acc, device=kb.device)
                 for a in range(u):
-                    blk = self._block(src, a, b, rows)
+                    blk = self._blk(src, a, b, rows)
                     if blk is None:
                         continue
-                    ra, cb, diag = blk
+                    ra, cb, diag, bd = blk
                     qa, oa, la, doa = (store.get(h[a]) for h in (self.hq, self.ho, self.hl, hdo))
                     g_q, g_k, g_v = _block_backward(doa[:, :, ra], qa[:, :, ra], kb[:, :, cb], vb[:, :, cb],
-                                                    oa[:, :, ra], la[:, :, ra], diag, self.scale, self.kernel)
+                                                    oa[:, :, ra], la[:, :, ra], diag, self.scale, self.kernel, bd)
                     dq = torch.zeros(qa.shape, dtype=acc, device=qa.device) if hdq[a] is None else store.get(hdq[a])
                     dq[:, :, ra] += g_q
                     if hdq[a] is None:
@@ -964,7 +1003,7 @@ class _FPDTAttention(torch.autograd.Function):
         c = q.shape[1] // chunks
         store = chunk_store(offload, q.device)
         if ring > 1:
-            pipe = FPDTRingPipeline(comm, ring, chunks, causal, scale, store, q.device, plan)
+            pipe = FPDTRingPipeline(comm, ring, chunks, causal, scale, store, q.device, plan, doc)
         else:
             pipe = FPDTPipeline(comm, chunks, causal, scale, store, q.device, doc, plan)
         out = torch.empty_like(q)
@@ -1022,7 +1061,7 @@ def fpdt_attention(
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
         doc_ids: packed sequences: ``[batch, seq_local]`` integer document ids in the same layout; a token
             attends only to tokens of its own document (one allgather of the ids; blocks that no query can
-            see are skipped). Not with ``ring > 1``.
+            see are skipped).
         ring: ring degree ``R``: FPDT inside each Ulysses group of ``P / R`` ranks, ring attention across the
             groups (:class:`FPDTRingPipeline`); ``q`` etc. in ``shard_sequence(x, comm, chunks=chunks,
             ring=R)``'s layout.
@@ -1038,9 +1077,6 @@ def fpdt_attention(
     p = comm.size
     u = p
     if ring > 1:
-        if doc_ids is not None:
-            raise ValueError(f"doc_ids with ring={ring}: packed documents do not run under FPDT x ring yet; use "
-                             f"ring_attention (chunks=1) or ring=1")
         u = ring_groups(comm, ring)[0].size
         ring_positions(q.shape[1] * p, p, ring, comm.rank, chunks=chunks)  # validates the length
     check_sizes(q, k, v, u, chunks)
@@ -1048,15 +1084,15 @@ def fpdt_attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     plan = _head_plan(q, k, u)
     k, v = plan.gather_kv(k, v)
-    doc = _global_docs(doc_ids, q, comm, chunks)
+    doc = _global_docs(doc_ids, q, comm, chunks, ring)
     return _FPDTAttention.apply(q, k, v, comm, chunks, bool(causal), float(scale), bool(offload), doc, plan,
                                 int(ring))
 
 
-def _global_docs(doc_ids, q, comm, chunks) -> torch.Tensor | None:
+def _global_docs(doc_ids, q, comm, chunks, ring: int = 1) -> torch.Tensor | None:
     if doc_ids is None:
         return None
     if tuple(doc_ids.shape) != tuple(q.shape[:2]):
         raise ValueError(f"doc_ids {tuple(doc_ids.shape)} must be [batch, seq_local] = {tuple(q.shape[:2])}, in "
                          f"the same layout as q")
-    return gather_sequence(doc_ids.to(torch.int64), comm, chunks=chunks).to(q.device)
+    return gather_sequence(doc_ids.to(torch.int64), comm, chunks=chunks, ring=ring).to(q.device)

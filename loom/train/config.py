@@ -442,9 +442,6 @@ class Config:
         _need(not d.pack or mesh.pp == mesh.tp == 1 and not (m.hf or m.hf_config),
               f"data.pack = true with mesh.pp = {mesh.pp}, mesh.tp = {mesh.tp}, model.hf = {m.hf or m.hf_config!r}: "
               f"packed documents run on loom's Llama without a pipeline or tp so far; set those to 1 / empty")
-        _need(not d.pack or mesh.sp_ring <= 1 or s.algorithm != "fpdt",
-              f"data.pack = true with sequence.algorithm = 'fpdt' and mesh.sp_ring = {mesh.sp_ring}: packed documents "
-              f"do not run under FPDT x ring yet; use sequence.algorithm = 'ulysses' with the ring, or sp_ring = 1")
         _need(not s.offload_checkpoints or mesh.pp == 1,
               f"sequence.offload_checkpoints with mesh.pp = {mesh.pp}: pipeline stages do not recompute their "
               f"blocks, so there is no checkpoint to offload; set mesh.pp = 1 or offload_checkpoints = false")

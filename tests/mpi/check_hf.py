@@ -104,11 +104,11 @@ def check_packed_documents(comm):
 
 
 def check_llama_past_its_heads(comm):
-    """2 query heads and 1 kv head over all the sp ranks: Ulysses x ring (packed documents too) and FPDT x ring."""
+    """2 query heads and 1 kv head over all the sp ranks: Ulysses x ring and FPDT x ring, packed documents."""
     if comm.size < 2:
         return
     compare(comm, "llama", "ulysses", 1, packed=True, heads=2, ring=comm.size // 2 if comm.size > 2 else 2)
-    compare(comm, "llama", "fpdt", 1, packed=False, heads=2, ring=comm.size)
+    compare(comm, "llama", "fpdt", 1, packed=True, heads=2, ring=comm.size)
 
 
 def check_qwen2_and_mistral(comm):

@@ -136,7 +136,9 @@ def check_ring_layout(comm):
 
 def check_ring_exact(comm):
     """Ulysses x ring against one process: 2 query heads and 1 kv head at every ring degree dividing P (ring P x
-    Ulysses 1, ring 2 x Ulysses 2 at 4 ranks), causal and not, packed documents, both block kernels."""
+    Ulysses 1, ring 2 x Ulysses 2 at 4 ranks), causal and not, packed documents, both block kernels. Packed
+    documents under FPDT x ring too: chunks 2 and 3 (3 splits a chunk at the zig-zag boundary), offload on and
+    off, document boundaries anywhere (inside chunks, in front and back halves), causal and not."""
     g = seeded(comm, 8)
     p = comm.size
     for ring in _rings(p):
@@ -153,6 +155,12 @@ def check_ring_exact(comm):
                     _compare(comm, lambda q, k, v, doc_ids: ring_attention(q, k, v, comm, ring=ring, causal=causal,
                                                                            doc_ids=doc_ids),
                              2, 2 * p * 4, h, hk, 4, 1, causal, g, ring=ring, packed=True)
+                if hk == 1:
+                    chunks = 2 if h == 2 else 3
+                    _compare(comm, lambda q, k, v, doc_ids: fpdt_attention(
+                        q, k, v, comm, chunks=chunks, causal=causal, offload=bool(idx % 2), doc_ids=doc_ids,
+                        ring=ring), 2, math.lcm(2 * ring, p * chunks) * 3, h, hk, 4, chunks, causal, g, ring=ring,
+                        packed=True)
             finally:
                 del os.environ["LOOM_ATTN_KERNEL"]
                 blocks.TILE = tile
@@ -393,13 +401,14 @@ def check_ring_model_adamw(comm):
     """Ulysses x ring and FPDT x ring in the model (2 query heads, 1 kv head: Ulysses alone stops at sp = 2):
     loss, every gradient and the parameters after 3 AdamW steps equal one process's, to 1e-9 in fp64 (ring P x
     Ulysses 1, and ring 2 x Ulysses 2 at 4 ranks; checkpointed blocks, packed documents, FPDT chunks with and
-    without offload)."""
+    without offload, packed documents under FPDT x ring)."""
     g = seeded(comm, 9)
     p = comm.size
     for ring in _rings(p):
         for extra in (dict(), dict(checkpoint=True, causal=ring % 2 == 1), dict(packed=True),
                       dict(sequence_parallel="fpdt", chunks=2, offload=True),
-                      dict(sequence_parallel="fpdt", chunks=3, offload=False, checkpoint=True)):
+                      dict(sequence_parallel="fpdt", chunks=3, offload=False, checkpoint=True),
+                      dict(sequence_parallel="fpdt", chunks=3, offload=True, packed=True)):
             packed = extra.pop("packed", False)
             sp = dict(sequence_parallel=extra.pop("sequence_parallel", "ulysses"), chunks=extra.pop("chunks", 1),
                       offload=extra.pop("offload", False), ring=ring)

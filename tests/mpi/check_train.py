@@ -107,8 +107,9 @@ def _matches_one_rank(comm, extra: dict, base: dict = BASE):
             assert recs[-1]["bytes"].get(axis, {}).get("wire", 0) > 0, (extra, axis, recs[-1]["bytes"])
 
 
-# Packed documents of uneven lengths (tests/jobs.py uneven_documents): Ulysses and FPDT at sp = 2 and 4, dp
-# (replicas whose real-target counts differ; also under ZeRO-3), and checkpoints on the host under Ulysses and FPDT.
+# Packed documents of uneven lengths (tests/jobs.py uneven_documents): Ulysses and FPDT at sp = 2 and 4, Ulysses x
+# ring and FPDT x ring at sp = 4, dp (replicas whose real-target counts differ; also under ZeRO-3), and checkpoints
+# on the host under Ulysses and FPDT.
 PACKED = {
     2: [{"mesh": {"sp": 2}},
         {"mesh": {"sp": 2}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}},
@@ -120,7 +121,11 @@ PACKED = {
         {"mesh": {"dp": 2, "sp": 2},
          "sequence": {"algorithm": "fpdt", "chunks": 2, "recompute": True, "offload_checkpoints": True}},
         # Ulysses 2 x ring 2 (2 heads) on an odd length: the pads are a document of their own
-        {"model": {"heads": 2, "kv_heads": 1}, "mesh": {"sp": 4}, "data": {"seq_len": 29}}],
+        {"model": {"heads": 2, "kv_heads": 1}, "mesh": {"sp": 4}, "data": {"seq_len": 29}},
+        # FPDT x ring: chunks 3 inside each Ulysses group of 2 (a chunk split at the zig-zag boundary), offload,
+        # padded from 29 to 36
+        {"model": {"heads": 2, "kv_heads": 1}, "mesh": {"sp": 4},
+         "sequence": {"algorithm": "fpdt", "chunks": 3, "offload": True}, "data": {"seq_len": 29}}],
 }
 
 

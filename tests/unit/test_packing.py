@@ -71,6 +71,11 @@ def test_packed_loss_is_the_mean_over_each_documents_own_targets(tmp_path, seque
 
 
 def test_pack_and_checkpoint_offload_are_validated():
+    # packed documents run under every sequence-parallel plan, FPDT x ring included (exact against one rank:
+    # check_packed_documents_match_one_rank in tests/mpi/check_train.py)
+    cfg = config_from_dict({"data": {"pack": True}, "model": {"heads": 2, "kv_heads": 1},
+                            "mesh": {"sp": 4, "sp_ring": 2}, "sequence": {"algorithm": "fpdt", "chunks": 2}})
+    assert cfg.data.pack and cfg.mesh.sp_ring == 2 and cfg.sequence.algorithm == "fpdt"
     with pytest.raises(ConfigError, match="needs sequence.recompute = true"):
         config_from_dict({"sequence": {"offload_checkpoints": True}})
     with pytest.raises(ConfigError, match="data.pack = true with mesh.pp = 2"):

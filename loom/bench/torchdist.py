@@ -19,7 +19,7 @@ weights, per-rank batches, step count) on gloo, on loom uncompressed, and on loo
 group's compression policy (:func:`loom.torchdist.set_compression`, error feedback per bucket), rounds
 interleaved. Per row: the median step time (the slowest rank's), the speed-up over uncompressed loom, this
 rank's gradient bytes per step raw and on the wire (``loom.compress.stats()`` for a compressed group, the
-group's ``bytes_sent`` uncompressed, both counted as :mod:`loom.comm` counts an allreduce), and the loss after
+group's ``bytes_sent`` uncompressed, both counted as :mod:`loom.comm` counts an allreduce), and the loss of
 the last step (mean over ranks) with its gap to uncompressed loom. The batches regress a fixed random linear
 teacher, so the loss falls and a codec that hurts training shows.
 """

@@ -158,7 +158,8 @@ def check_two_rails_carry_twice_one_rail(comm):
 
 def check_torch_loom_backend_across_nodes(comm):
     """init_process_group("loom") across the testbed's nodes, whose host names resolve nowhere: rank 0's store
-    is reached by an address of its interfaces, and an allreduce over the loom backend is exact."""
+    is reached by an address of its interfaces; an allreduce over the loom backend and over a gloo group of the
+    same job (on the rail NIC: GLOO_SOCKET_IFNAME) are exact."""
     import socket
 
     import torch.distributed as dist
@@ -169,9 +170,10 @@ def check_torch_loom_backend_across_nodes(comm):
     assert len(set(names)) == len(_topology()["nodes"]) > 1, names
     dist.init_process_group("loom")
     try:
-        x = torch.full((1000,), float(comm.rank + 1), dtype=torch.float64)
-        dist.all_reduce(x)
-        assert torch.equal(x, torch.full_like(x, comm.size * (comm.size + 1) / 2))
+        for group in (None, dist.new_group(backend="gloo")):
+            x = torch.full((1000,), float(comm.rank + 1), dtype=torch.float64)
+            dist.all_reduce(x, group=group)
+            assert torch.equal(x, torch.full_like(x, comm.size * (comm.size + 1) / 2))
     finally:
         dist.destroy_process_group()
 

@@ -11,12 +11,24 @@ the slowest rank's time reported:
   residual MLP (``--width`` x ``--depth``, batch ``--batch`` rows per rank, float32) under
   ``DistributedDataParallel`` (its defaults) and under ``fully_shard`` per block plus the root (ms).
 
-The last column is loom's figure over gloo's: below 1 is better for times, above 1 for bandwidths.
+The last column is loom's figure over gloo's: below 1 is better for times, above 1 for bandwidths. ``--only``
+keeps some of these rows.
+
+``--codec CODEC`` (repeatable) adds a second table, DDP under a dp codec: the same DDP training (model, initial
+weights, per-rank batches, step count) on gloo, on loom uncompressed, and on loom with each codec as the
+group's compression policy (:func:`loom.torchdist.set_compression`, error feedback per bucket), rounds
+interleaved. Per row: the median step time (the slowest rank's), the speed-up over uncompressed loom, this
+rank's gradient bytes per step raw and on the wire (``loom.compress.stats()`` for a compressed group, the
+group's ``bytes_sent`` uncompressed, both counted as :mod:`loom.comm` counts an allreduce), and the loss of
+the last step (mean over ranks) with its gap to uncompressed loom. The batches regress a fixed random linear
+teacher, so the loss falls and a codec that hurts training shows.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 import warnings
 from typing import Callable
 
@@ -26,11 +38,15 @@ from torch import nn
 
 from .. import cli_args
 from ..comm import world
+from ..compress.benchmark import codec_arg
 from . import omb
 from .hybrid import WideResMLP
 from .omb import parse_size
 
 __all__ = ["main"]
+
+#: ``--only`` names of the first table's rows
+ROWS = ("latency", "allreduce", "reduce_scatter", "ddp", "fsdp2")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-x", "--warmup", type=int, default=3, help="untimed calls per row and round (x30 for latency)")
     p.add_argument("--rounds", type=int, default=3, help="rounds per row (loom and gloo interleaved, best kept)")
     p.add_argument("--max-seconds", type=float, default=20.0, help="time bound per row, backend and round")
+    p.add_argument("--only", nargs="+", choices=ROWS, metavar="ROW",
+                   help=f"run only these rows of the loom vs gloo table ({', '.join(ROWS)}; default: all)")
+    p.add_argument("--codec", action="append", type=codec_arg, default=[], metavar="CODEC",
+                   help="add a DDP row under this dp codec (repeatable; e.g. int8, int4, powersgd:rank=4): a "
+                        "second table, DDP on gloo, loom and loom + each codec, same model, seeds and steps")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return p
 
@@ -83,27 +104,33 @@ def main(argv: list[str]) -> int:
     x = torch.randn(args.batch, 64, generator=gen)
     y = torch.randn(args.batch, 16, generator=gen)
 
+    only = set(args.only or ROWS)
+
     def rows(backend: str) -> dict[str, tuple[Callable[[], None], int, int]]:
         g = groups[backend]
         one = torch.ones(1, dtype=torch.uint8)
-        big = torch.ones(n, dtype=torch.float32)
-        shard = torch.empty(n // p, dtype=torch.float32)
-        torch.manual_seed(0)
-        ddp = DDP(WideResMLP(args.width, args.depth), process_group=g)
-        torch.manual_seed(0)
-        fsdp = WideResMLP(args.width, args.depth)
-        for block in fsdp.blocks:
-            fully_shard(block, mesh=meshes[backend])
-        fully_shard(fsdp, mesh=meshes[backend])
+        big = torch.ones(n if only & {"allreduce", "reduce_scatter"} else 0, dtype=torch.float32)
+        shard = torch.empty(big.numel() // p, dtype=torch.float32)
         warm, iters = args.warmup, args.iterations_large
-        return {
-            "allreduce 1 B": (lambda: dist.all_reduce(one, group=g), 30 * args.warmup, args.iterations),
-            f"allreduce {_human(args.size)}": (lambda: dist.all_reduce(big, group=g), warm, iters),
-            f"reduce_scatter {_human(args.size)}": (lambda: dist.reduce_scatter_tensor(shard, big, group=g), warm,
-                                                    iters),
-            "DDP step": (_step(ddp, x, y), warm, iters),
-            "FSDP2 step": (_step(fsdp, x, y), warm, iters),
-        }
+        out = {}
+        if "latency" in only:
+            out["allreduce 1 B"] = (lambda: dist.all_reduce(one, group=g), 30 * args.warmup, args.iterations)
+        if "allreduce" in only:
+            out[f"allreduce {_human(args.size)}"] = (lambda: dist.all_reduce(big, group=g), warm, iters)
+        if "reduce_scatter" in only:
+            out[f"reduce_scatter {_human(args.size)}"] = (
+                lambda: dist.reduce_scatter_tensor(shard, big, group=g), warm, iters)
+        if "ddp" in only:
+            torch.manual_seed(0)
+            out["DDP step"] = (_step(DDP(WideResMLP(args.width, args.depth), process_group=g), x, y), warm, iters)
+        if "fsdp2" in only:
+            torch.manual_seed(0)
+            fsdp = WideResMLP(args.width, args.depth)
+            for block in fsdp.blocks:
+                fully_shard(block, mesh=meshes[backend])
+            fully_shard(fsdp, mesh=meshes[backend])
+            out["FSDP2 step"] = (_step(fsdp, x, y), warm, iters)
+        return out
 
     work = {b: rows(b) for b in groups}
     best: dict[tuple[str, str], float] = {}
@@ -132,9 +159,83 @@ def main(argv: list[str]) -> int:
             table.add(name, "GB/s", bw_lo, bw_gl, bw_lo / bw_gl)
         else:
             table.add(name, "ms", lo * 1e3, gl * 1e3, lo / gl)
-    table.write_json(args.json)
+    codec_rows = _ddp_codecs(args, comm, groups["gloo"], DDP) if args.codec else []
+    table.write_json(args.json, ddp_codecs=codec_rows)
     dist.destroy_process_group()
     return 0
+
+
+def _ddp_codecs(args, comm, gloo, DDP) -> list[dict]:
+    """The second table (``--codec``): DDP on gloo, on loom, and on loom under each codec; its rows."""
+    from .. import compress, torchdist
+
+    torchdist.set_compression({f"ddp{i}": spec for i, spec in enumerate(args.codec)})
+    try:  # one group per codec, each its own communicator (torch.mesh_ddp0, ...) with its own error feedback
+        coded = [dist.new_group(list(range(comm.size)), group_desc=f"mesh_ddp{i}") for i in range(len(args.codec))]
+    finally:
+        torchdist.set_compression(None)
+    variants = [("DDP gloo", gloo, None), ("DDP loom", dist.group.WORLD, None)]
+    variants += [(f"DDP loom {spec}", g, spec) for spec, g in zip(args.codec, coded)]
+    steps = args.rounds * (args.warmup + args.iterations_large)
+    gen = torch.Generator().manual_seed(1000 + comm.rank)  # per-rank data, the same for every variant
+    teacher = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)) / 8
+    xs = [torch.randn(args.batch, 64, generator=gen) for _ in range(steps)]
+    batches = [(x, x @ teacher + 0.01 * torch.randn(args.batch, 16, generator=gen)) for x in xs]
+    runs = {}
+    for name, g, _spec in variants:
+        torch.manual_seed(0)
+        model = DDP(WideResMLP(args.width, args.depth), process_group=g)
+        runs[name] = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=1e-3), "times": [],
+                      "comm": getattr(g, "comm", None), "sent": 0, "step": 0, "loss": 0.0}
+    raw_bytes = 2 * sum(q.numel() * q.element_size() for q in runs["DDP loom"]["model"].parameters()) \
+        * (comm.size - 1) // comm.size  # an allreduce's bytes per rank, as loom.comm counts them
+    compress.reset_stats()
+    for _ in range(args.rounds):
+        for name, _g, _spec in variants:
+            run = runs[name]
+            c = run["comm"]
+            before = sum(c.bytes_sent.values()) if c is not None else 0
+            for k in range(args.warmup + args.iterations_large):
+                bx, by = batches[run["step"]]
+                t0 = time.perf_counter()
+                loss = ((run["model"](bx) - by) ** 2).mean()
+                loss.backward()
+                run["opt"].step()
+                run["opt"].zero_grad()
+                if k >= args.warmup:
+                    run["times"].append(time.perf_counter() - t0)
+                run["step"] += 1
+                run["loss"] = loss.item()
+            if c is not None:
+                run["sent"] += sum(c.bytes_sent.values()) - before
+    st = compress.stats()
+    table = omb.Table("DDP under a dp codec: loom backend, uncompressed and compressed",
+                      ["Test", "step (ms)", "speed-up", "raw MB/step", "wire MB/step", "loss", "gap %"],
+                      rank=comm.rank)
+    table.meta = {"ranks": comm.size, "steps": f"{steps} per row ({args.rounds} rounds of {args.warmup} untimed + "
+                  f"{args.iterations_large} timed), SGD lr 1e-3, same init and batches",
+                  "step": "median of the timed steps, slowest rank", "speed-up": "DDP loom's step / this row's",
+                  "bytes": "this rank's per step (allreduce counted as 2 n (P-1)/P)",
+                  "gap": "loss of the last step vs DDP loom's"}
+    table.widths = [max(22, 10 + max(map(len, args.codec))), 11, 10, 13, 14, 12, 9]
+    table.header()
+    med = {name: comm.allreduce_object(statistics.median(runs[name]["times"]), "max") for name, *_ in variants}
+    loss = {name: comm.allreduce_object(runs[name]["loss"], "sum") / comm.size for name, *_ in variants}
+    out = []
+    for name, _g, spec in variants:
+        run = runs[name]
+        if spec is not None:
+            s = st.get(run["comm"].name, {"raw": 0, "wire": 0})
+            raw, wire = s["raw"] / steps, s["wire"] / steps
+        else:
+            raw, wire = raw_bytes, (run["sent"] / steps if run["comm"] is not None else None)
+        gap = 100 * (loss[name] - loss["DDP loom"]) / loss["DDP loom"]
+        row = {"Test": name, "codec": spec or "none", "step_s": med[name], "speedup": med["DDP loom"] / med[name],
+               "raw_bytes_per_step": raw, "wire_bytes_per_step": wire, "loss": loss[name], "gap_pct": gap}
+        out.append(row)
+        table.add(name, med[name] * 1e3, row["speedup"], raw / 1e6, "-" if wire is None else wire / 1e6,
+                  f"{loss[name]:.6f}", f"{gap:+.3f}")
+    return out
 
 
 def _human(nbytes: int) -> str:

@@ -19,10 +19,11 @@ from .collectives import DEFAULT_MIN_BYTES
 from .collectives import allreduce as c_allreduce
 from .collectives import reset_stats, stats
 
-__all__ = ["allreduce_main", "parser"]
+__all__ = ["allreduce_main", "codec_arg", "parser"]
 
 
-def _codec_arg(text: str) -> str:
+def codec_arg(text: str) -> str:
+    """argparse ``type=`` for a codec spec (``int8``, ``int4:block=32``): the text, once :func:`get_codec` takes it."""
     try:
         get_codec(text)
     except (ValueError, TypeError, ImportError) as exc:
@@ -33,7 +34,7 @@ def _codec_arg(text: str) -> str:
 def parser() -> argparse.ArgumentParser:
     p = omb.parser("compress", "compressed allreduce (float32 sum) vs uncompressed, same run",
                    min_size=1024, max_size=1 << 22, vs=("none",), default_vs="none")
-    p.add_argument("--codec", required=True, type=_codec_arg,
+    p.add_argument("--codec", required=True, type=codec_arg,
                    help="codec name with options, e.g. int8, int4:block=32, zfp:rate=8")
     p.add_argument("--min-bytes", type=omb.parse_size, default=DEFAULT_MIN_BYTES,
                    help="messages below this go uncompressed")

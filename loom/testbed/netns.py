@@ -18,7 +18,8 @@ segment per rank: ``-n 1 ip netns exec {prefix}r{g} env MPIR_CVAR_NOLOCAL=1 ... 
 Hydra's own control traffic never needs the emulated network: the proxy runs in the host namespace and hands
 each rank its PMI connection as an inherited socketpair (``PMI_FD``), which crosses namespaces unharmed.
 ``MPIR_CVAR_NOLOCAL=1`` turns off MPICH's shared-memory path (otherwise ranks on "different nodes" would
-still talk through /dev/shm), and ``FI_TCP_IFACE=rail`` pins the OFI TCP provider to the rail NIC.
+still talk through /dev/shm), and ``FI_TCP_IFACE=rail`` pins the OFI TCP provider to the rail NIC
+(``GLOO_SOCKET_IFNAME=rail`` does the same for torch's gloo groups).
 
 Teardown (:meth:`Testbed.teardown`, run by ``with``, on exceptions, Ctrl-C and at interpreter exit): kill the
 launcher's process group, kill whatever still runs inside the testbed's namespaces, delete the namespaces
@@ -113,6 +114,7 @@ def rank_env(spec: TestbedSpec, rank: int, topology_file: str | None = None) -> 
         "MPIR_CVAR_CH4_NETMOD": "ofi",
         "FI_PROVIDER": "tcp",
         "FI_TCP_IFACE": RAIL_IFACE,  # the address peers connect to is the rail NIC's
+        "GLOO_SOCKET_IFNAME": RAIL_IFACE,  # torch's gloo too (it would look its host name up, which resolves nowhere)
         "LOOM_TESTBED_NODE": str(info.node),
         "LOOM_TESTBED_LOCAL_RANK": str(info.local_rank),
         "LOOM_TESTBED_RAIL": str(info.rail),

@@ -165,15 +165,51 @@ def mpi_rendezvous(url: str, timeout: datetime.timedelta = datetime.timedelta(mi
                              f"takes rank and size from MPI; pass neither, or launch with loom run / mpiexec")
     if comm.rank == 0:
         hosts = comm.allgather_object(socket.gethostname())
-        host = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostname()
-        store = dist.TCPStore(host, 0, comm.size, is_master=True, timeout=timeout, wait_for_workers=False)
-        comm.bcast_object((host, store.port), root=0)
+        # the server listens on every interface; the others are sent every address it may be reached by
+        store = dist.TCPStore("127.0.0.1", 0, comm.size, is_master=True, timeout=timeout, wait_for_workers=False)
+        comm.bcast_object((["127.0.0.1"] if len(set(hosts)) == 1 else _host_addresses(), store.port), root=0)
     else:
         comm.allgather_object(socket.gethostname())
-        host, port = comm.bcast_object(None, root=0)
-        store = dist.TCPStore(host, port, comm.size, is_master=False, timeout=timeout)
+        candidates, port = comm.bcast_object(None, root=0)
+        store = dist.TCPStore(_reachable(candidates, port), port, comm.size, is_master=False, timeout=timeout)
     yield store, comm.rank, comm.size
     raise RuntimeError("the loom backend's rendezvous cannot run again in one process")
+
+
+def _host_addresses() -> list[str]:
+    """How other hosts may reach this one: every non-loopback IPv4 address of its interfaces, then its name (a
+    name need not resolve elsewhere, its lookup may wait on an unreachable DNS server, or resolve to 127.0.1.1 as
+    /etc/hosts often says; so it comes last)."""
+    out: list[str] = []
+    try:
+        import fcntl
+        import struct
+
+        for _, name in socket.if_nameindex():
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:  # SIOCGIFADDR: the interface's IPv4 address
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                except OSError:  # no IPv4 address on it
+                    continue
+            addr = socket.inet_ntoa(packed[20:24])
+            if not addr.startswith("127.") and addr not in out:
+                out.append(addr)
+    except (ImportError, OSError):  # not Linux: the name only
+        pass
+    return [*out, socket.gethostname()]
+
+
+def _reachable(candidates: list[str], port: int, timeout: float = 5.0) -> str:
+    """The first of rank 0's ``candidates`` that accepts a TCP connection on ``port``."""
+    for host in candidates:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            return host
+        except OSError:
+            continue
+    raise RuntimeError(f"the loom backend's rendezvous: no address of rank 0 ({', '.join(candidates)}) accepts a "
+                       f"connection on port {port} from this host; set MASTER_ADDR and MASTER_PORT (with RANK and "
+                       f"WORLD_SIZE) to an address of rank 0 that the other hosts reach")
 
 
 def create_process_group(dist_opts, pg_opts=None) -> "LoomProcessGroup":

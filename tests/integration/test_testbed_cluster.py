@@ -45,7 +45,7 @@ def test_checks_on_testbed(nodes, per, rails):
         proc = tb.run([sys.executable, CHECKS], timeout=150, capture=True)
         prefix = tb.prefix
     assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
-    assert proc.stdout.count("PASS ") == 8, proc.stdout
+    assert proc.stdout.count("PASS ") == 9, proc.stdout
     _no_trace(prefix)
 
 

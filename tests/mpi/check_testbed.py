@@ -156,5 +156,27 @@ def check_two_rails_carry_twice_one_rail(comm):
     assert 1.6 <= ratio <= 2.4, (ratio, one, two)
 
 
+def check_torch_loom_backend_across_nodes(comm):
+    """init_process_group("loom") across the testbed's nodes, whose host names resolve nowhere: rank 0's store
+    is reached by an address of its interfaces; an allreduce over the loom backend and over a gloo group of the
+    same job (on the rail NIC: GLOO_SOCKET_IFNAME) are exact."""
+    import socket
+
+    import torch.distributed as dist
+
+    import loom  # noqa: F401 - registers the backend
+
+    names = comm.allgather_object(socket.gethostname())
+    assert len(set(names)) == len(_topology()["nodes"]) > 1, names
+    dist.init_process_group("loom")
+    try:
+        for group in (None, dist.new_group(backend="gloo")):
+            x = torch.full((1000,), float(comm.rank + 1), dtype=torch.float64)
+            dist.all_reduce(x, group=group)
+            assert torch.equal(x, torch.full_like(x, comm.size * (comm.size + 1) / 2))
+    finally:
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     mpi_checks(globals())

@@ -142,7 +142,8 @@ def test_probe_classes():
 def test_rank_env_and_mpmd_launch_line():
     spec = TestbedSpec(nodes=2, ranks_per_node=2, rails=2)
     env = rank_env(spec, 3, "/tmp/t.json")
-    assert env["FI_TCP_IFACE"] == "rail" and env["MPIR_CVAR_NOLOCAL"] == "1" and env["FI_PROVIDER"] == "tcp"
+    assert env["FI_TCP_IFACE"] == env["GLOO_SOCKET_IFNAME"] == "rail" and env["MPIR_CVAR_NOLOCAL"] == "1"
+    assert env["FI_PROVIDER"] == "tcp"
     assert (env["LOOM_TESTBED_NODE"], env["LOOM_TESTBED_LOCAL_RANK"], env["LOOM_TESTBED_RAIL"]) == ("1", "1", "1")
     tb = Testbed(spec)  # building needs root; describing the launch does not
     argv = tb.mpiexec_argv(["python", "x.py"], env={"A": "1"})

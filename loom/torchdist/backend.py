@@ -431,11 +431,12 @@ class LoomProcessGroup(dist.ProcessGroup):
         return _all(works)
 
     # -------------------------------------------------------------------- reductions
-    def _allreduce_one(self, t: torch.Tensor, op: str, factor: Any, opts: Any = None) -> LoomWork | None:
+    def _allreduce_one(self, t: torch.Tensor, op: str, factor: Any, opts: Any = None,
+                       key: tuple | None = None) -> LoomWork | None:
         if t.numel() == 0:
             return None
         if self._compresses(t, op):
-            self._compressed(t, op, factor)
+            self._compressed(t, op, factor, key)
             return None
         x, xop = _reducible(t, op, "all_reduce")
         if factor is not None:
@@ -478,12 +479,15 @@ class LoomProcessGroup(dist.ProcessGroup):
             out /= self.comm.size
         output.copy_(out.view(output.shape))
 
-    def _compressed(self, t: torch.Tensor, op: str, factor: Any) -> None:
-        """``t`` reduced in place by :func:`loom.compress.allreduce` with this group's codec (blocking)."""
+    def _compressed(self, t: torch.Tensor, op: str, factor: Any, key: tuple | None = None) -> None:
+        """``t`` reduced in place by :func:`loom.compress.allreduce` with this group's codec (blocking). Its
+        error-feedback residual is keyed by ``t``'s memory (a DDP bucket, a gradient: the same every step), or by
+        ``key`` where ``t`` is a fresh buffer (a coalesced call's flat copy: keyed by the tensors packed in it)."""
         from loom.compress import allreduce
 
         x = t if factor is None else _scale(t, factor)
-        out = allreduce(x, self.comm, self._codec, error_feedback=self._feedback, key=(t.data_ptr(), t.numel()))
+        key = key if key is not None else (t.data_ptr(), t.numel())
+        out = allreduce(x, self.comm, self._codec, error_feedback=self._feedback, key=key)
         if op == "avg":
             out /= self.comm.size
         t.copy_(out)
@@ -508,7 +512,8 @@ class LoomProcessGroup(dist.ProcessGroup):
                 for t, piece in zip(group, flat.split([t.numel() for t in group])):
                     t.copy_(piece.view(t.shape))
 
-            w = self._allreduce_one(flat, op, factor, opts)
+            key = ("coalesced", *((t.data_ptr(), t.numel()) for t in group))  # flat is new each call; they are not
+            w = self._allreduce_one(flat, op, factor, opts, key)
             if w is None:
                 unpack(None)
             else:

@@ -586,6 +586,16 @@ def check_compression_per_group_within_bound_and_exact_stays_exact(comm):
         assert torch.equal(y, sum(dyadic))
     assert lc.stats()["torch.mesh_zdp"]["calls"] == st["calls"], "an exact reduction was compressed"
     assert "torch.mesh_other" not in lc.stats()
+    # all_reduce_coalesced packs its tensors into a new flat buffer every call: its residual is keyed by the
+    # tensors packed, so two sets of one size keep a residual each, call after call (not one per buffer address)
+    fb = g._feedback
+    fb.reset()
+    sets = [[torch.randn(1 << 13, generator=gen, dtype=torch.float64) for _ in range(2)] for _ in range(2)]
+    for _ in range(3):
+        for ts in sets:
+            dist.all_reduce_coalesced(ts, group=g)
+    want_keys = {("coalesced", *((t.data_ptr(), t.numel()) for t in ts)) for ts in sets}
+    assert set(fb._res) == want_keys, (list(fb._res), want_keys)
 
     batches = _batches(r, 3, n=8)
 

@@ -144,6 +144,10 @@ _DECLARED = (
     # loom.torchdist
     Setting("torch_compress", "str", None, "codecs for the \"loom\" torch.distributed backend's allreduces, per "
             "group: GROUP=CODEC;GROUP=CODEC, GROUP a DeviceMesh dim name or world (e.g. dp=int8;tp=bf16)"),
+    Setting("torch_multipath", "str", None, "topologies under which the \"loom\" torch.distributed backend's "
+            "all_to_all_single goes through loom.multipath's planned relay paths, per group: GROUP=TOPOLOGY;..., "
+            "TOPOLOGY auto, a preset or a TOML file as in [multipath] topology, optionally :min_bytes=N (e.g. "
+            "ep=auto or ep=topo.toml:min_bytes=262144); groups of one node or one rail stay on MPI's alltoallv"),
     # loom.dask
     Setting("dask_spin_us", "float", None, "microseconds the Dask backend's poller tests at full speed after "
             "activity before backing off (unset: 1000 with a core per rank; when oversubscribed 0 with "

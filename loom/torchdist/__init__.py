@@ -11,7 +11,8 @@ and launching the script with ``loom run --ranks N script.py`` or ``mpiexec -n N
 * :mod:`loom.torchdist.backend`: the process group (:class:`~loom.torchdist.backend.LoomProcessGroup`), its work
   objects, and the creator torch calls for every group (the default one and each sub-group);
   :func:`set_compression` / ``LOOM_TORCH_COMPRESS`` choose a codec per group, :func:`exact` keeps reductions
-  uncompressed.
+  uncompressed; :func:`set_multipath` / ``LOOM_TORCH_MULTIPATH`` route a group's ``all_to_all_single`` over
+  loom.multipath's planned paths under a multi-rail topology.
 * :mod:`loom.torchdist.cli`: ``loom run --ranks N script.py``.
 
 Registration without weight: ``import loom`` must not import torch, and torch has no entry-point group for
@@ -28,7 +29,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-__all__ = ["BACKEND", "exact", "install", "register", "set_compression"]
+__all__ = ["BACKEND", "exact", "install", "register", "set_compression", "set_multipath"]
 
 BACKEND = "loom"
 _REGISTERED = False
@@ -67,8 +68,8 @@ def register() -> None:
 
 
 def __getattr__(name: str):
-    # torch and MPI load only when used: exact() and set_compression() live with the process group
-    if name in ("exact", "set_compression"):
+    # torch and MPI load only when used: exact(), set_compression() and set_multipath() live with the process group
+    if name in ("exact", "set_compression", "set_multipath"):
         from . import backend
 
         return getattr(backend, name)

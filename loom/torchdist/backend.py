@@ -38,6 +38,13 @@ name, applied by :func:`loom.compress.allreduce` to that group's floating SUM/AV
 :func:`loom.compress.reduce_scatter` to its floating SUM/AVG reduce-scatters (FSDP2's gradient reduction)
 outside :func:`exact`; all-gathers, all-to-alls and the rooted operations stay uncompressed.
 
+Multi-path all-to-all (:func:`set_multipath`, ``LOOM_TORCH_MULTIPATH``): a topology per group, keyed alike, in
+the vocabulary of loom's own MoE routing (``auto``, a preset, a TOML file); under one of several nodes and
+rails the group's ``all_to_all_single`` (MoE dispatch and combine) runs :func:`loom.multipath.alltoallv`.
+
+Work objects: ``wait(timeout)`` honours a ``timedelta`` or seconds as torch's works do (``RuntimeError`` naming
+the operation, the group and the timeout); the operation stays posted and a later ``wait`` completes it.
+
 Check mode (``LOOM_CHECK=1``) and the watchdog (``LOOM_TIMEOUT``) are loom.comm's: every collective here is a
 Communicator method, so a shape or dtype mismatch across ranks raises on every rank instead of hanging.
 """
@@ -45,6 +52,8 @@ Communicator method, so a shape or dtype mismatch across ranks raises on every r
 from __future__ import annotations
 
 import datetime
+import functools
+import math
 import socket
 import threading
 import time
@@ -58,7 +67,7 @@ from torch.futures import Future
 from loom.comm import ANY_SOURCE, Backoff, Communicator, ProgressThread, Request, wait_all, world
 
 __all__ = ["ASYNC_MIN_BYTES", "LoomProcessGroup", "LoomWork", "create_process_group", "exact", "mpi_rendezvous",
-           "set_compression"]
+           "set_compression", "set_multipath"]
 
 #: payloads at least this large are posted non-blocking and completed by the progress thread
 ASYNC_MIN_BYTES = 64 * 1024
@@ -70,6 +79,7 @@ _BOOL = {"sum": "max", "max": "max", "min": "min", "prod": "min"}  # or / and on
 _ENGINE: ProgressThread | None = None
 _POLICY: dict[str, str] | None = None  # group key -> codec spec (None: read LOOM_TORCH_COMPRESS when first needed)
 _EXACT = threading.local()
+_ROUTES: dict[str, tuple[str, int]] | None = None  # group key -> (topology spec, min_bytes) (set_multipath)
 
 
 def set_compression(policy: "dict[str, str] | str | None") -> None:
@@ -96,15 +106,14 @@ def set_compression(policy: "dict[str, str] | str | None") -> None:
         get_codec(spec)  # a bad codec name fails here, on every rank, not at the first step
 
 
-def _parse_policy(text: str, where: str) -> dict[str, str]:
+def _parse_policy(text: str, where: str, value: str = "CODEC", example: str = "dp=int8;tp=bf16") -> dict[str, str]:
     out: dict[str, str] = {}
     for item in filter(None, (x.strip() for x in text.split(";"))):
         key, eq, spec = item.partition("=")
         if not eq or not key.strip() or not spec.strip():
-            raise ValueError(f"{where}: {item!r} is not GROUP=CODEC; write e.g. dp=int8;tp=bf16")
+            raise ValueError(f"{where}: {item!r} is not GROUP={value}; write e.g. {example}")
         if "," in spec.partition(":")[0]:
-            raise ValueError(f"{where}: {item!r}: separate groups with ';' (codec options use ','), e.g. "
-                             f"dp=int8;tp=bf16")
+            raise ValueError(f"{where}: {item!r}: separate groups with ';' (options use ','), e.g. {example}")
         out[key.strip()] = spec.strip()
     return out
 
@@ -115,6 +124,62 @@ def _policy() -> dict[str, str]:
 
         set_compression(_parse_policy(settings.get("torch_compress") or "", "LOOM_TORCH_COMPRESS"))
     return _POLICY or {}
+
+
+def set_multipath(policy: "dict[str, str] | str | None") -> None:
+    """Topologies for the ``all_to_all_single`` of groups made from now on: ``{"ep": "auto"}`` or the text form
+    of ``LOOM_TORCH_MULTIPATH`` (``"ep=auto"``, ``"world=topo.toml:min_bytes=262144"``); ``None``/``{}`` for none.
+    Keys as :func:`set_compression`'s (DeviceMesh dim names, ``world``).
+
+    A topology is what loom's own MoE layers take (``[multipath] topology`` of ``loom train``,
+    :func:`loom.parallel.moe.use_multipath`): ``auto`` (found from the machine), a preset fitted to the group
+    (``testbed``, ``h100``, ...) or a TOML file, resolved for the group's ranks by
+    :func:`loom.multipath.detect.resolve` at the group's first ``all_to_all_single`` (collective, as every
+    collective of the group). ``min_bytes`` is the relay's per-pair threshold (default 1 MiB, as
+    ``[multipath] min_bytes``). Under a topology of several nodes and several rails the group's
+    ``all_to_all_single`` runs :func:`loom.multipath.alltoallv` (planned per call from the counts; pairs below
+    ``min_bytes`` and balanced traffic stay on their direct routes); otherwise, and for every group not listed,
+    MPI's alltoallv. The relay's bytes count in ``loom.stats`` (``comm`` kind) under the group's communicator
+    name (``torch.mesh_ep``), as ``send`` (every hop's point-to-point leg) and ``allgather`` (the agreement on
+    the counts) instead of ``alltoallv``.
+    """
+    _set_routes(policy, "set_multipath")
+
+
+def _set_routes(policy: "dict[str, str] | str | None", where: str) -> None:
+    global _ROUTES
+    raw = _parse_policy(policy, where, "TOPOLOGY", "ep=auto") if isinstance(policy, str) else dict(policy or {})
+    _ROUTES = {key: _route(spec, f"{where}: {key}={spec}") for key, spec in raw.items()}
+
+
+def _route(spec: str, where: str) -> tuple[str, int]:
+    """``(topology spec, min_bytes)`` of ``TOPOLOGY[:min_bytes=N]``, the topology checked without communicating
+    (``auto`` is found at the first all-to-all)."""
+    from loom.multipath.detect import resolve_fixed
+
+    topo, _, opts = spec.partition(":")
+    min_bytes = 1 << 20
+    for item in filter(None, (x.strip() for x in opts.split(","))):
+        key, eq, val = item.partition("=")
+        if key.strip() != "min_bytes" or not eq or not val.strip().isdigit():
+            raise ValueError(f"{where}: option {item!r} is not min_bytes=N (N >= 0 bytes); write e.g. "
+                             f"ep=auto:min_bytes=262144")
+        min_bytes = int(val)
+    topo = topo.strip()
+    if topo != "auto":
+        try:
+            resolve_fixed(topo)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    return topo, min_bytes
+
+
+def _routes() -> dict[str, tuple[str, int]]:
+    if _ROUTES is None:
+        from loom import settings
+
+        _set_routes(settings.get("torch_multipath") or "", "LOOM_TORCH_MULTIPATH")
+    return _ROUTES or {}
 
 
 class exact:
@@ -244,6 +309,9 @@ class LoomWork(dist.Work):
     ``result()`` gives the output tensors; ``_source_rank()`` the sender of a ``recv`` from any source.
     """
 
+    _op = "operation"  # torch's name of the operation and the group's, for messages (set by the process group)
+    _group = ""
+
     def __init__(self, outputs: list, fut: Future | None = None, source: int = -1):
         super().__init__()
         self._outputs = outputs
@@ -251,6 +319,20 @@ class LoomWork(dist.Work):
         self._source = source
 
     def wait(self, timeout=None) -> bool:
+        """Block until done and raise the operation's error. ``timeout``: a ``datetime.timedelta`` or seconds;
+        ``None`` or zero (torch's default, ``kNoTimeout``) waits for ever. Past it, ``RuntimeError`` naming the
+        operation and the timeout, as torch's works raise; the operation stays posted (a later ``wait``
+        completes it). Where MPI allows no progress thread, every operation completed before its work was
+        returned, so there is nothing to time out."""
+        seconds = _seconds(timeout)
+        if seconds and not self._fut.done():
+            done = threading.Event()
+            self._fut.add_done_callback(lambda _f: done.set())
+            if not done.wait(seconds):
+                peer = f" from rank {self._source}" if self._op == "recv" and self._source >= 0 else ""
+                raise RuntimeError(f"the loom backend's {self._op}{peer} on group {self._group!r} did not complete "
+                                   f"within the {seconds:g} s timeout given to wait(); it is still posted: wait "
+                                   f"again to complete it")
         self._fut.wait()
         return True
 
@@ -288,6 +370,17 @@ class LoomWork(dist.Work):
 
     def synchronize(self) -> None:
         self.wait()
+
+
+def _seconds(timeout: Any) -> float:
+    """``Work.wait``'s timeout in seconds (0: none, torch's ``kNoTimeout``)."""
+    if timeout is None:
+        return 0.0
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
+        raise ValueError(f"wait(timeout={timeout!r}): give a datetime.timedelta or seconds >= 0 (0 or None: no "
+                         f"timeout)")
+    return float(seconds)
 
 
 def _later(req: Request, outputs: list, after: Callable[[Any], None] | None = None) -> LoomWork:
@@ -390,6 +483,8 @@ class LoomProcessGroup(dist.ProcessGroup):
         self._codec = None  # this group's codec under the compression policy (set_compression), from its name
         self._feedback = None
         self._rs_task, self._rs_seen = -1, {}  # the backward pass of the last reduce-scatter; calls per shape in it
+        self._route: tuple[str, int] | None = None  # (topology spec, min_bytes) under set_multipath, until resolved
+        self._relay: dict[str, Any] | None = None  # loom.multipath.alltoallv's keywords once resolved
 
     # -------------------------------------------------------------------- identity (torch reads these)
     def getBackendName(self) -> str:
@@ -414,6 +509,25 @@ class LoomProcessGroup(dist.ProcessGroup):
             from loom.compress import ErrorFeedback, get_codec
 
             self._codec, self._feedback = get_codec(spec), ErrorFeedback()
+        if self.comm.size > 1:
+            self._route = _routes().get(key)
+
+    def _multipath(self) -> dict[str, Any] | None:
+        """The relay all-to-allv's keywords for this group (its topology resolved at the first call, on every
+        rank alike), or None: no topology for the group, or one of a single node or a single rail."""
+        if self._route is not None:
+            spec, min_bytes = self._route
+            self._route = None
+            from loom.multipath.detect import resolve
+
+            try:
+                topo = resolve(spec, self.comm)
+            except ValueError as exc:
+                raise ValueError(f"multipath topology {spec!r} of group {self.comm.name!r} (set_multipath, "
+                                 f"LOOM_TORCH_MULTIPATH): {exc}") from None
+            if topo.nodes > 1 and topo.rails > 1:
+                self._relay = {"topology": topo, "min_bytes": min_bytes}
+        return self._relay
 
     def __repr__(self) -> str:
         return f"LoomProcessGroup({self.comm!r}, name={self._name!r}, desc={self._desc!r})"
@@ -644,7 +758,9 @@ class LoomProcessGroup(dist.ProcessGroup):
         return self.allgather(output_lists, inputs, opts)
 
     def all_to_all_single(self, output, inp, output_splits, input_splits, opts=None) -> LoomWork:
-        """Even or uneven: the splits count rows of dim 0 (empty: equal parts)."""
+        """Even or uneven: the splits count rows of dim 0 (empty: equal parts). Under a multi-rail topology
+        (:func:`set_multipath`) through :func:`loom.multipath.alltoallv`, which runs on the caller's thread
+        (its relays forward in Python) and returns completed work even when asked asynchronously."""
         p = self.comm.size
         if output.dtype != inp.dtype:
             raise TypeError(f"all_to_all_single: output dtype {output.dtype} differs from the input's {inp.dtype}")
@@ -655,11 +771,21 @@ class LoomProcessGroup(dist.ProcessGroup):
         if sum(sc) != n_in or sum(rc) != n_out or len(sc) != p or len(rc) != p:
             raise ValueError(f"all_to_all_single: input splits {sc} / output splits {rc} must have {p} entries "
                              f"summing to dim 0 of the input ({n_in}) / output ({n_out})")
-        x = _unaliased(_flat_rows(inp, n_in), output)
+        # rows of the trailing dims' width, the same on every rank (a rank with no rows to send still joins)
+        x = _unaliased(inp.reshape(n_in, math.prod(inp.shape[1:])), output)
         if x.shape[1] == 0:
             return self._record(LoomWork([output]))
         back = _into(output)
-        if _big(x, opts):
+        relay = self._multipath()
+        if relay is not None:  # several nodes and rails: planned paths, relays forwarding (on this thread)
+            from loom.multipath import alltoallv
+
+            back(alltoallv(x, sc, self.comm, rc, **relay)[0])
+            return self._record(LoomWork([output]))
+        # Posted or blocking alike on every rank (MPI matches no blocking collective with a non-blocking one):
+        # uneven splits send different sizes from each rank, so they choose by the caller's asyncOp alone.
+        uneven = bool(len(input_splits) or len(output_splits))
+        if _big(x, opts) if not uneven else getattr(opts, "asyncOp", True) and _engine() is not None:
             return self._record(_later(self.comm.ialltoallv(x, sc, rc), [output], lambda r: back(r[0])))
         back(self.comm.alltoallv(x, sc, rc)[0])
         return self._record(LoomWork([output]))
@@ -795,3 +921,35 @@ def _all(works: list[LoomWork], outputs: list | None = None) -> LoomWork:
     fut = torch.futures.collect_all([w.get_future() for w in works])
     return LoomWork(outputs, fut.then(lambda f: ([x.wait() for x in f.value()], outputs)[1]))
 
+
+
+#: torch's names of the process group's operations: a work names its operation when its wait times out
+_OP_NAMES = {
+    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced", "reduce": "reduce",
+    "reduce_scatter_single": "reduce_scatter_tensor", "_reduce_scatter_base": "reduce_scatter_tensor",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced", "reduce_scatter": "reduce_scatter",
+    "all_gather_single": "all_gather_into_tensor", "_allgather_base": "all_gather_into_tensor",
+    "all_gather_single_coalesced": "all_gather_into_tensor_coalesced",
+    "allgather_into_tensor_coalesced": "all_gather_into_tensor_coalesced", "allgather": "all_gather",
+    "allgather_coalesced": "all_gather_coalesced", "all_to_all_single": "all_to_all_single",
+    "alltoall_base": "all_to_all_single", "alltoall": "all_to_all", "broadcast": "broadcast", "gather": "gather",
+    "scatter": "scatter", "barrier": "barrier", "send": "send", "recv": "recv", "recv_anysource": "recv",
+    "recvAnysource": "recv", "end_coalescing": "coalesced operations",
+}
+
+
+def _naming(method: Callable, op: str) -> Callable:
+    """``method`` whose work carries the operation's and the group's names."""
+    @functools.wraps(method)
+    def named(self, *args, **kwargs):
+        work = method(self, *args, **kwargs)
+        work._op, work._group = op, self.comm.name
+        return work
+    return named
+
+
+for _method, _name in _OP_NAMES.items():
+    if _method in LoomProcessGroup.__dict__:
+        setattr(LoomProcessGroup, _method, _naming(LoomProcessGroup.__dict__[_method], _name))
+del _method, _name

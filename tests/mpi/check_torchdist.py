@@ -688,6 +688,104 @@ def check_compressed_reduce_scatter_and_fsdp2_under_a_dp_policy(comm):
         assert (a - b).abs().max() <= 1e-3, (a - b).abs().max()
 
 
+def check_all_to_all_single_through_the_multipath_relay_matches_gloo(comm):
+    """A group under ``zmp=testbed`` (4 ranks: the 2-node x 2-rail testbed, declared, no root needed; 2 ranks: one
+    node, so MPI's alltoallv): uneven all_to_all_single with a hot pair, every dtype, contiguous or not, equals
+    gloo's (fp64, int32) and the plain loom world group's (all); at 4 ranks the relay moved it (point-to-point
+    legs, relayed bytes sent twice, no alltoallv), at 2 ranks MPI's alltoallv did."""
+    from loom import torchdist
+    from loom.comm import stats as comm_stats
+
+    loom_g, gloo_g = _groups()
+    p, r = comm.size, comm.rank
+    for bad, why in (("zmp=nosuch", "nosuch"), ("zmp=testbed:min=3", "min_bytes=N"), ("zmp", "GROUP=TOPOLOGY")):
+        try:
+            torchdist.set_multipath(bad)
+        except ValueError as exc:
+            assert why in str(exc), exc
+        else:
+            raise AssertionError(f"set_multipath({bad!r}) did not raise")
+    torchdist.set_multipath("zmp=testbed:min_bytes=1024")
+    try:
+        g = dist.new_group(list(range(p)), group_desc="mesh_zmp")
+    finally:
+        torchdist.set_multipath(None)
+    shared = torch.Generator().manual_seed(41)  # the counts matrix, the same on every rank
+    gen = torch.Generator().manual_seed(400 + r)
+    relayed = 4 if p == 4 else 2  # the testbed's hot pair crosses nodes and rails: rank 0 -> rank 3
+    for dtype in (torch.float64, torch.int32, torch.bool, torch.bfloat16, torch.float32):
+        counts = torch.randint(0, 4, (p, p), generator=shared)
+        counts[0, relayed - 1] += 1024  # 8 KiB of bool rows of 8, 64 KiB of fp64: above min_bytes
+        if dtype == torch.bool:
+            counts[p - 1] = 0  # a rank that sends nothing still joins
+        send, recv = counts[r].tolist(), counts[:, r].tolist()
+        x = _rand((sum(send), 8), dtype, gen)
+        for layout in ("contiguous", "transposed"):
+            def a2a(group):
+                inp = x if layout == "contiguous" else x.t().contiguous().t()
+                out = torch.zeros((sum(recv), 8), dtype=dtype)
+                _wait(dist.all_to_all_single(out, inp, output_split_sizes=recv, input_split_sizes=send, group=group,
+                                             async_op=layout == "transposed"))
+                return out
+            before = dict(comm_stats().get("torch.mesh_zmp", {}))
+            got = a2a(g)
+            after = comm_stats()["torch.mesh_zmp"]
+            sent = after.get("send", 0) - before.get("send", 0)
+            plain = after.get("alltoallv", 0) - before.get("alltoallv", 0)
+            _same(got, a2a(loom_g), f"all_to_all_single multipath {dtype} {layout} vs the plain path")
+            if dtype in (torch.float64, torch.int32) and layout == "contiguous":  # gloo: contiguous only
+                _same(got, a2a(gloo_g), f"all_to_all_single multipath {dtype} {layout} vs gloo")
+            payload = (counts.sum() - counts.diagonal().sum()).item() * 8 * x.element_size()
+            total = comm.allreduce(torch.tensor([sent, plain], dtype=torch.int64), "sum").tolist()
+            if p == 4:  # every off-node byte of the hot pair relayed: sent twice
+                assert total[1] == 0 and total[0] > payload, (dtype, total, payload)
+            else:
+                assert total[0] == 0 and total[1] == payload, (dtype, total, payload)
+    # an even split of an empty row width and of zero rows: nothing to move, nothing raised
+    for shape in ((0, 8), (4 * p, 0)):
+        out = torch.empty(shape, dtype=torch.float64)
+        dist.all_to_all_single(out, torch.ones(shape, dtype=torch.float64), group=g)
+
+
+def check_wait_timeout_raises_then_the_exchange_completes(comm):
+    """A recv whose sender has not sent: wait(timeout) raises RuntimeError naming recv, the group and the
+    timeout (a timedelta, then seconds), the recv stays posted; after the sender sends, wait() completes it."""
+    import datetime
+
+    _groups()
+    p, r = comm.size, comm.rank
+    if r == 0:
+        buf = torch.zeros(5, dtype=torch.float64)
+        work = dist.irecv(buf, src=p - 1, tag=3)
+        for timeout in (datetime.timedelta(milliseconds=200), 0.1):
+            try:
+                work.wait(timeout=timeout)
+            except RuntimeError as exc:
+                msg = str(exc)
+                assert f"recv from rank {p - 1}" in msg and "'torch'" in msg and "timeout" in msg, msg
+                assert f"{timeout.total_seconds() if hasattr(timeout, 'total_seconds') else timeout:g} s" in msg, msg
+            else:
+                raise AssertionError(f"wait(timeout={timeout!r}) on a recv never sent returned")
+            assert not work.is_completed()
+        try:
+            work.wait(timeout=-1)
+        except ValueError as exc:
+            assert "timeout=-1" in str(exc), exc
+        else:
+            raise AssertionError("wait(timeout=-1) did not raise")
+    dist.barrier()
+    if r == p - 1:
+        dist.send(torch.arange(5, dtype=torch.float64), 0, tag=3)
+    if r == 0:
+        assert work.wait(timeout=datetime.timedelta(seconds=600))
+        assert torch.equal(buf, torch.arange(5, dtype=torch.float64))
+        done = dist.all_reduce(torch.ones(1), async_op=True)
+        assert done.wait(timeout=datetime.timedelta(0)) and done.wait(timeout=0.01)
+    else:
+        dist.all_reduce(torch.ones(1))
+    dist.barrier()
+
+
 # ---------------------------------------------------------------------------------------------- errors
 def check_unsupported_op_and_mismatch_raise_on_every_rank(comm):
     _groups()

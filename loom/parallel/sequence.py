@@ -838,8 +838,9 @@ class FPDTRingPipeline(FPDTPipeline):
     q chunk to each K/V chunk of ring group ``j - t`` while that chunk goes on to group ``j + 1`` and the next
     group's arrives (isend/irecv, into the store), merging into per-q-chunk (out, log-sum-exp) accumulators
     kept in the store; the outputs are complete after the last step, and go back through the all-to-all.
-    Backward mirrors it with the (dk, dv) accumulator of each K/V chunk travelling one step behind it, as in
-    :class:`_RingAttention`. Zig-zag blocks: ring group ``j``'s chunk sequence is its ``[front, back]``, so
+    Backward mirrors it, each K/V chunk's (dk, dv) accumulator going on with it once this rank's blocks are
+    added (sent after the chunk's blocks, waited after the next chunk's, kept in the store till the next step:
+    two in flight at most, never one per chunk). Zig-zag blocks: ring group ``j``'s chunk sequence is its ``[front, back]``, so
     an earlier group's K/V chunks are seen up to its front half, a later group's by this group's back half.
 
     Args:

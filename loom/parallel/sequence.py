@@ -840,8 +840,9 @@ class FPDTRingPipeline(FPDTPipeline):
     kept in the store; the outputs are complete after the last step, and go back through the all-to-all.
     Backward mirrors it, each K/V chunk's (dk, dv) accumulator going on with it once this rank's blocks are
     added (sent after the chunk's blocks, waited after the next chunk's, kept in the store till the next step:
-    two in flight at most, never one per chunk). Zig-zag blocks: ring group ``j``'s chunk sequence is its ``[front, back]``, so
-    an earlier group's K/V chunks are seen up to its front half, a later group's by this group's back half.
+    two in flight at most, never one per chunk). Zig-zag blocks: ring group ``j``'s chunk sequence is its
+    ``[front, back]``, so an earlier group's K/V chunks are seen up to its front half, a later group's by this
+    group's back half.
 
     Args:
         comm: the sequence-parallel communicator (``U x R`` ranks, :func:`ring_groups`).

@@ -30,8 +30,9 @@ With ``--ring R`` (2-D sequence parallelism, for heads too few for Ulysses over 
 above run at ``sp = P / R`` with ``R`` data-parallel replicas on the same ranks (each replica its own
 sequence, the per-rank budget unchanged), and one more row, ``FPDT x ring R``, runs full FPDT at ``sp = P``:
 ``R`` Ulysses groups of ``P / R`` ranks with ring attention across them
-(:class:`loom.parallel.sequence.FPDTRingPipeline`). Then, at FPDT's longest length: time per token of FPDT
-(``sp = P / R`` x ``dp = R``: ``R`` sequences per step) and of FPDT x ring (one sequence over ``P`` ranks).
+(:class:`loom.parallel.sequence.FPDTRingPipeline`). Then, at FPDT's longest length (rounded down to a multiple
+of ``P x --attn-chunk``, so that both lay out whole attention chunks): time per token of FPDT (``sp = P / R`` x
+``dp = R``: ``R`` sequences per step) and of FPDT x ring (one sequence over ``P`` ranks).
 Times are forward + backward only (no gradient reduction over sp or dp, as in every row).
 
 With ``--offload-checkpoints`` one more row, ``ulysses, ckpt on host``, follows ``ulysses``: the same
@@ -570,6 +571,11 @@ def _ring_rows(args, run: _Runner, results: dict[str, Any], fpdt: str, cap: int)
     p, dp = comm.size // ring, ring
     seq_fp = results[fpdt]["max_seq"]
     unit = math.lcm(_granule(args, p, fpdt), _granule(args, comm.size, rs))
+    if args.attn_chunk % args.chunk == 0:
+        # Whole --attn-chunk chunks in both rows: at a length whose FFN chunk count has no divisor near the wanted
+        # attention chunk count (chunk_counts), every attention chunk is one --chunk chunk, half as long, and a
+        # row does 4x the attention blocks per token (2624 tokens at 4 ranks: 41 chunks of 16 for the ring).
+        unit = math.lcm(unit, comm.size * args.attn_chunk)
     seq_eq = max(unit, seq_fp // unit * unit)
     secs = {st: min(run.step(st, seq_eq, measure=False)["secs"] for _ in range(max(1, args.repeats)))
             for st in (fpdt, rs)}

@@ -581,6 +581,13 @@ def _ring_wait(reqs) -> torch.Tensor:
     return nxt
 
 
+def _ring_take(reqs) -> torch.Tensor:
+    """What a :func:`_ring_pass` received, its send and receive done (not counted as a K/V pass)."""
+    pending, nxt = reqs
+    _wait_all(pending)
+    return nxt
+
+
 def _wait_all(reqs) -> None:
     for q in reqs:
         q.wait()
@@ -841,9 +848,11 @@ class FPDTRingPipeline(FPDTPipeline):
     q chunk to each K/V chunk of ring group ``j - t`` while that chunk goes on to group ``j + 1`` and the next
     group's arrives (isend/irecv, into the store), merging into per-q-chunk (out, log-sum-exp) accumulators
     kept in the store; the outputs are complete after the last step, and go back through the all-to-all.
-    Backward mirrors it with the (dk, dv) accumulator of each K/V chunk travelling one step behind it, as in
-    :class:`_RingAttention`. Zig-zag blocks: ring group ``j``'s chunk sequence is its ``[front, back]``, so
-    an earlier group's K/V chunks are seen up to its front half, a later group's by this group's back half.
+    Backward mirrors it, each K/V chunk's (dk, dv) accumulator going on with it once this rank's blocks are
+    added (sent after the chunk's blocks, waited after the next chunk's, kept in the store till the next step:
+    two in flight at most, never one per chunk). Zig-zag blocks: ring group ``j``'s chunk sequence is its
+    ``[front, back]``, so an earlier group's K/V chunks are seen up to its front half, a later group's by this
+    group's back half.
     Packed documents: every group's ``[front, back]`` document ids are known to every rank (one allgather, as
     :func:`ring_attention`), so a visiting K/V chunk's ids are looked up by its group and chunk index beside it;
     blocks that no query can see are skipped.
@@ -946,18 +955,17 @@ class FPDTRingPipeline(FPDTPipeline):
         r, j = rc.size, rc.rank
         hdo = self._emit_dout(get_dout)
         k0 = store.get(self.hk[0])
-        rows, dtype, acc, shape, dev = k0.shape[2], k0.dtype, _acc_dtype(k0.dtype), (2, *k0.shape), k0.device
+        rows, dtype, acc, shape = k0.shape[2], k0.dtype, _acc_dtype(k0.dtype), (2, *k0.shape)
         del k0
         hdq: list[int | None] = [None] * u
         kvs = list(zip(self.hk, self.hv))
-        sent: list = [None] * u
+        hacc: list[int | None] = [None] * u  # the (dk, dv) accumulator of each K/V chunk held, in the store
         for t in range(r):
-            src, nxt = (j - t) % r, []
+            src, nxt, nacc, pending = (j - t) % r, [], [], None
             for b in range(u):
                 kb, vb = store.get(kvs[b][0]), store.get(kvs[b][1])
                 reqs = _ring_pass(rc, torch.stack([kb, vb]), 0) if t + 1 < r else None
-                incoming = rc.irecv(torch.empty(shape, dtype=acc, device=kb.device), (j - 1) % r, 1) if t else None
-                dkv = torch.zeros(shape, dtype=acc, device=kb.device)
+                dkv = torch.zeros(shape, dtype=acc, device=kb.device) if hacc[b] is None else store.pop(hacc[b])
                 for a in range(u):
                     blk = self._blk(src, a, b, rows)
                     if blk is None:
@@ -975,20 +983,25 @@ class FPDTRingPipeline(FPDTPipeline):
                     dkv[0][:, :, cb] += g_k
                     dkv[1][:, :, cb] += g_v
                     del qa, oa, la, doa, g_q, g_k, g_v, dq
-                if incoming is not None:
-                    dkv += incoming.wait()
-                if sent[b] is not None:
-                    sent[b].wait()
-                sent[b] = rc.isend(dkv, (j + 1) % r, 1)
-                del kb, vb, dkv
+                del kb, vb
+                # The accumulator goes on with its K/V chunk and the previous rank's comes in with the next one;
+                # waited one chunk later (overlapping the next chunk's blocks), kept in the store till the next
+                # step: at most two in flight, not one per chunk.
+                sent = _ring_pass(rc, dkv, 1)
+                del dkv
                 _ring_hand_over(store, kvs[b], t > 0, reqs, nxt)
-            kvs = nxt
+                if pending is not None:
+                    nacc.append(store.put(_ring_take(pending)))
+                pending = sent
+            nacc.append(store.put(_ring_take(pending)))
+            hacc, kvs = nacc, nxt
         for b in range(u):  # after R passes each accumulator is back at its owner
-            mine = rc.irecv(torch.empty(shape, dtype=acc, device=dev), (j - 1) % r, 1).wait()
-            sent[b].wait()
+            mine = store.pop(hacc[b])
             sends = [store.pop(hdq[b]).to(dtype).transpose(1, 2), *(self._fold_kv(g).to(dtype).transpose(1, 2)
                                                                    for g in (mine[0], mine[1]))]
+            del mine
             dq_b, dk_b, dv_b = _h2s(sends, self.comm, self.qkvc)
+            del sends
             emit_grads(b, dq_b, dk_b, dv_b)
         self.release()
         for h in hdo:

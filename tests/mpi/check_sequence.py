@@ -473,5 +473,26 @@ def check_fpdt_memory_linear(comm):
         blocks.TILE = tile
 
 
+def check_fpdt_ring_memory_linear(comm):
+    """FPDT x ring 2 (`loom bench seqlen --ring 2`'s runner, 2 heads, 1 kv head; ring 2 x Ulysses 1 at 2 ranks,
+    x Ulysses 2 at 4): peak per rank (max over ranks) grows by the same amount per token from S to 2S and 2S
+    to 4S (within 10 %), and at 2S it is at most FPDT's at S on P / 2 ranks x 2 replicas (+1 %): the ring
+    halves each rank's share and adds no sequence-sized term. A small vocabulary, so that the attention
+    backward, not the LM head, sets the peak."""
+    if comm.size % 2:
+        return
+    from loom.bench import seqlen
+
+    args = seqlen.parser().parse_args(["--ring", "2", "--layers", "1", "--hidden", "32", "--heads", "2",
+                                       "--kv-heads", "1", "--vocab", "64", "--chunk", "16", "--attn-chunk", "32"])
+    run = seqlen._Runner(args, comm)
+    s = 128 * comm.size
+    peaks = [run.step(seqlen.ring_step(2), n)["peak"] for n in (s, 2 * s, 4 * s)]
+    d1, d2 = peaks[1] - peaks[0], peaks[2] - peaks[1]
+    assert abs(d2 / 2 - d1) <= 0.1 * d1, peaks
+    fpdt = run.step(seqlen.STEPS[-1], s)["peak"]
+    assert peaks[1] <= 1.01 * fpdt, (peaks, fpdt)
+
+
 if __name__ == "__main__":
     mpi_checks(globals())

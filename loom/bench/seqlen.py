@@ -272,7 +272,8 @@ class _Runner:
             raise SystemExit(f"loom bench seqlen: {step} does not fit even {s1} tokens in {budget} bytes per rank; "
                              f"raise --budget or lower --chunk/--attn-chunk")
         lo, hi = s1, None
-        fits(2 * gran)
+        if 2 * gran <= max_seq:  # the second probe of the slope, not past --max-seq
+            fits(2 * gran)
 
         def rnd(x: float) -> int:
             return int(x) // gran * gran

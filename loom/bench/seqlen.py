@@ -9,11 +9,14 @@ whose per-rank peak memory (max over ranks) stays within ``--budget``. Memory is
 Search plan per configuration: two cheap probes at small lengths give the slope of peak memory in the
 sequence length; the secant through the two longest fitting lengths predicts the crossing with the budget
 (at most 4x further) until a length does not fit, then linear interpolation inside the bracket until it is
-within ``max(step, 1/32)`` of the length. The peak grows with the length only at a fixed number of attention
-chunks (each holds at most ``--attn-chunk`` tokens per rank, so one more chunk shrinks every block): before
-the attention-pipeline rows stop, the first lengths of the next two chunk counts are run too, and the search
-goes on above any that fits. Every reported length was actually run and fit; the next step up was run and
-did not (or hit ``--max-seq``, or ``--max-ratio`` times the first row's length).
+within ``max(step, 1/32)`` of the length. The attention-pipeline rows (FPDT's and FPDT x ring's) step by
+whole ``--attn-chunk`` chunks per rank (``ranks x --attn-chunk`` tokens, and whole ``--chunk`` chunks), so that
+every length they run lays out full-size attention chunks (:func:`_search_step`). The peak grows with the
+length only at a fixed number of attention chunks (each holds at most ``--attn-chunk`` tokens per rank, so one
+more chunk shrinks every block): before the attention-pipeline rows stop, the first lengths of the next two
+chunk counts are run too, and the search goes on above any that fits. Every reported length was actually run
+and fit; the next step up was run and did not (or hit ``--max-seq``, or ``--max-ratio`` times the first row's
+length).
 
 With ``--json`` the document is rewritten after every probe (``meta.partial`` true, the finished rows'
 ``results`` and every probe so far under ``meta.probes``), so a run stopped by a time limit still leaves the
@@ -155,6 +158,18 @@ def _granule(args, p: int, step: str) -> int:
     return p * (16 if step in (STEPS[0], CKPT_STEP) else args.chunk)
 
 
+def _search_step(args, p: int, step: str) -> int:
+    """The length search's step: :func:`_granule`, and for the attention-pipeline rows (FPDT's and the ring's
+    alike) also whole ``--attn-chunk`` chunks per rank, so that every length they run lays out full-size
+    attention chunks and their figures stay comparable (:func:`chunk_counts`: a per-rank ``--chunk`` count with
+    no divisor near the wanted attention chunk count falls back to ``--chunk``-token attention chunks, 4x the
+    blocks per token at half the size)."""
+    gran = _granule(args, p, step)
+    if step in STEPS[3:] or step == ring_step(args.ring):
+        return math.lcm(gran, p * args.attn_chunk)
+    return gran
+
+
 def equal_length(seq: int, args, p: int, steps: list[str]) -> int:
     """The length at which ``steps`` are timed side by side: ``seq`` (Ulysses' longest) rounded down to a length
     every configuration can lay out (a multiple of each one's search granule), at least one such unit; the
@@ -237,7 +252,7 @@ class _Runner:
         the number of probes run; ``fine``: to within one search step (else ``1/32`` of the length)."""
         args, p = self.args, self.sp_comm(step).size
         max_seq = args.max_seq if max_seq is None else max_seq
-        gran = _granule(args, p, step)
+        gran = _search_step(args, p, step)
         budget = args.budget
         seen: dict[int, dict[str, float]] = {}
 
@@ -257,7 +272,8 @@ class _Runner:
             raise SystemExit(f"loom bench seqlen: {step} does not fit even {s1} tokens in {budget} bytes per rank; "
                              f"raise --budget or lower --chunk/--attn-chunk")
         lo, hi = s1, None
-        fits(2 * gran)
+        if 2 * gran <= max_seq:  # the second probe of the slope, not past --max-seq
+            fits(2 * gran)
 
         def rnd(x: float) -> int:
             return int(x) // gran * gran
@@ -570,12 +586,10 @@ def _ring_rows(args, run: _Runner, results: dict[str, Any], fpdt: str, cap: int)
     rs = ring_step(ring)
     p, dp = comm.size // ring, ring
     seq_fp = results[fpdt]["max_seq"]
-    unit = math.lcm(_granule(args, p, fpdt), _granule(args, comm.size, rs))
-    if args.attn_chunk % args.chunk == 0:
-        # Whole --attn-chunk chunks in both rows: at a length whose FFN chunk count has no divisor near the wanted
-        # attention chunk count (chunk_counts), every attention chunk is one --chunk chunk, half as long, and a
-        # row does 4x the attention blocks per token (2624 tokens at 4 ranks: 41 chunks of 16 for the ring).
-        unit = math.lcm(unit, comm.size * args.attn_chunk)
+    # whole --attn-chunk chunks in both rows (_search_step): at a length whose FFN chunk count has no divisor near
+    # the wanted attention chunk count (chunk_counts), every attention chunk is one --chunk chunk, half as long,
+    # and a row does 4x the attention blocks per token (2624 tokens at 4 ranks: 41 chunks of 16 for the ring)
+    unit = math.lcm(_search_step(args, p, fpdt), _search_step(args, comm.size, rs))
     seq_eq = max(unit, seq_fp // unit * unit)
     secs = {st: min(run.step(st, seq_eq, measure=False)["secs"] for _ in range(max(1, args.repeats)))
             for st in (fpdt, rs)}

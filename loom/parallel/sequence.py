@@ -846,13 +846,16 @@ class FPDTRingPipeline(FPDTPipeline):
     Forward: every local chunk's (q, k, v) goes through the group's all-to-all into the chunk store (FPDT).
     Then ``R`` ring steps, K/V chunk outer and q chunk inner (as FPDT's backward): step ``t`` attends every
     q chunk to each K/V chunk of ring group ``j - t`` while that chunk goes on to group ``j + 1`` and the next
-    group's arrives (isend/irecv, into the store), merging into per-q-chunk (out, log-sum-exp) accumulators
-    kept in the store; the outputs are complete after the last step, and go back through the all-to-all.
-    Backward mirrors it, each K/V chunk's (dk, dv) accumulator going on with it once this rank's blocks are
-    added (sent after the chunk's blocks, waited after the next chunk's, kept in the store till the next step:
-    two in flight at most, never one per chunk). Zig-zag blocks: ring group ``j``'s chunk sequence is its
-    ``[front, back]``, so an earlier group's K/V chunks are seen up to its front half, a later group's by this
-    group's back half.
+    group's arrives (isend/irecv posted before the chunk's blocks and waited after the next chunk's, into the
+    store: two passes in flight at most), merging into per-q-chunk (out, log-sum-exp) accumulators held on the
+    device through the steps (as FPDT holds one q chunk's: no store round trip per block; together one fp32
+    copy of the rank's attention output, below the step's peak, which ``check_fpdt_ring_memory_linear`` bounds
+    by FPDT's); the outputs are complete after the last step, and go back through the all-to-all.
+    Backward mirrors it (K/V passes waited one chunk later alike), each K/V chunk's (dk, dv) accumulator going
+    on with it once this rank's blocks are added (sent after the chunk's blocks, waited after the next chunk's,
+    kept in the store till the next step: two in flight at most, never one per chunk). Zig-zag blocks: ring
+    group ``j``'s chunk sequence is its ``[front, back]``, so an earlier group's K/V chunks are seen up to its
+    front half, a later group's by this group's back half.
     Packed documents: every group's ``[front, back]`` document ids are known to every rank (one allgather, as
     :func:`ring_attention`), so a visiting K/V chunk's ids are looked up by its group and chunk index beside it;
     blocks that no query can see are skipped.
@@ -915,10 +918,12 @@ class FPDTRingPipeline(FPDTPipeline):
             qi, _, _ = self._scatter(get_qkv(i))
         rows, dtype = qi.shape[2], qi.dtype
         del qi
-        hacc: list[tuple[int, int] | None] = [None] * u
+        # (out, log-sum-exp) accumulator of every q chunk, on the device through the ring steps (as FPDT keeps
+        # one q chunk's while it meets every K/V chunk): no store round trip per block.
+        acc: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * u
         kvs = list(zip(self.hk, self.hv))
         for t in range(r):
-            src, nxt = (j - t) % r, []
+            src, nxt, pending = (j - t) % r, [], None
             for b in range(u):
                 kb, vb = store.get(kvs[b][0]), store.get(kvs[b][1])
                 reqs = _ring_pass(rc, torch.stack([kb, vb]), 0) if t + 1 < r else None
@@ -931,22 +936,28 @@ class FPDTRingPipeline(FPDTPipeline):
                     o, lse = _block_forward(qa[:, :, ra], kb[:, :, cb], vb[:, :, cb], diag, self.scale, self.kernel,
                                             bd)
                     del qa
-                    if hacc[a] is None:  # the first block of every q chunk covers all its rows
-                        o_acc, l_acc = _merge(None, None, o, lse)
-                        hacc[a] = (store.put(o_acc), store.put(l_acc))
+                    if acc[a] is None:  # the first block of every q chunk covers all its rows
+                        acc[a] = _merge(None, None, o, lse)
                     else:
-                        o_acc, l_acc = store.get(hacc[a][0]), store.get(hacc[a][1])
+                        o_acc, l_acc = acc[a]
                         o_acc[:, :, ra], l_acc[:, :, ra] = _merge(o_acc[:, :, ra], l_acc[:, :, ra], o, lse)
-                        store.replace(hacc[a][0], o_acc)
-                        store.replace(hacc[a][1], l_acc)
-                    del o, lse, o_acc, l_acc
+                        del o_acc, l_acc
+                    del o, lse
                 del kb, vb
-                _ring_hand_over(store, kvs[b], t > 0, reqs, nxt)  # a visiting chunk freed, the next one kept
+                # a visiting chunk freed; the chunk the ring brings in is waited one chunk later (overlapping
+                # the next chunk's blocks: two passes in flight at most), kept for the next step
+                _ring_hand_over(store, kvs[b], t > 0, pending, nxt)
+                pending = reqs
+            _ring_hand_over(store, (), False, pending, nxt)
             kvs = nxt
         for a in range(u):
-            oa = store.pop(hacc[a][0]).to(dtype)
+            o_acc, l_acc = acc[a]
+            acc[a] = None
+            oa = o_acc.to(dtype)
+            del o_acc
             self.ho.append(store.put(oa))
-            self.hl.append(store.put(store.pop(hacc[a][1])))
+            self.hl.append(store.put(l_acc))
+            del l_acc
             (o_seq,) = _h2s([oa.transpose(1, 2)], self.comm, self.qc)
             emit_out(a, o_seq)
 
@@ -961,7 +972,7 @@ class FPDTRingPipeline(FPDTPipeline):
         kvs = list(zip(self.hk, self.hv))
         hacc: list[int | None] = [None] * u  # the (dk, dv) accumulator of each K/V chunk held, in the store
         for t in range(r):
-            src, nxt, nacc, pending = (j - t) % r, [], [], None
+            src, nxt, nacc, pending, kv_pending = (j - t) % r, [], [], None, None
             for b in range(u):
                 kb, vb = store.get(kvs[b][0]), store.get(kvs[b][1])
                 reqs = _ring_pass(rc, torch.stack([kb, vb]), 0) if t + 1 < r else None
@@ -989,10 +1000,12 @@ class FPDTRingPipeline(FPDTPipeline):
                 # step: at most two in flight, not one per chunk.
                 sent = _ring_pass(rc, dkv, 1)
                 del dkv
-                _ring_hand_over(store, kvs[b], t > 0, reqs, nxt)
+                _ring_hand_over(store, kvs[b], t > 0, kv_pending, nxt)
+                kv_pending = reqs
                 if pending is not None:
                     nacc.append(store.put(_ring_take(pending)))
                 pending = sent
+            _ring_hand_over(store, (), False, kv_pending, nxt)
             nacc.append(store.put(_ring_take(pending)))
             hacc, kvs = nacc, nxt
         for b in range(u):  # after R passes each accumulator is back at its owner

@@ -62,12 +62,16 @@ class _Sawtooth(seqlen._Runner):
         return {"peak": int(100 * seq + block * block), "secs": 0.0, "a2a": 0, "to_host": 0, "to_device": 0}
 
 
-@pytest.mark.parametrize("budget", [300_000, 520_000, 1_000_000])
-def test_search_finds_the_longest_fitting_length_past_a_sawtooth(budget):
+@pytest.mark.parametrize("budget", [400_000, 520_000, 1_000_000])
+def test_search_finds_the_longest_fitting_length_in_whole_attention_chunks(budget):
+    """The attention-pipeline rows search only lengths of whole --attn-chunk chunks per rank (off that grid the
+    sawtooth's smaller fallback blocks would fit longer lengths at several times the time per token), and find
+    the longest such length that fits."""
     args = _args("--attn-chunk", "512", "--max-seq", "8192", "--budget", str(budget))
     run = _Sawtooth(args)
     got, m, _ = run.longest(seqlen.STEPS[-1])
-    grid = range(64, 8192 + 1, 64)
+    assert all(n % 512 == 0 for n in run.probes), run.probes
+    grid = range(512, 8192 + 1, 512)
     best = max(n for n in grid if run.step(seqlen.STEPS[-1], n)["peak"] <= budget)
     assert m["peak"] <= budget
     assert got == best, (got, best)

@@ -217,7 +217,7 @@ class Communicator:
         if t is _ndarray and tensor.flags.c_contiguous:
             self.mpi.Send([tensor, _BYTE], dest, tag)
             n = tensor.nbytes
-        elif t is _Tensor and tensor.is_cpu and _b.plain(tensor):
+        elif t is _Tensor and tensor.is_cpu and tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
             n = tensor.nbytes
             self.mpi.Send([_fromaddress(tensor.data_ptr(), n), _BYTE], dest, tag)
         else:
@@ -233,7 +233,8 @@ class Communicator:
         if t is _ndarray and out.flags.c_contiguous and out.flags.writeable:
             self.mpi.Recv([out, _BYTE], source, tag)
             return out
-        if t is _Tensor and out.is_cpu and not out.requires_grad and _b.plain(out):
+        if t is _Tensor and out.is_cpu and not out.requires_grad and out.is_contiguous() \
+                and not (out.is_conj() or out.is_neg()):
             self.mpi.Recv([_fromaddress(out.data_ptr(), out.nbytes), _BYTE], source, tag)
             return out
         tmp = _b.recv_target(out)

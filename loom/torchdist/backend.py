@@ -89,11 +89,11 @@ def set_compression(policy: "dict[str, str] | str | None") -> None:
     mesh over every rank, which torch serves with the default group).
 
     A compressed allreduce is :func:`loom.compress.allreduce` (its plan and error bound) of a floating tensor
-    of at least the codec's minimum size under SUM, AVG or PREMUL_SUM, with error feedback per buffer (DDP's
-    buckets keep theirs across steps); a compressed reduce-scatter (``reduce_scatter_tensor``,
-    ``reduce_scatter``: FSDP2's gradients) is :func:`loom.compress.reduce_scatter` (one quantization of each
-    rank's input), with error feedback per call of a backward pass (FSDP2 reduces its groups in the same order
-    every step). PowerSGD compresses allreduces only: a reduce-scatter on a powersgd group raises
+    of at least the codec's minimum size under SUM, AVG or PREMUL_SUM; a compressed reduce-scatter
+    (``reduce_scatter_tensor``, ``reduce_scatter``: FSDP2's gradients) is :func:`loom.compress.reduce_scatter`
+    (one quantization of each rank's input). Inside a backward pass both keep error feedback per call (DDP's
+    buckets and FSDP2's groups are reduced in the same order every step); outside one, none (each call within
+    its codec's bound). PowerSGD compresses allreduces only: a reduce-scatter on a powersgd group raises
     ``ValueError``. MIN, MAX, PRODUCT, integers, and everything inside :func:`exact` run uncompressed. Bytes
     raw and on the wire per group: ``loom.compress.stats()`` (the ``compress`` kind of ``loom.stats``), under
     the group's communicator name (``torch.mesh_dp``, ``torch`` for the world).
@@ -236,7 +236,15 @@ def mpi_rendezvous(url: str, timeout: datetime.timedelta = datetime.timedelta(mi
     else:
         comm.allgather_object(socket.gethostname())
         candidates, port = comm.bcast_object(None, root=0)
-        store = dist.TCPStore(_reachable(candidates, port), port, comm.size, is_master=False, timeout=timeout)
+    try:
+        host, err = (None, None) if comm.rank == 0 else (_reachable(candidates, port), None)
+    except RuntimeError as exc:
+        host, err = None, f"rank {comm.rank}: {exc}"
+    failed = [e for e in comm.allgather_object(err) if e]
+    if failed:  # on every rank: rank 0 and the ranks that connected would otherwise wait out the store's timeout
+        raise RuntimeError(failed[0])
+    if comm.rank != 0:
+        store = dist.TCPStore(host, port, comm.size, is_master=False, timeout=timeout)
     yield store, comm.rank, comm.size
     raise RuntimeError("the loom backend's rendezvous cannot run again in one process")
 
@@ -482,7 +490,7 @@ class LoomProcessGroup(dist.ProcessGroup):
         self._coalesced: list[LoomWork] | None = None
         self._codec = None  # this group's codec under the compression policy (set_compression), from its name
         self._feedback = None
-        self._rs_task, self._rs_seen = -1, {}  # the backward pass of the last reduce-scatter; calls per shape in it
+        self._ef_task, self._ef_seen = -1, {}  # the backward pass of the last compressed reduction; calls per shape
         self._route: tuple[str, int] | None = None  # (topology spec, min_bytes) under set_multipath, until resolved
         self._relay: dict[str, Any] | None = None  # loom.multipath.alltoallv's keywords once resolved
 
@@ -517,14 +525,14 @@ class LoomProcessGroup(dist.ProcessGroup):
         rank alike), or None: no topology for the group, or one of a single node or a single rail."""
         if self._route is not None:
             spec, min_bytes = self._route
-            self._route = None
             from loom.multipath.detect import resolve
 
             try:
                 topo = resolve(spec, self.comm)
-            except ValueError as exc:
+            except ValueError as exc:  # kept: every later call raises too, never MPI's alltoallv in its place
                 raise ValueError(f"multipath topology {spec!r} of group {self.comm.name!r} (set_multipath, "
                                  f"LOOM_TORCH_MULTIPATH): {exc}") from None
+            self._route = None
             if topo.nodes > 1 and topo.rails > 1:
                 self._relay = {"topology": topo, "min_bytes": min_bytes}
         return self._relay
@@ -545,12 +553,11 @@ class LoomProcessGroup(dist.ProcessGroup):
         return _all(works)
 
     # -------------------------------------------------------------------- reductions
-    def _allreduce_one(self, t: torch.Tensor, op: str, factor: Any, opts: Any = None,
-                       key: tuple | None = None) -> LoomWork | None:
+    def _allreduce_one(self, t: torch.Tensor, op: str, factor: Any, opts: Any = None) -> LoomWork | None:
         if t.numel() == 0:
             return None
         if self._compresses(t, op):
-            self._compressed(t, op, factor, key)
+            self._compressed(t, op, factor)
             return None
         x, xop = _reducible(t, op, "all_reduce")
         if factor is not None:
@@ -565,18 +572,23 @@ class LoomProcessGroup(dist.ProcessGroup):
         return (self._codec is not None and op in ("sum", "avg") and t.is_floating_point()
                 and not getattr(_EXACT, "depth", 0))
 
-    def _rs_key(self, x: torch.Tensor) -> tuple:
-        """The error-feedback key of a compressed reduce-scatter, the same for the same call every step: its
-        shape, dtype and how many reduce-scatters of that shape this backward pass (autograd's graph task) made
-        before it; FSDP2 allocates new buffers every step but reduces its groups in the same order. Outside a
-        backward pass, shape and dtype alone (one residual per shape)."""
+    def _feedback_key(self, kind: str, x: torch.Tensor) -> tuple | None:
+        """The error-feedback key of a compressed reduction, the same for the same call every step: its kind,
+        shape, dtype and how many of that kind and shape this backward pass (autograd's graph task) made before
+        it (DDP's buckets and FSDP2's groups are reduced in the same order every step, FSDP2's from new buffers).
+        ``None`` outside a backward pass: nothing there says which call of the last step a call repeats (a
+        tensor-parallel forward's same-shape reductions, a metric), and a residual added to another tensor's
+        reduction is a wrong answer, so those reductions are compressed without feedback (within the codec's
+        bound each)."""
         task = torch._C._current_graph_task_id()
-        if task != self._rs_task:
-            self._rs_task, self._rs_seen = task, {}
-        sig = (tuple(x.shape), x.dtype)
-        i = self._rs_seen.get(sig, 0) if task != -1 else 0
-        self._rs_seen[sig] = i + 1
-        return ("reduce_scatter", *sig, i)
+        if task == -1:
+            return None
+        if task != self._ef_task:
+            self._ef_task, self._ef_seen = task, {}
+        sig = (kind, tuple(x.shape), x.dtype)
+        i = self._ef_seen.get(sig, 0)
+        self._ef_seen[sig] = i + 1
+        return (*sig, i)
 
     def _compressed_rs(self, output: torch.Tensor, x: torch.Tensor, op: str) -> None:
         """``output`` = this rank's row of ``x`` (``P`` rows) summed over the group by
@@ -588,20 +600,23 @@ class LoomProcessGroup(dist.ProcessGroup):
             raise ValueError(f"reduce_scatter on group {self._desc or self.comm.name!r}: its compression codec "
                              f"{self._codec.name!r} has no reduce-scatter (FSDP2's gradient reduction); give the "
                              f"group a quantizing codec (LOOM_TORCH_COMPRESS='dp=int8'), or train it with DDP")
-        out = reduce_scatter(x, self.comm, self._codec, error_feedback=self._feedback, key=self._rs_key(x))
+        key = self._feedback_key("reduce_scatter", x)
+        out = reduce_scatter(x, self.comm, self._codec, error_feedback=self._feedback if key is not None else None,
+                             key=key)
         if op == "avg":
             out /= self.comm.size
         output.copy_(out.view(output.shape))
 
-    def _compressed(self, t: torch.Tensor, op: str, factor: Any, key: tuple | None = None) -> None:
-        """``t`` reduced in place by :func:`loom.compress.allreduce` with this group's codec (blocking). Its
-        error-feedback residual is keyed by ``t``'s memory (a DDP bucket, a gradient: the same every step), or by
-        ``key`` where ``t`` is a fresh buffer (a coalesced call's flat copy: keyed by the tensors packed in it)."""
+    def _compressed(self, t: torch.Tensor, op: str, factor: Any) -> None:
+        """``t`` reduced in place by :func:`loom.compress.allreduce` with this group's codec (blocking), its
+        error feedback keyed by :meth:`_feedback_key` (by position in the backward pass, not by memory: a
+        coalesced call's flat copy is new every call, and a freed buffer's address comes back for another)."""
         from loom.compress import allreduce
 
         x = t if factor is None else _scale(t, factor)
-        key = key if key is not None else (t.data_ptr(), t.numel())
-        out = allreduce(x, self.comm, self._codec, error_feedback=self._feedback, key=key)
+        key = self._feedback_key("allreduce", t)
+        out = allreduce(x, self.comm, self._codec, error_feedback=self._feedback if key is not None else None,
+                        key=key)
         if op == "avg":
             out /= self.comm.size
         t.copy_(out)
@@ -626,8 +641,7 @@ class LoomProcessGroup(dist.ProcessGroup):
                 for t, piece in zip(group, flat.split([t.numel() for t in group])):
                     t.copy_(piece.view(t.shape))
 
-            key = ("coalesced", *((t.data_ptr(), t.numel()) for t in group))  # flat is new each call; they are not
-            w = self._allreduce_one(flat, op, factor, opts, key)
+            w = self._allreduce_one(flat, op, factor, opts)
             if w is None:
                 unpack(None)
             else:

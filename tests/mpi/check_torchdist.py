@@ -9,6 +9,7 @@ fp64 on random data, agree to 1e-12 in losses and parameters (the same orders at
 
 from __future__ import annotations
 
+import datetime
 import tempfile
 
 import torch
@@ -586,17 +587,17 @@ def check_compression_per_group_within_bound_and_exact_stays_exact(comm):
         assert torch.equal(y, sum(dyadic))
     assert lc.stats()["torch.mesh_zdp"]["calls"] == st["calls"], "an exact reduction was compressed"
     assert "torch.mesh_other" not in lc.stats()
-    # all_reduce_coalesced packs its tensors into a new flat buffer every call: its residual is keyed by the
-    # tensors packed, so two sets of one size keep a residual each, call after call (not one per buffer address)
+    # Outside a backward pass no residual is kept: nothing says which call of the last step a call repeats, and
+    # one tensor's residual added to another's reduction is a wrong answer (a big tensor, then a small one of the
+    # same shape: the small one stays within its own bound), also for all_reduce_coalesced's new flat buffers.
     fb = g._feedback
     fb.reset()
-    sets = [[torch.randn(1 << 13, generator=gen, dtype=torch.float64) for _ in range(2)] for _ in range(2)]
-    for _ in range(3):
-        for ts in sets:
-            dist.all_reduce_coalesced(ts, group=g)
-    want_keys = {("coalesced", *((t.data_ptr(), t.numel()) for t in ts)) for ts in sets}
-    assert set(fb._res) == want_keys, (list(fb._res), want_keys)
-
+    big, small = (torch.randn(1 << 14, generator=gen, dtype=torch.float64) * s for s in (100.0, 1e-3))
+    for i, x in enumerate((big, small, big.clone(), small.clone())):
+        y = x.clone()
+        (dist.all_reduce if i < 2 else lambda t, group: dist.all_reduce_coalesced([t], group=group))(y, group=g)
+        assert ((y - p * x).abs() <= 2 * p * x.abs().max() * 2.0 ** -8).all(), (i, (y - p * x).abs().max())
+    assert len(fb) == 0, list(fb._res)
     batches = _batches(r, 3, n=8)
 
     def run(group):
@@ -607,6 +608,7 @@ def check_compression_per_group_within_bound_and_exact_stays_exact(comm):
     calls = lc.stats()["torch.mesh_zdp"]["calls"]
     (la, pa), (lb, pb) = run(g), run(plain)
     assert lc.stats()["torch.mesh_zdp"]["calls"] > calls, "DDP's buckets were not compressed"
+    assert len(fb) and all(k[0] == "allreduce" for k in fb._res), list(fb._res)  # inside backward: by position
     for a, b in zip(la, lb):
         assert abs(a - b) <= 1e-2 * abs(b), (la, lb)
     for a, b in zip(pa, pb):
@@ -750,7 +752,6 @@ def check_all_to_all_single_through_the_multipath_relay_matches_gloo(comm):
 def check_wait_timeout_raises_then_the_exchange_completes(comm):
     """A recv whose sender has not sent: wait(timeout) raises RuntimeError naming recv, the group and the
     timeout (a timedelta, then seconds), the recv stays posted; after the sender sends, wait() completes it."""
-    import datetime
 
     _groups()
     p, r = comm.size, comm.rank
@@ -787,6 +788,31 @@ def check_wait_timeout_raises_then_the_exchange_completes(comm):
 
 
 # ---------------------------------------------------------------------------------------------- errors
+def check_rendezvous_failure_raises_on_every_rank(comm):
+    """A rank that reaches no address of rank 0 fails the rendezvous on every rank (not only there, leaving the
+    others to wait out the store's 30-minute timeout)."""
+    from loom.torchdist import backend
+
+    if comm.size < 2:
+        return
+    saved = backend._reachable
+
+    def unreachable(candidates, port, timeout=5.0):
+        if comm.rank == comm.size - 1:
+            raise RuntimeError(f"no address of rank 0 ({', '.join(candidates)}) accepts a connection")
+        return saved(candidates, port, timeout)
+
+    backend._reachable = unreachable
+    try:
+        next(backend.mpi_rendezvous("env://", timeout=datetime.timedelta(seconds=20)))
+    except RuntimeError as exc:
+        assert f"rank {comm.size - 1}:" in str(exc) and "accepts a connection" in str(exc), str(exc)
+    else:
+        raise AssertionError("the rendezvous went on although one rank reached no address of rank 0")
+    finally:
+        backend._reachable = saved
+
+
 def check_unsupported_op_and_mismatch_raise_on_every_rank(comm):
     _groups()
     x = torch.ones(3, dtype=torch.int64)

@@ -55,6 +55,7 @@ import datetime
 import functools
 import math
 import socket
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -304,6 +305,21 @@ def create_process_group(dist_opts, pg_opts=None) -> "LoomProcessGroup":
 
 
 # ---------------------------------------------------------------------------------------------- work
+def _in_reentrant_backward() -> bool:
+    """Whether this call runs inside the nested backward of reentrant activation checkpointing
+    (``checkpoint(..., use_reentrant=True)``): each block's backward is then its own graph task, so a call's
+    place in its task repeats from block to block and cannot key an error-feedback residual."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    code = CheckpointFunction.backward.__code__
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
+
+
 def _done_future(value: Any) -> Future:
     fut = Future()
     fut.set_result(value)
@@ -579,9 +595,9 @@ class LoomProcessGroup(dist.ProcessGroup):
         ``None`` outside a backward pass: nothing there says which call of the last step a call repeats (a
         tensor-parallel forward's same-shape reductions, a metric), and a residual added to another tensor's
         reduction is a wrong answer, so those reductions are compressed without feedback (within the codec's
-        bound each)."""
+        bound each); likewise inside a reentrant checkpointed block's backward (:func:`_in_reentrant_backward`)."""
         task = torch._C._current_graph_task_id()
-        if task == -1:
+        if task == -1 or _in_reentrant_backward():
             return None
         if task != self._ef_task:
             self._ef_task, self._ef_seen = task, {}

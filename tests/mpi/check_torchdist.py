@@ -689,6 +689,30 @@ def check_compressed_reduce_scatter_and_fsdp2_under_a_dp_policy(comm):
     for a, b in zip(pa, pb):
         assert (a - b).abs().max() <= 1e-3, (a - b).abs().max()
 
+    # Reentrant activation checkpointing runs each block's backward as its own graph task: places in a task
+    # repeat from block to block, so those reduce-scatters keep no residual (same-shape blocks would share one).
+    from torch.utils.checkpoint import checkpoint
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(3))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = checkpoint(b, x, use_reentrant=True)
+            return x
+
+    mesh = DeviceMesh.from_group(g, "cpu", mesh_dim_names=("fdp",))
+    model = Blocks().double()
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    g._feedback.reset()
+    calls = lc.stats()["torch.mesh_fdp"]["calls"]
+    model(torch.randn(4, 128, dtype=torch.float64, requires_grad=True)).sum().backward()
+    assert lc.stats()["torch.mesh_fdp"]["calls"] >= calls + 3, "the checkpointed blocks were not compressed"
+    assert len(g._feedback) == 0, f"residuals under reentrant checkpointing: {list(g._feedback._res)}"
+
 
 def check_all_to_all_single_through_the_multipath_relay_matches_gloo(comm):
     """A group under ``zmp=testbed`` (4 ranks: the 2-node x 2-rail testbed, declared, no root needed; 2 ranks: one

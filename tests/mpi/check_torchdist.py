@@ -302,7 +302,8 @@ def _batches(rank: int, steps: int, n: int = 6):
 def _close(a, b, what):
     assert len(a) == len(b), what
     for i, (x, y) in enumerate(zip(a, b)):
-        x, y = torch.as_tensor(x), torch.as_tensor(y)
+        # a Python float is an fp64 loss (.item()): as_tensor alone would round it to float32
+        x, y = (torch.tensor(v, dtype=torch.float64) if isinstance(v, float) else torch.as_tensor(v) for v in (x, y))
         err = (x - y).abs().max().item() if x.numel() else 0.0
         assert err <= TOL, f"{what}[{i}]: loom and gloo differ by {err:.3e} > {TOL}"
 
@@ -409,15 +410,7 @@ def check_dtensor_tp_on_a_2d_mesh_matches_gloo(comm):
         model = _mlp(2)
         parallelize_module(model, mesh[mesh.mesh_dim_names[1]], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         fully_shard(model, mesh=mesh[mesh.mesh_dim_names[0]])
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        for x, y in batches:
-            loss = ((model(x) - y) ** 2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        return losses, _params(model)
+        return _train(model, batches)
 
     (la, pa), (lb, pb) = run("loom"), run("gloo")
     _close(la, lb, "tp loss")

@@ -45,6 +45,7 @@ from .. import settings
 from .. import stats as _stats
 from . import buffers as _b
 from . import safety as _safety
+from .deadline import Deadline
 from .errors import CommError
 from .progress import Request
 
@@ -201,6 +202,8 @@ class Communicator:
         """Count this communicator's bytes under ``name`` from now on (a group named after it was made)."""
         self.name = name
         self.bytes_sent = _stats.counters("comm", name)
+        if isinstance(self.mpi, Deadline):
+            self.mpi.name = name
 
     def _count(self, op: str, n: int) -> None:
         d = self.bytes_sent
@@ -560,7 +563,9 @@ class Communicator:
         """Concatenate along dim 0 when ranks hold different dim-0 sizes; returns ``(tensor, counts)``."""
         _check_dim0(tensor, "allgatherv")
         x = _host_view(tensor)
-        counts = self.mpi.allgather(int(x.shape[0]))
+        counts_np = np.empty(self.size, dtype=np.int64)
+        self.mpi.Allgather(np.array([x.shape[0]], dtype=np.int64), counts_np)
+        counts = counts_np.tolist()
         row = _row_bytes(x)
         out = _b.empty_like_shape(x, (sum(counts), *x.shape[1:]))
         sizes = [c * row for c in counts]
@@ -765,8 +770,35 @@ class Communicator:
         return Communicator(sub, name=name or f"{self.name}.group")
 
     def dup(self, *, name: str | None = None) -> "Communicator":
-        """A communicator with the same ranks and an isolated message space."""
-        return Communicator(self.mpi.Dup(), name=name or self.name)
+        """A communicator with the same ranks and an isolated message space (and this one's timeout)."""
+        out = Communicator(self.mpi.Dup(), name=name or self.name)
+        if self.timeout is not None:
+            out.set_timeout(self.timeout)
+        return out
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds a blocking call on this communicator may wait (:meth:`set_timeout`), or ``None``: no limit."""
+        return self.mpi.seconds if isinstance(self.mpi, Deadline) else None
+
+    @property
+    def broken(self) -> str | None:
+        """What timed out on this communicator (then every later call raises), or ``None``."""
+        return self.mpi.broken if isinstance(self.mpi, Deadline) else None
+
+    def mark_broken(self, what: str) -> None:
+        """Refuse every later blocking call: a non-blocking operation of this communicator was given up at its
+        timeout, so its ranks no longer agree on which operation comes next (no-op without a timeout)."""
+        if isinstance(self.mpi, Deadline):
+            self.mpi.broken = str(what)
+
+    def set_timeout(self, seconds: float | None) -> None:
+        """Give every blocking call on this communicator a deadline of ``seconds`` (``None``: none), after which
+        it raises :class:`~loom.comm.CommTimeoutError` and the communicator is unusable (see
+        :mod:`loom.comm.deadline`: the calls run as their non-blocking twins, tested until done). Collective in
+        meaning: give every rank the same timeout. Its duplicates (:meth:`dup`, :meth:`sub`) inherit it."""
+        raw = self.mpi.wrapped if isinstance(self.mpi, Deadline) else self.mpi
+        self.mpi = raw if seconds is None else Deadline(raw, seconds, self.name)
 
     def sub(self, subsystem: str) -> "Communicator":
         """This communicator's private duplicate for ``subsystem`` (``"pipeline"``, ``"relay"``, ``"dask"``, ...),
@@ -795,8 +827,9 @@ class Communicator:
                              f"{MIN_TAG_UB}){'; ' + fix if fix else ''}")
 
     def free(self) -> None:
-        if self.mpi not in (MPI.COMM_WORLD, MPI.COMM_SELF) and self.mpi != MPI.COMM_NULL:
-            self.mpi.Free()
+        raw = self.mpi.wrapped if isinstance(self.mpi, Deadline) else self.mpi
+        if raw not in (MPI.COMM_WORLD, MPI.COMM_SELF) and raw != MPI.COMM_NULL:
+            raw.Free()
 
     def abort(self, code: int = 1) -> None:
         """Take the whole job down (every rank of every communicator)."""

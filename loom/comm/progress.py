@@ -462,9 +462,11 @@ class Ticket:
         tests: how many times the thread tested the task's request before it completed.
     """
 
-    __slots__ = ("_event", "result", "error", "posted_at", "done_at", "tests", "stream", "then")
+    __slots__ = ("_event", "result", "error", "posted_at", "done_at", "tests", "stream", "then", "timeout")
 
-    def __init__(self, stream: Any = None, then: Callable[["Ticket"], None] | None = None) -> None:
+    def __init__(self, stream: Any = None, then: Callable[["Ticket"], None] | None = None,
+                 timeout: float | None = None) -> None:
+        self.timeout = timeout  # seconds the posted request may take (see ProgressThread.submit)
         self.stream = stream  # the submitter's current CUDA stream (None without CUDA): the task runs on it
         self.then = then  # called with the ticket on the thread that completes it, after it is marked done
         self._event = threading.Event()
@@ -529,16 +531,21 @@ class ProgressThread:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.passes = 0  # test passes over in-flight requests (a mechanism count for tests, not a timing)
+        self.stranded: list[Request] = []  # requests given up on at their ticket's timeout
 
     @staticmethod
     def available() -> bool:
         """True when MPI runs at ``MPI_THREAD_MULTIPLE`` (a second thread may call MPI at any time)."""
         return bool(MPI.Is_initialized()) and MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
-    def submit(self, task: Callable[[], Any], then: Callable[[Ticket], None] | None = None) -> Ticket:
+    def submit(self, task: Callable[[], Any], then: Callable[[Ticket], None] | None = None,
+               timeout: float | None = None) -> Ticket:
         """Run ``task`` on the thread after every task submitted before it; its ticket. ``then(ticket)`` runs on
-        the thread once the ticket is done (its result or error set), e.g. to complete a future."""
-        ticket = Ticket(_caller_stream(), then)
+        the thread once the ticket is done (its result or error set), e.g. to complete a future. ``timeout``:
+        seconds the request the task posts may take from then on; past them the thread stops testing it (it
+        stays referenced in :attr:`stranded`, buffers and all: MPI may still write into them) and the ticket
+        fails with :class:`~loom.comm.CommTimeoutError`."""
+        ticket = Ticket(_caller_stream(), then, timeout)
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"progress thread {self.name!r} is closed; make a new one")
@@ -572,7 +579,7 @@ class ProgressThread:
                 task = None
                 continue  # post everything queued first: MPI progresses all posted operations together
             self.passes += 1
-            inflight = self._pass(inflight)
+            inflight = self._pass(inflight, self.stranded)
             time.sleep(0)  # yield the GIL to the computing thread
 
     # Posting and testing live in their own frames: a loop variable left bound in _run would keep the last
@@ -593,10 +600,17 @@ class ProgressThread:
             ticket._set(res)
 
     @staticmethod
-    def _pass(inflight: list[tuple[Request, Ticket]]) -> list[tuple[Request, Ticket]]:
-        """Test every in-flight request once; the ones still in flight."""
+    def _pass(inflight: list[tuple[Request, Ticket]], stranded: list[Request]) -> list[tuple[Request, Ticket]]:
+        """Test every in-flight request once; the ones still in flight (those past their ticket's timeout go to
+        ``stranded``, their tickets failed)."""
         still = []
+        now = time.perf_counter()
         for req, ticket in inflight:
+            if ticket.timeout is not None and now - ticket.posted_at > ticket.timeout:
+                stranded.append(req)
+                ticket._set(error=CommTimeoutError(f"{req.what}: Timed out after {ticket.timeout:g} s waiting for "
+                                                   f"the other ranks; a peer never joined it, or is stuck"))
+                continue
             ticket.tests += 1
             try:
                 with _on_stream(ticket.stream):  # the completion copies results back for the submitter

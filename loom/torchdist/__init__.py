@@ -54,29 +54,25 @@ def register() -> None:
     dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
     env = rdzv._rendezvous_handlers.get("env")
     if env is not None and not getattr(env, "_loom", False):
-        def env_or_mpi(url, **kwargs):
-            import os
+        from .rendezvous import env_handler
 
-            if "MASTER_ADDR" in os.environ or "MASTER_PORT" in os.environ:
-                return env(url, **kwargs)
-            from .backend import mpi_rendezvous
-
-            return mpi_rendezvous(url, **kwargs)
-
-        env_or_mpi._loom = True  # type: ignore[attr-defined]
-        rdzv._rendezvous_handlers["env"] = env_or_mpi
+        rdzv._rendezvous_handlers["env"] = env_handler(env)
 
 
 def __getattr__(name: str):
-    # torch and MPI load only when used: exact(), set_compression() and set_multipath() live with the process group
+    # neither torch nor MPI loads for these: exact(), set_compression() and set_multipath() are the policies'
     if name in ("exact", "set_compression", "set_multipath"):
-        from . import backend
+        from . import policy
 
-        return getattr(backend, name)
+        return getattr(policy, name)
     raise AttributeError(f"module 'loom.torchdist' has no attribute {name!r}")
 
 
 def _create(dist_opts, pg_opts):
+    if not list(dist_opts.global_ranks_in_group):  # the default group: MPI's world first (before MPI starts)
+        from .rendezvous import start_mpi
+
+        start_mpi(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout)
     from .backend import create_process_group
 
     return create_process_group(dist_opts, pg_opts)

@@ -51,21 +51,21 @@ Communicator method, so a shape or dtype mismatch across ranks raises on every r
 
 from __future__ import annotations
 
-import datetime
 import functools
 import math
-import socket
 import sys
-import threading
 import time
 from typing import Any, Callable
-from urllib.parse import parse_qs, urlparse
 
 import torch
 import torch.distributed as dist
-from torch.futures import Future
 
-from loom.comm import ANY_SOURCE, Backoff, Communicator, ProgressThread, Request, wait_all, world
+from loom.comm import ANY_SOURCE, Backoff, CommError, CommTimeoutError, Communicator, wait_all, world
+
+from . import rendezvous
+from .policy import compression_for, exact, exact_depth, route_for, set_compression, set_multipath
+from .rendezvous import mpi_rendezvous
+from .work import LoomWork, chain, engine, join, later
 
 __all__ = ["ASYNC_MIN_BYTES", "LoomProcessGroup", "LoomWork", "create_process_group", "exact", "mpi_rendezvous",
            "set_compression", "set_multipath"]
@@ -77,231 +77,42 @@ _R = dist.ReduceOp.RedOpType
 _REDUCE = {_R.SUM: "sum", _R.AVG: "avg", _R.MIN: "min", _R.MAX: "max", _R.PRODUCT: "prod", _R.PREMUL_SUM: "sum"}
 _BOOL = {"sum": "max", "max": "max", "min": "min", "prod": "min"}  # or / and on 0-1 bytes
 
-_ENGINE: ProgressThread | None = None
-_POLICY: dict[str, str] | None = None  # group key -> codec spec (None: read LOOM_TORCH_COMPRESS when first needed)
-_EXACT = threading.local()
-_ROUTES: dict[str, tuple[str, int]] | None = None  # group key -> (topology spec, min_bytes) (set_multipath)
-
-
-def set_compression(policy: "dict[str, str] | str | None") -> None:
-    """Codecs for the allreduces and reduce-scatters of groups made from now on: ``{"dp": "int8", "tp": "bf16"}``
-    or the text form of ``LOOM_TORCH_COMPRESS`` (``"dp=int8;tp=bf16"``); ``None``/``{}`` for none. Keys are
-    DeviceMesh dim names (a group described ``mesh_dp`` is ``dp``) or ``world`` (the default group: also a 1-D
-    mesh over every rank, which torch serves with the default group).
-
-    A compressed allreduce is :func:`loom.compress.allreduce` (its plan and error bound) of a floating tensor
-    of at least the codec's minimum size under SUM, AVG or PREMUL_SUM; a compressed reduce-scatter
-    (``reduce_scatter_tensor``, ``reduce_scatter``: FSDP2's gradients) is :func:`loom.compress.reduce_scatter`
-    (one quantization of each rank's input). Inside a backward pass both keep error feedback per call (DDP's
-    buckets and FSDP2's groups are reduced in the same order every step); outside one, none (each call within
-    its codec's bound). PowerSGD compresses allreduces only: a reduce-scatter on a powersgd group raises
-    ``ValueError``. MIN, MAX, PRODUCT, integers, and everything inside :func:`exact` run uncompressed. Bytes
-    raw and on the wire per group: ``loom.compress.stats()`` (the ``compress`` kind of ``loom.stats``), under
-    the group's communicator name (``torch.mesh_dp``, ``torch`` for the world).
-    """
-    global _POLICY
-    _POLICY = _parse_policy(policy, "set_compression") if isinstance(policy, str) else dict(policy or {})
-    from loom.compress import get_codec
-
-    for spec in _POLICY.values():
-        get_codec(spec)  # a bad codec name fails here, on every rank, not at the first step
-
-
-def _parse_policy(text: str, where: str, value: str = "CODEC", example: str = "dp=int8;tp=bf16") -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in filter(None, (x.strip() for x in text.split(";"))):
-        key, eq, spec = item.partition("=")
-        if not eq or not key.strip() or not spec.strip():
-            raise ValueError(f"{where}: {item!r} is not GROUP={value}; write e.g. {example}")
-        if "," in spec.partition(":")[0]:
-            raise ValueError(f"{where}: {item!r}: separate groups with ';' (options use ','), e.g. {example}")
-        out[key.strip()] = spec.strip()
-    return out
-
-
-def _policy() -> dict[str, str]:
-    if _POLICY is None:
-        from loom import settings
-
-        set_compression(_parse_policy(settings.get("torch_compress") or "", "LOOM_TORCH_COMPRESS"))
-    return _POLICY or {}
-
-
-def set_multipath(policy: "dict[str, str] | str | None") -> None:
-    """Topologies for the ``all_to_all_single`` of groups made from now on: ``{"ep": "auto"}`` or the text form
-    of ``LOOM_TORCH_MULTIPATH`` (``"ep=auto"``, ``"world=topo.toml:min_bytes=262144"``); ``None``/``{}`` for none.
-    Keys as :func:`set_compression`'s (DeviceMesh dim names, ``world``).
-
-    A topology is what loom's own MoE layers take (``[multipath] topology`` of ``loom train``,
-    :func:`loom.parallel.moe.use_multipath`): ``auto`` (found from the machine), a preset fitted to the group
-    (``testbed``, ``h100``, ...) or a TOML file, resolved for the group's ranks by
-    :func:`loom.multipath.detect.resolve` at the group's first ``all_to_all_single`` (collective, as every
-    collective of the group). ``min_bytes`` is the relay's per-pair threshold (default 1 MiB, as
-    ``[multipath] min_bytes``). Under a topology of several nodes and several rails the group's
-    ``all_to_all_single`` runs :func:`loom.multipath.alltoallv` (planned per call from the counts; pairs below
-    ``min_bytes`` and balanced traffic stay on their direct routes); otherwise, and for every group not listed,
-    MPI's alltoallv. The relay's bytes count in ``loom.stats`` (``comm`` kind) under the group's communicator
-    name (``torch.mesh_ep``), as ``send`` (every hop's point-to-point leg) and ``allgather`` (the agreement on
-    the counts) instead of ``alltoallv``.
-    """
-    _set_routes(policy, "set_multipath")
-
-
-def _set_routes(policy: "dict[str, str] | str | None", where: str) -> None:
-    global _ROUTES
-    raw = _parse_policy(policy, where, "TOPOLOGY", "ep=auto") if isinstance(policy, str) else dict(policy or {})
-    _ROUTES = {key: _route(spec, f"{where}: {key}={spec}") for key, spec in raw.items()}
-
-
-def _route(spec: str, where: str) -> tuple[str, int]:
-    """``(topology spec, min_bytes)`` of ``TOPOLOGY[:min_bytes=N]``, the topology checked without communicating
-    (``auto`` is found at the first all-to-all)."""
-    from loom.multipath.detect import resolve_fixed
-
-    topo, _, opts = spec.partition(":")
-    min_bytes = 1 << 20
-    for item in filter(None, (x.strip() for x in opts.split(","))):
-        key, eq, val = item.partition("=")
-        if key.strip() != "min_bytes" or not eq or not val.strip().isdigit():
-            raise ValueError(f"{where}: option {item!r} is not min_bytes=N (N >= 0 bytes); write e.g. "
-                             f"ep=auto:min_bytes=262144")
-        min_bytes = int(val)
-    topo = topo.strip()
-    if topo != "auto":
-        try:
-            resolve_fixed(topo)
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
-    return topo, min_bytes
-
-
-def _routes() -> dict[str, tuple[str, int]]:
-    if _ROUTES is None:
-        from loom import settings
-
-        _set_routes(settings.get("torch_multipath") or "", "LOOM_TORCH_MULTIPATH")
-    return _ROUTES or {}
-
-
-class exact:
-    """A context in which this thread's reductions on the loom backend are never compressed (a loss, a norm,
-    a count: anything that must stay exact)::
-
-        with loom.torchdist.exact():
-            dist.all_reduce(total_tokens)
-    """
-
-    def __enter__(self) -> "exact":
-        _EXACT.depth = getattr(_EXACT, "depth", 0) + 1
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _EXACT.depth -= 1
-_WORLD: Communicator | None = None
-
-
-def _engine() -> ProgressThread | None:
-    """The process's progress thread, or ``None`` where MPI allows no second thread (then every op blocks)."""
-    global _ENGINE
-    if _ENGINE is None and ProgressThread.available():
-        _ENGINE = ProgressThread(name="loom-torch-progress")  # spins while anything is in flight
-    return _ENGINE
-
-
-def _torch_world() -> Communicator:
-    global _WORLD
-    if _WORLD is None:
-        _WORLD = world().dup(name="torch")
-    return _WORLD
-
-
-# ---------------------------------------------------------------------------------------------- rendezvous
-def mpi_rendezvous(url: str, timeout: datetime.timedelta = datetime.timedelta(minutes=30), **kwargs):
-    """``env://`` without ``MASTER_ADDR``: rank and size from MPI; rank 0 hosts a ``TCPStore`` on a free port
-    and sends its address to the others over MPI. torch keeps small metadata there, and other backends of the
-    same job (``new_group(backend="gloo")``) rendezvous through it; loom's own traffic never touches it.
-
-    Yields ``(store, rank, world_size)`` once, as torch's rendezvous handlers do.
-    """
-    comm = world()
-    query = {k: v[-1] for k, v in parse_qs(urlparse(url).query).items()}
-    for key, mine in (("rank", comm.rank), ("world_size", comm.size)):
-        if key in query and int(query[key]) != mine:
-            raise ValueError(f"init_process_group({key}={query[key]}) but MPI says {key} {mine}: the loom backend "
-                             f"takes rank and size from MPI; pass neither, or launch with loom run / mpiexec")
-    if comm.rank == 0:
-        hosts = comm.allgather_object(socket.gethostname())
-        # the server listens on every interface; the others are sent every address it may be reached by
-        store = dist.TCPStore("127.0.0.1", 0, comm.size, is_master=True, timeout=timeout, wait_for_workers=False)
-        comm.bcast_object((["127.0.0.1"] if len(set(hosts)) == 1 else _host_addresses(), store.port), root=0)
-    else:
-        comm.allgather_object(socket.gethostname())
-        candidates, port = comm.bcast_object(None, root=0)
-    try:
-        host, err = (None, None) if comm.rank == 0 else (_reachable(candidates, port), None)
-    except RuntimeError as exc:
-        host, err = None, f"rank {comm.rank}: {exc}"
-    failed = [e for e in comm.allgather_object(err) if e]
-    if failed:  # on every rank: rank 0 and the ranks that connected would otherwise wait out the store's timeout
-        raise RuntimeError(failed[0])
-    if comm.rank != 0:
-        store = dist.TCPStore(host, port, comm.size, is_master=False, timeout=timeout)
-    yield store, comm.rank, comm.size
-    raise RuntimeError("the loom backend's rendezvous cannot run again in one process")
-
-
-def _host_addresses() -> list[str]:
-    """How other hosts may reach this one: every non-loopback IPv4 address of its interfaces, then its name (a
-    name need not resolve elsewhere, its lookup may wait on an unreachable DNS server, or resolve to 127.0.1.1 as
-    /etc/hosts often says; so it comes last)."""
-    out: list[str] = []
-    try:
-        import fcntl
-        import struct
-
-        for _, name in socket.if_nameindex():
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                try:  # SIOCGIFADDR: the interface's IPv4 address
-                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-                except OSError:  # no IPv4 address on it
-                    continue
-            addr = socket.inet_ntoa(packed[20:24])
-            if not addr.startswith("127.") and addr not in out:
-                out.append(addr)
-    except (ImportError, OSError):  # not Linux: the name only
-        pass
-    return [*out, socket.gethostname()]
-
-
-def _reachable(candidates: list[str], port: int, timeout: float = 5.0) -> str:
-    """The first of rank 0's ``candidates`` that accepts a TCP connection on ``port``."""
-    for host in candidates:
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            return host
-        except OSError:
-            continue
-    raise RuntimeError(f"the loom backend's rendezvous: no address of rank 0 ({', '.join(candidates)}) accepts a "
-                       f"connection on port {port} from this host; set MASTER_ADDR and MASTER_PORT (with RANK and "
-                       f"WORLD_SIZE) to an address of rank 0 that the other hosts reach")
+_WORLD: Communicator | None = None  # the default group's communicator, in torch's rank order
 
 
 def create_process_group(dist_opts, pg_opts=None) -> "LoomProcessGroup":
-    """torch's creator for the ``"loom"`` backend (``register_backend(..., extended_api=True)``)."""
-    base = _torch_world()
+    """torch's creator for the ``"loom"`` backend (``register_backend(..., extended_api=True)``): the default
+    group (``global_ranks_in_group`` empty) gets a new duplicate of MPI's world in torch's rank order (the
+    world formed by :func:`loom.torchdist.rendezvous.start_mpi` where no MPI launcher made one); a sub-group, a
+    communicator of its ranks of the default group's. Each gets the group's timeout
+    (:meth:`loom.comm.Communicator.set_timeout`)."""
+    global _WORLD
     ranks = list(dist_opts.global_ranks_in_group)
     if not ranks:
-        if (dist_opts.group_rank, dist_opts.group_size) != (base.rank, base.size):
-            raise ValueError(
-                f"the loom backend was given rank {dist_opts.group_rank} of {dist_opts.group_size}, but this is MPI "
-                f"rank {base.rank} of {base.size}; launch with loom run --ranks N or mpiexec and let MPI set them")
-        comm = base
+        comm = _WORLD = _default_world(dist_opts.group_rank, dist_opts.group_size)
     else:
-        comm = base.group(ranks, name=f"torch.{dist_opts.group_id}")
+        if _WORLD is None:
+            raise RuntimeError("a loom sub-group before the default group: call init_process_group first")
+        comm = _WORLD.group(ranks, name=f"torch.{dist_opts.group_id}")
         if comm.rank != dist_opts.group_rank:
             raise ValueError(f"group of ranks {ranks}: torch says this is group rank {dist_opts.group_rank}, MPI "
                              f"says {comm.rank}")
+    comm.set_timeout(dist_opts.timeout.total_seconds())
     return LoomProcessGroup(comm)
+
+
+def _default_world(rank: int, size: int) -> Communicator:
+    """A new duplicate of MPI's world whose ranks are torch's (a timed-out group must not leave a pending
+    operation on the next group's communicator). MPI's world must be the torch group's: checked on every rank."""
+    w = world()
+    rendezvous.check_world(rank, size, w.rank, w.size)
+    order = w.allgather_object(rank)  # every rank learns every rank's choice, so all dup or all split
+    if order == list(range(size)):
+        return w.dup(name="torch")
+    if sorted(order) != list(range(size)):
+        raise ValueError(f"init_process_group: the processes claim torch ranks {order}, not each of 0..{size - 1} "
+                         f"once; give every process its own rank")
+    return w.split(0, key=rank, name="torch")
 
 
 # ---------------------------------------------------------------------------------------------- work
@@ -320,125 +131,13 @@ def _in_reentrant_backward() -> bool:
     return False
 
 
-def _done_future(value: Any) -> Future:
-    fut = Future()
-    fut.set_result(value)
-    return fut
-
-
-class LoomWork(dist.Work):
-    """An operation of the loom process group: done at once, or completed by the progress thread.
-
-    ``wait()`` blocks (without MPI calls of its own) until the future is complete and raises its error;
-    ``result()`` gives the output tensors; ``_source_rank()`` the sender of a ``recv`` from any source.
-    """
-
-    _op = "operation"  # torch's name of the operation and the group's, for messages (set by the process group)
-    _group = ""
-
-    def __init__(self, outputs: list, fut: Future | None = None, source: int = -1):
-        super().__init__()
-        self._outputs = outputs
-        self._fut = _done_future(outputs) if fut is None else fut
-        self._source = source
-
-    def wait(self, timeout=None) -> bool:
-        """Block until done and raise the operation's error. ``timeout``: a ``datetime.timedelta`` or seconds;
-        ``None`` or zero (torch's default, ``kNoTimeout``) waits for ever. Past it, ``RuntimeError`` naming the
-        operation and the timeout, as torch's works raise; the operation stays posted (a later ``wait``
-        completes it). Where MPI allows no progress thread, every operation completed before its work was
-        returned, so there is nothing to time out."""
-        seconds = _seconds(timeout)
-        if seconds and not self._fut.done():
-            done = threading.Event()
-            self._fut.add_done_callback(lambda _f: done.set())
-            if not done.wait(seconds):
-                peer = f" from rank {self._source}" if self._op == "recv" and self._source >= 0 else ""
-                raise RuntimeError(f"the loom backend's {self._op}{peer} on group {self._group!r} did not complete "
-                                   f"within the {seconds:g} s timeout given to wait(); it is still posted: wait "
-                                   f"again to complete it")
-        self._fut.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._fut.done()
-
-    def is_success(self) -> bool:
-        if not self._fut.done():
-            return False
-        try:
-            self._fut.value()
-        except Exception:  # noqa: BLE001 - the work failed
-            return False
-        return True
-
-    def exception(self):
-        try:
-            self._fut.wait()
-        except Exception as exc:  # noqa: BLE001 - reported, not raised
-            return exc
-        return None
-
-    def get_future(self) -> Future:
-        return self._fut
-
-    def result(self) -> list:
-        self.wait()
-        return self._outputs
-
-    def _source_rank(self) -> int:
-        return self._source
-
-    def source_rank(self) -> int:
-        return self._source
-
-    def synchronize(self) -> None:
-        self.wait()
-
-
-def _seconds(timeout: Any) -> float:
-    """``Work.wait``'s timeout in seconds (0: none, torch's ``kNoTimeout``)."""
-    if timeout is None:
-        return 0.0
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
-        raise ValueError(f"wait(timeout={timeout!r}): give a datetime.timedelta or seconds >= 0 (0 or None: no "
-                         f"timeout)")
-    return float(seconds)
-
-
-def _later(req: Request, outputs: list, after: Callable[[Any], None] | None = None) -> LoomWork:
-    """Work for a posted request: the progress thread tests it, runs ``after(result)`` (copies into the caller's
-    tensors) and completes the future; or, without a thread, the request completes here."""
-    engine = _engine()
-    if engine is None or req.test():
-        res = req.wait()
-        if after is not None:
-            after(res)
-        return LoomWork(outputs)
-    fut = Future()
-
-    def then(ticket) -> None:
-        try:
-            if ticket.error is not None:
-                raise ticket.error
-            if after is not None:
-                after(ticket.result)
-            fut.set_result(outputs)
-        except BaseException as exc:  # noqa: BLE001 - delivered to whoever waits on the work
-            fut.set_exception(exc)
-
-    engine.submit(lambda: req, then)
-    return LoomWork(outputs, fut)
-
-
 def _big(t: torch.Tensor, opts: Any = None) -> bool:
     """Whether to post ``t``'s operation non-blocking for the progress thread: large, and asked for
     asynchronously (``async_op=True``; torch's C++ callers, DDP's reducer and the functional collectives that
     DTensor and FSDP2 use, always ask so). A blocking call runs MPI's blocking collective, whose algorithms
     are faster than its non-blocking ones for large payloads."""
     return (t.numel() * t.element_size() >= ASYNC_MIN_BYTES and getattr(opts, "asyncOp", True)
-            and _engine() is not None)
+            and engine() is not None)
 
 
 # ---------------------------------------------------------------------------------------------- process group
@@ -514,6 +213,21 @@ class LoomProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return "loom"
 
+    @property
+    def _device_types(self) -> list:
+        """The devices the group serves, as torch asks a process group made of backends: the host (CUDA tensors
+        go through the same methods). ``dcp.async_save`` requires a CPU backend by this property."""
+        return [torch.device("cpu")]
+
+    def shutdown(self) -> None:
+        """torch's ``destroy_process_group``: free the group's communicators (MPI frees a communicator with an
+        operation still pending, a timed-out one, once that completes)."""
+        for sub in self.comm._subs.values():
+            sub.free()
+        self.comm._subs.clear()
+        if self.comm.name != "world":
+            self.comm.free()
+
     def getGroupName(self) -> str:
         return self._name
 
@@ -528,13 +242,13 @@ class LoomProcessGroup(dist.ProcessGroup):
         if self.comm.name.startswith("torch.") and desc and desc != "undefined":
             self.comm.rename(f"torch.{desc}")
         key = "world" if desc == "default_pg" else desc.removeprefix("mesh_")
-        spec = _policy().get(key)
+        spec = compression_for(key)
         if spec is not None and self.comm.size > 1:
             from loom.compress import ErrorFeedback, get_codec
 
             self._codec, self._feedback = get_codec(spec), ErrorFeedback()
         if self.comm.size > 1:
-            self._route = _routes().get(key)
+            self._route = route_for(key)
 
     def _multipath(self) -> dict[str, Any] | None:
         """The relay all-to-allv's keywords for this group (its topology resolved at the first call, on every
@@ -566,7 +280,7 @@ class LoomProcessGroup(dist.ProcessGroup):
 
     def end_coalescing(self, device=None) -> LoomWork:
         works, self._coalesced = self._coalesced or [], None
-        return _all(works)
+        return join(works)
 
     # -------------------------------------------------------------------- reductions
     def _allreduce_one(self, t: torch.Tensor, op: str, factor: Any, opts: Any = None) -> LoomWork | None:
@@ -579,14 +293,14 @@ class LoomProcessGroup(dist.ProcessGroup):
         if factor is not None:
             x.mul_(factor.item() if isinstance(factor, torch.Tensor) else factor)
         if _big(x, opts) and not self.comm.pairwise(x):  # blocking: see the module's plan
-            return _later(self.comm.iallreduce(x, xop, out=x), [t])
+            return later(self.comm.iallreduce(x, xop, out=x), [t], self.comm)
         self.comm.allreduce(x, xop, out=x)
         return None
 
     def _compresses(self, t: torch.Tensor, op: str) -> bool:
         """Whether this reduction of ``t`` goes through the group's codec (floating SUM/AVG outside exact())."""
         return (self._codec is not None and op in ("sum", "avg") and t.is_floating_point()
-                and not getattr(_EXACT, "depth", 0))
+                and not exact_depth())
 
     def _feedback_key(self, kind: str, x: torch.Tensor) -> tuple | None:
         """The error-feedback key of a compressed reduction, the same for the same call every step: its kind,
@@ -639,8 +353,31 @@ class LoomProcessGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None) -> LoomWork:
         op, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
+        if tensors and tensors[0].is_sparse:
+            return self._record(self._sparse_allreduce(tensors, op, factor))
         works = [w for t in tensors if (w := self._allreduce_one(t, op, factor, opts)) is not None]
-        return self._record(_all(works, list(tensors)))
+        return self._record(join(works, list(tensors)))
+
+    def _sparse_allreduce(self, tensors, op: str, factor: Any) -> LoomWork:
+        """A sparse COO tensor summed as gloo sums it: each rank's coalesced indices and values gathered from
+        every rank (two ``allgatherv``, rank order), added in rank order and coalesced; the input becomes the
+        result (blocking)."""
+        if op != "sum" or factor is not None or len(tensors) != 1:
+            raise ValueError(f"all_reduce of a sparse tensor: the loom backend sums one sparse tensor per call "
+                             f"(ReduceOp.SUM), as gloo does; got op {op!r} on {len(tensors)} tensors")
+        t = tensors[0]
+        x = t.coalesce()
+        idx, _ = self.comm.allgatherv(x.indices().t().contiguous())
+        vals, counts = self.comm.allgatherv(x.values().contiguous())
+        out = None
+        start = 0
+        for n in counts:  # rank by rank, as gloo adds them
+            part = torch.sparse_coo_tensor(idx[start:start + n].t(), vals[start:start + n], x.shape)
+            out = part if out is None else out + part
+            start += n
+        out = out.coalesce()
+        t.copy_(out)
+        return LoomWork([out])
 
     def allreduce_coalesced(self, tensors, opts=None) -> LoomWork:
         """One allreduce per dtype over the tensors packed into one flat buffer, unpacked when done."""
@@ -661,8 +398,8 @@ class LoomProcessGroup(dist.ProcessGroup):
             if w is None:
                 unpack(None)
             else:
-                works.append(_chain(w, unpack))
-        return self._record(_all(works, list(tensors)))
+                works.append(chain(w, unpack))
+        return self._record(join(works, list(tensors)))
 
     def reduce(self, tensors, opts=None) -> LoomWork:
         """The reduction on every rank, kept on the root (the other ranks' tensors are left as they were)."""
@@ -693,7 +430,7 @@ class LoomProcessGroup(dist.ProcessGroup):
             return None
         back = _into(output.view(torch.uint8) if output.dtype == torch.bool else output)
         if _big(x, opts):
-            return _later(self.comm.ireduce_scatter(x, xop), [output], back)
+            return later(self.comm.ireduce_scatter(x, xop), [output], self.comm, back)
         if output.is_contiguous() and output.dtype == x.dtype:  # reduced straight into the output
             self.comm.reduce_scatter(x, xop, out=output.view(1, -1))
         else:
@@ -702,7 +439,7 @@ class LoomProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output, inp, opts=None) -> LoomWork:
         op, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
-        return self._record(_all([w for w in [self._reduce_scatter_into(output, inp, op, factor,
+        return self._record(join([w for w in [self._reduce_scatter_into(output, inp, op, factor,
                                                                        "reduce_scatter_tensor", opts)] if w], [output]))
 
     _reduce_scatter_base = reduce_scatter_single
@@ -711,7 +448,7 @@ class LoomProcessGroup(dist.ProcessGroup):
         op, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
         works = [self._reduce_scatter_into(o, i, op, factor, "reduce_scatter_tensor", opts)
                  for o, i in zip(outputs, inputs)]
-        return self._record(_all([w for w in works if w], list(outputs)))
+        return self._record(join([w for w in works if w], list(outputs)))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -727,7 +464,7 @@ class LoomProcessGroup(dist.ProcessGroup):
                                  f"the output's {tuple(out.shape)}; the loom backend needs them equal")
             stacked = torch.stack([p.reshape(out.shape) for p in pieces]) if out.numel() else pieces[0]
             works.append(self._reduce_scatter_into(out, stacked, op, factor, "reduce_scatter", opts))
-        return self._record(_all([w for w in works if w], list(outputs)))
+        return self._record(join([w for w in works if w], list(outputs)))
 
     # -------------------------------------------------------------------- gathers and all-to-alls
     def _allgather_into(self, output: torch.Tensor, inp: torch.Tensor, what: str, opts: Any = None) -> LoomWork | None:
@@ -743,7 +480,7 @@ class LoomProcessGroup(dist.ProcessGroup):
         out = output.view(p, -1) if output.is_contiguous() else None
         back = None if out is not None else _into(output)
         if _big(x, opts):
-            return _later(self.comm.iallgather(x, out=out), [output], back)
+            return later(self.comm.iallgather(x, out=out), [output], self.comm, back)
         res = self.comm.allgather(x, out=out)
         if back is not None:
             back(res)
@@ -751,13 +488,13 @@ class LoomProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output, inp, opts=None) -> LoomWork:
         w = self._allgather_into(output, inp, "all_gather_into_tensor", opts)
-        return self._record(_all([w] if w else [], [output]))
+        return self._record(join([w] if w else [], [output]))
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> LoomWork:
         works = [self._allgather_into(o, i, "all_gather_into_tensor", opts) for o, i in zip(outputs, inputs)]
-        return self._record(_all([w for w in works if w], list(outputs)))
+        return self._record(join([w for w in works if w], list(outputs)))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -781,11 +518,32 @@ class LoomProcessGroup(dist.ProcessGroup):
             if w is None:
                 unpack(None)
             else:
-                works.append(_chain(w, unpack))
-        return self._record(_all(works, [o for outs in output_lists for o in outs]))
+                works.append(chain(w, unpack))
+        return self._record(join(works, [o for outs in output_lists for o in outs]))
 
     def allgather_coalesced(self, output_lists, inputs, opts=None) -> LoomWork:
-        return self.allgather(output_lists, inputs, opts)
+        """``output_lists[r][i]`` = rank r's ``inputs[i]`` (torch's layout): every input's bytes packed into one
+        row, one allgather of the rows, each row unpacked into its rank's outputs (blocking)."""
+        p = self.comm.size
+        if len(output_lists) != p:
+            raise ValueError(f"all_gather_coalesced: {len(output_lists)} output lists for {p} ranks; give one list "
+                             f"per rank, each with one tensor per input")
+        for r, outs in enumerate(output_lists):
+            if len(outs) != len(inputs) or any(o.numel() != i.numel() or o.dtype != i.dtype
+                                               for o, i in zip(outs, inputs)):
+                raise ValueError(
+                    f"all_gather_coalesced: output list {r} holds {[(tuple(o.shape), o.dtype) for o in outs]} for "
+                    f"inputs {[(tuple(i.shape), i.dtype) for i in inputs]}; output_tensor_lists[rank][i] must match "
+                    f"input_tensor_list[i] in size and dtype")
+        if not inputs or not sum(i.numel() for i in inputs):
+            return self._record(LoomWork([o for outs in output_lists for o in outs]))
+        row = torch.cat([i.detach().contiguous().reshape(-1).view(torch.uint8) for i in inputs])
+        rows = self.comm.allgather(row.view(1, -1)).view(p, -1)
+        sizes = [i.numel() * i.element_size() for i in inputs]
+        for outs, got in zip(output_lists, rows):
+            for o, piece in zip(outs, got.split(sizes)):
+                o.copy_(piece.view(o.dtype).view(o.shape))
+        return self._record(LoomWork([o for outs in output_lists for o in outs]))
 
     def all_to_all_single(self, output, inp, output_splits, input_splits, opts=None) -> LoomWork:
         """Even or uneven: the splits count rows of dim 0 (empty: equal parts). Under a multi-rail topology
@@ -815,8 +573,8 @@ class LoomProcessGroup(dist.ProcessGroup):
         # Posted or blocking alike on every rank (MPI matches no blocking collective with a non-blocking one):
         # uneven splits send different sizes from each rank, so they choose by the caller's asyncOp alone.
         uneven = bool(len(input_splits) or len(output_splits))
-        if _big(x, opts) if not uneven else getattr(opts, "asyncOp", True) and _engine() is not None:
-            return self._record(_later(self.comm.ialltoallv(x, sc, rc), [output], lambda r: back(r[0])))
+        if _big(x, opts) if not uneven else getattr(opts, "asyncOp", True) and engine() is not None:
+            return self._record(later(self.comm.ialltoallv(x, sc, rc), [output], self.comm, lambda r: back(r[0])))
         back(self.comm.alltoallv(x, sc, rc)[0])
         return self._record(LoomWork([output]))
 
@@ -856,7 +614,7 @@ class LoomProcessGroup(dist.ProcessGroup):
             raise ValueError(f"gather: {len(outs)} output tensors on the root for {self.comm.size} ranks")
         reqs = [rooted.irecv(o, r, tag=1) for r, o in enumerate(outs) if r != root]
         outs[root].copy_(inp)
-        wait_all(reqs)
+        wait_all(reqs, self.comm.timeout)
         return self._record(LoomWork(list(outs)))
 
     def scatter(self, outputs, input_lists, opts=None) -> LoomWork:
@@ -871,7 +629,7 @@ class LoomProcessGroup(dist.ProcessGroup):
             raise ValueError(f"scatter: {len(pieces)} input tensors on the root for {self.comm.size} ranks")
         reqs = [rooted.isend(x, r, tag=2) for r, x in enumerate(pieces) if r != root]
         out.copy_(pieces[root])
-        wait_all(reqs)
+        wait_all(reqs, self.comm.timeout)
         return self._record(LoomWork([out]))
 
     def barrier(self, opts=None) -> LoomWork:
@@ -881,11 +639,11 @@ class LoomProcessGroup(dist.ProcessGroup):
     # -------------------------------------------------------------------- point to point
     def send(self, tensors, dst: int, tag: int = 0) -> LoomWork:
         t = tensors[0]
-        return self._record(_later(self.comm.isend(t, dst, tag), [t]))
+        return self._record(later(self.comm.isend(t, dst, tag), [t], self.comm))
 
     def recv(self, tensors, src: int, tag: int = 0) -> LoomWork:
         t = tensors[0]
-        work = _later(self.comm.irecv(t, src, tag), [t])
+        work = later(self.comm.irecv(t, src, tag), [t], self.comm)
         work._source = src
         return self._record(work)
 
@@ -893,10 +651,15 @@ class LoomProcessGroup(dist.ProcessGroup):
         """Probe for the first message on ``tag`` from any rank (backing off while none is there), receive it."""
         t = tensors[0]
         backoff = Backoff()
+        limit = self.comm.timeout
+        end = None if limit is None else time.monotonic() + limit
         while (msg := self.comm.improbe(ANY_SOURCE, tag)) is None:
             d = backoff.next_delay()
             if d:
                 time.sleep(d)
+                if end is not None and time.monotonic() > end:
+                    raise CommTimeoutError(f"recv from any source on tag {tag}: Timed out after {limit:g} s (the "
+                                           f"group's timeout); no rank sent to this one")
         msg.recv(t)
         return self._record(LoomWork([t], source=msg.source))
 
@@ -921,38 +684,6 @@ def _even(n: int, p: int, what: str) -> list[int]:
     return [n // p] * p
 
 
-def _chain(work: LoomWork, after: Callable[[Any], None]) -> LoomWork:
-    """Work done when ``work`` is and ``after`` ran (on the thread that completes ``work``)."""
-    fut = Future()
-
-    def then(f) -> None:
-        try:
-            f.wait()
-            after(None)
-            fut.set_result(work._outputs)
-        except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
-            fut.set_exception(exc)
-
-    work.get_future().add_done_callback(then)
-    return LoomWork(work._outputs, fut)
-
-
-def _all(works: list[LoomWork], outputs: list | None = None) -> LoomWork:
-    """One work for several: done when all are (the first error wins)."""
-    outputs = [] if outputs is None else outputs
-    pending = [w for w in works if not w.is_completed()]
-    if not pending:
-        for w in works:
-            w.get_future().value()  # raise a failed one's error
-        return LoomWork(outputs)
-    if len(works) == 1:
-        w = works[0]
-        return LoomWork(outputs, w.get_future().then(lambda f: (f.wait(), outputs)[1]))
-    fut = torch.futures.collect_all([w.get_future() for w in works])
-    return LoomWork(outputs, fut.then(lambda f: ([x.wait() for x in f.value()], outputs)[1]))
-
-
-
 #: torch's names of the process group's operations: a work names its operation when its wait times out
 _OP_NAMES = {
     "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced", "reduce": "reduce",
@@ -970,10 +701,14 @@ _OP_NAMES = {
 
 
 def _naming(method: Callable, op: str) -> Callable:
-    """``method`` whose work carries the operation's and the group's names."""
+    """``method`` whose work carries the operation's and the group's names, and whose transport failures (a
+    timeout: loom.comm's ``CommTimeoutError``) raise as torch's ``DistBackendError`` naming them."""
     @functools.wraps(method)
     def named(self, *args, **kwargs):
-        work = method(self, *args, **kwargs)
+        try:
+            work = method(self, *args, **kwargs)
+        except CommError as exc:
+            raise dist.DistBackendError(f"the loom backend's {op} on group {self.comm.name!r}: {exc}") from exc
         work._op, work._group = op, self.comm.name
         return work
     return named

@@ -808,26 +808,26 @@ def check_wait_timeout_raises_then_the_exchange_completes(comm):
 def check_rendezvous_failure_raises_on_every_rank(comm):
     """A rank that reaches no address of rank 0 fails the rendezvous on every rank (not only there, leaving the
     others to wait out the store's 30-minute timeout)."""
-    from loom.torchdist import backend
+    from loom.torchdist import rendezvous
 
     if comm.size < 2:
         return
-    saved = backend._reachable
+    saved = rendezvous._reachable
 
-    def unreachable(candidates, port, timeout=5.0):
+    def unreachable(candidates, port):
         if comm.rank == comm.size - 1:
             raise RuntimeError(f"no address of rank 0 ({', '.join(candidates)}) accepts a connection")
-        return saved(candidates, port, timeout)
+        return saved(candidates, port)
 
-    backend._reachable = unreachable
+    rendezvous._reachable = unreachable
     try:
-        next(backend.mpi_rendezvous("env://", timeout=datetime.timedelta(seconds=20)))
+        next(rendezvous.mpi_rendezvous("env://", timeout=datetime.timedelta(seconds=20)))
     except RuntimeError as exc:
         assert f"rank {comm.size - 1}:" in str(exc) and "accepts a connection" in str(exc), str(exc)
     else:
         raise AssertionError("the rendezvous went on although one rank reached no address of rank 0")
     finally:
-        backend._reachable = saved
+        rendezvous._reachable = saved
 
 
 def check_unsupported_op_and_mismatch_raise_on_every_rank(comm):

@@ -54,6 +54,10 @@ def relaunch(ranks: int, argv: list[str]) -> int:
     from .comm import launch
 
     env = {"LOOM_LAUNCHED": "1"}
+    cores = os.cpu_count() or 1
+    if ranks > cores:
+        sys.stderr.write(f"loom {argv[0]}: {ranks} ranks on {cores} cores: ranks share cores (a waiting rank spins), "
+                         f"so results are right but timings are oversubscribed\n")
     try:
         proc = launch.run(ranks, [sys.executable, "-m", "loom.cli", *argv], env=env)
     except launch.Interrupted as exc:

@@ -7,7 +7,10 @@ Every rank runs ``SCRIPT`` as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` a
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are set for scripts that read them). loom's own
 options (``--ranks N``) come before the script; everything after it is the script's. ``--ranks N`` launches the
 job as ``loom train --ranks N`` does (:func:`loom.cli.relaunch`): Ctrl-C stops every rank with one line and exit
-code 130, and a rank that raises prints its traceback (prefixed with its rank) and ends the job, exit code 1.
+code 130, a rank that raises prints its traceback (prefixed with its rank) and ends the job, exit code 1, and
+a rank whose script exits non-zero (``sys.exit(3)``) prints one line naming itself and ends the job with that
+code (one that leaves by ``os._exit`` ends it too: the launcher stops the others when a rank leaves without
+finalizing MPI).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import os
 import runpy
 import sys
 
-from .. import cli_args, settings
+from ..cli_args import ArgumentParser, follower_wait, parse_ranks
+from ..settings import launch_info, launch_rank
 
 __all__ = ["main", "parser", "torchrun_env"]
 
@@ -25,10 +29,10 @@ SCRIPT_ARGS = True  # loom/cli.py reads --ranks only before the script: what fol
 
 
 def parser() -> argparse.ArgumentParser:
-    p = cli_args.ArgumentParser(prog="loom run", description="run a torch.distributed script on MPI ranks, "
+    p = ArgumentParser(prog="loom run", description="run a torch.distributed script on MPI ranks, "
                                 "with the \"loom\" backend registered (torchrun's role)")
     if "--ranks" not in p._option_string_actions:  # the dispatcher offers it on every command it launches
-        p.add_argument("-n", "--ranks", type=cli_args.parse_ranks, default=None,
+        p.add_argument("-n", "--ranks", type=parse_ranks, default=None,
                        help="outside an MPI job: launch this many local ranks (before the script; inside a job: "
                             "ignored)")
     p.add_argument("script", help="Python file every rank runs as __main__")
@@ -42,7 +46,7 @@ def torchrun_env(env) -> None:
     ``MASTER_ADDR``/``MASTER_PORT`` stay unset: without them ``env://`` takes its store's address over MPI."""
     from ..comm.devices import local_rank
 
-    info = settings.launch_info()
+    info = launch_info()
     rank, size = (0, 1) if info is None else (info.rank, info.size)
     local_size = info.local_size if info is not None and info.local_size is not None else size
     for key, value in (("RANK", rank), ("WORLD_SIZE", size), ("LOCAL_RANK", local_rank()),
@@ -53,11 +57,11 @@ def torchrun_env(env) -> None:
 def main(argv: list[str]) -> int:
     ns = parser().parse_args(argv)
     if not os.path.isfile(ns.script):
-        if settings.launch_rank() == 0:
+        if launch_rank() == 0:
             print(f"loom run: error: script {ns.script!r} is not a file; give the path of a Python script",
                   file=sys.stderr)
         else:
-            cli_args.follower_wait()
+            follower_wait()
         return 2
     import loom  # noqa: F401 - registers the "loom" backend (already imported here; kept explicit)
 
@@ -67,6 +71,26 @@ def main(argv: list[str]) -> int:
     try:
         runpy.run_path(ns.script, run_name="__main__")
     except SystemExit as exc:
-        code = exc.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code:
+            _leave(code, exc.code)
+        return code
     return 0
+
+
+def _leave(code: int, what) -> None:
+    """A rank's script exited non-zero: say so in one line and leave at once, without finalizing MPI. Finalizing
+    would wait for ranks that are inside a collective with this one, which wait for it: the job would hang.
+    Leaving unfinalized makes the launcher stop the other ranks; the job exits with ``code`` (torchrun's
+    agent likewise stops the job when a rank fails)."""
+    info = launch_info()
+    if info is None or info.size == 1:
+        return
+    why = f" ({what})" if isinstance(what, str) else ""
+    sys.stderr.write(f"loom run: rank {info.rank} exited with code {code}{why}; ending its {info.size}-rank job\n")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

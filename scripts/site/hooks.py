@@ -4,6 +4,10 @@ The site's home page is the repository's README.md, so the front page exists onc
 site with paths relative to the repository root (``docs/guides/zero.md``, which GitHub follows), and here
 they become paths relative to docs/ (``guides/zero.md``), which mkdocs checks like any other link in
 ``--strict`` mode. A README link outside docs/ could not be checked or served, so it fails the build.
+
+The pages are written for GitHub too, whose Markdown lets a list start right under a paragraph line; Python's
+Markdown needs a blank line there and would run the items into the paragraph, so one is added (outside code
+blocks) before a list that follows a paragraph.
 """
 
 from __future__ import annotations
@@ -30,6 +34,32 @@ def readme_as_home(text: str) -> str:
         return m.group(1) + target[len("docs/"):] + m.group(3)
 
     return _LINK.sub(one, text)
+
+
+_ITEM = re.compile(r"\s*(?:[-*+]|\d+[.)])\s+\S")
+
+
+def gfm_lists(markdown: str) -> str:
+    """A blank line before each list that starts right under a paragraph line (see the module docstring)."""
+    out: list[str] = []
+    fence = False
+    in_list = False  # the block since the last blank line holds a list item
+    for line in markdown.split("\n"):
+        if line.lstrip().startswith(("```", "~~~")):
+            fence = not fence
+        elif not fence:
+            if not line.strip():
+                in_list = False
+            elif _ITEM.match(line):
+                if not in_list and out and out[-1].strip() and not out[-1].lstrip().startswith(("<!--", "#", "|")):
+                    out.append("")
+                in_list = True
+        out.append(line)
+    return "\n".join(out)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    return gfm_lists(markdown)
 
 
 def on_files(files: Files, config) -> Files:

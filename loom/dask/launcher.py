@@ -13,7 +13,7 @@ Plan of :func:`initialize` (every rank calls it):
 
 Reliability: a worker rank that dies (killed, segfault) is survivable when the launcher keeps the other
 ranks running (MPICH's hydra with ``-disable-auto-cleanup``, which ``loom dask run -n N`` adds; see
-docs/readme/45-dask.md for which MPIs can). Every rank ignores hydra's ``SIGUSR1`` notice of the death
+docs/guides/dask.md for which MPIs can). Every rank ignores hydra's ``SIGUSR1`` notice of the death
 (:func:`loom.dask.liveness.ignore_launcher_signal`), and every rank's mpi:// engine watches every rank of
 this host from the start (pids and host keys are exchanged in the one ``allgather`` below), so the comms to
 the dead rank close at once as over TCP: the scheduler drops the worker (rank 0 prints a ``lost worker``

@@ -1,7 +1,7 @@
 """Which peer ranks have died: the ``mpi://`` backend's failure detector.
 
 MPI itself does not say when a peer dies unless the library runs in a fault-tolerant mode (MPICH's fails to
-start here, see docs/readme/45-dask.md): a receive from a dead rank simply never completes and a small send
+start here, see docs/guides/dask.md): a receive from a dead rank simply never completes and a small send
 to it completes eagerly. So the backend watches its peers' processes instead.
 
 Plan: every connection handshake carries the peer's pid and host key (:func:`loom.comm.doorbell.host_key`:

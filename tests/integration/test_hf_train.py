@@ -62,11 +62,11 @@ def test_train_hf_config_exports_save_pretrained(tmp_path, mesh, capsys):
 
 
 def test_readme_example_trains_with_sequence_parallelism(tmp_path):
-    """The README's transformers example, run as written on 2 ranks: the printed loss falls."""
+    """The transformers guide's example, run as written on 2 ranks: the printed loss falls."""
     import re
     from pathlib import Path
 
-    text = Path("docs/readme/32-transformers.md").read_text()
+    text = Path("docs/guides/transformers.md").read_text()
     code = re.search(r"```python\n(.*?)```", text, flags=re.S).group(1)
     script = tmp_path / "sp_llama.py"
     script.write_text(code)

@@ -1,6 +1,8 @@
-"""Every Python block and command line of the README runs, as written, at the rank count it states.
+"""Every Python block and command line of the documentation runs, as written, at the rank count it states.
 
-The examples are read from ``docs/readme/*.md`` (README.md is assembled from them). A fenced block is:
+The examples are read from README.md (the front page) and every page of the site under docs/, where each is
+explained (:func:`tests.docs.pages`; the command-line reference's generated ``--help`` text is not read). A
+fenced block is:
 
 - a **Python** block (```` ```python ````): saved to a file and run with ``python`` on the ranks its
   ``mpiexec -n N`` comment or its marker states (1 otherwise);
@@ -8,7 +10,7 @@ The examples are read from ``docs/readme/*.md`` (README.md is assembled from the
   ``python``, ``.venv/bin/...``), or only its ``$ ``-prefixed lines when it shows a command with its
   output; each runs in a shell in a fresh scratch directory per block that holds the checkout's
   ``configs/`` and ``docs/``, with ``loom`` and ``.venv/bin/`` pointing at this interpreter;
-- anything else is output, not run.
+- anything else, and every ```` ```text ```` block (a diagram, an output), is not an example.
 
 A marker in an HTML comment on the line before a block changes how it runs:
 ``<!-- example: skip (reason) -->`` (deliberately partial, or for another machine), ``<!-- example: root -->``
@@ -20,10 +22,10 @@ in argparse and in ``--section.key`` overrides), so a benchmark or a training ru
 works without measuring anything. ``make demo`` runs its recipe (``loom demo --ranks 4``); ``make test`` is
 this suite. Each example has a timeout, so a hang fails instead of stalling the suite.
 
-The README states how many blocks run, run only as root, are inputs or are not run, and how many inline
-``loom ...`` commands of its prose are only parsed (tests/unit/test_readme.py): :func:`census` counts them
-and :func:`test_readme_states_what_its_tests_prove` holds the sentence to the count
-(``python tests/integration/test_readme_examples.py`` prints it).
+The getting-started page states how many blocks run, run only as root, are inputs or are not run, and how many
+inline ``loom ...`` commands of the prose are only parsed (tests/unit/test_readme.py): :func:`census` counts
+them and :func:`test_readme_states_what_its_tests_prove` holds the sentence to the count
+(``python tests/integration/test_readme_examples.py`` prints it, with the count per page).
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ import pytest
 
 from loom.cli import COMMANDS
 from loom.comm import launch
+from tests.docs import pages
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ROOT / "docs" / "readme"
+CENSUS_PAGE = "docs/getting-started.md"  # the page whose sentence states the census
 TIMEOUT = 300  # seconds per example: a hang fails the test (a loaded 2-core machine runs each in < 60 s)
 PROGRAMS = ("loom", "make", "mpiexec", "python", ".venv/bin/loom", ".venv/bin/python", "sudo")
 MAKE = {"make demo": "loom demo --ranks 4", "make test": None, "make test-fast": None, "make bench": None}
@@ -111,14 +114,15 @@ def _commands(body: str) -> list[str]:
     return out
 
 
-def extract(sections: Path = SECTIONS) -> list[Example]:
-    """Every example of the README sections, with its marker applied."""
+def extract(texts: dict[str, str] | None = None) -> list[Example]:
+    """Every example of the pages (path -> text; by default README.md and docs/), with its marker applied."""
     found = []
-    for path in sorted(sections.glob("*.md")):
-        text = path.read_text()
+    for name, text in (pages() if texts is None else texts).items():
         for m in _FENCE.finditer(text):
             lang, body = m.group(1), m.group(2)
-            ex = Example(path.name, text[:m.start()].count("\n") + 1, "python" if lang == "python" else "commands",
+            if lang == "text":
+                continue
+            ex = Example(name, text[:m.start()].count("\n") + 1, "python" if lang == "python" else "commands",
                          body)
             if ex.kind == "commands":
                 ex.commands = _commands(body)
@@ -230,7 +234,8 @@ def _run_commands(ex: Example, upto: int, cwd: Path, env: dict[str, str], done: 
 
 
 def _run_python(ex: Example, cwd: Path, env: dict[str, str]) -> None:
-    script = cwd / f"example_{ex.section.split('-')[0]}_{ex.line}.py"
+    page = re.sub(r"\W", "_", Path(ex.section).stem)
+    script = cwd / f"example_{page}_{ex.line}.py"
     script.write_text(ex.text)
     _exec(launch.mpiexec_argv(ex.ranks, [sys.executable, str(script)]), cwd, env,
           f"{ex.id}: the Python example on {ex.ranks} ranks")
@@ -258,16 +263,17 @@ def test_readme_example_runs(ex: Example, i: int, tmp_path_factory):
         _run_commands(ex, i, cwd, env, done)
 
 
-def test_extractor_honours_markers_and_tells_output_from_commands(tmp_path):
-    (tmp_path / "01-x.md").write_text(
+def test_extractor_honours_markers_and_tells_output_from_commands():
+    text = (
         "```\nloom bench bw --ranks 2   # comment\n# Size  Bandwidth\n1  2.0\n```\n\n"
         "```\n$ loom plan --nodes 4\n# loom plan: table\n```\n\n"
         "```\n# Size  Latency\n0  1.0\n```\n\n"
+        "```text\nloom train --ranks 4    a diagram's line, not a command\n```\n\n"
         "<!-- example: skip (a site cluster) -->\n```\nmodule load openmpi\nmpiexec -n 16 loom train\n```\n\n"
         "```python\nimport loom  # mpiexec -n 2 python this.py\n```\n\n"
         "<!-- example: ranks=3 -->\n```python\nx = 1\n```\n\n"
         "<!-- example: file=job.py -->\n```python\nprint(1)\n```\n")
-    got = extract(tmp_path)
+    got = extract({"docs/x.md": text})
     assert [(e.kind, e.commands, e.ranks, e.skip, e.file) for e in got] == [
         ("commands", ["loom bench bw --ranks 2   # comment"], 1, "", ""),
         ("commands", ["loom plan --nodes 4"], 1, "", ""),
@@ -286,7 +292,7 @@ def test_extractor_honours_markers_and_tells_output_from_commands(tmp_path):
 
 
 def census(examples: list[Example] | None = None) -> dict[str, int]:
-    """How the README's examples are checked: blocks run as written, run only as root, saved as inputs for
+    """How the documentation's examples are checked: blocks run as written, run only as root, saved as inputs for
     other blocks, not run (marked skip); and inline ``loom ...`` commands of the prose, parsed only."""
     from tests.unit.test_readme import _inline_commands
 
@@ -301,23 +307,35 @@ def census(examples: list[Example] | None = None) -> dict[str, int]:
     }
 
 
-# The README's sentence, with any line break between its words (the counts are the groups).
+# The getting-started page's sentence, with any line break between its words (the counts are the groups).
 _CLAIM = re.compile(r"\s+".join(
-    r"Of this README's (\d+) example blocks, `make test` runs (\d+) as written.*?, (\d+) more only as root.*?, and "
-    r"(\d+) hold files that other blocks run; (\d+) are not run.*?The (\d+) inline `loom` commands".split(" ")),
-    re.S)
+    r"Of the (\d+) example blocks of the README and this site's pages, `make test` runs (\d+) as written.*?, "
+    r"(\d+) more only as root.*?, and (\d+) hold files that other blocks run; (\d+) are not run.*?"
+    r"The (\d+) inline `loom` commands".split(" ")), re.S)
+
+
+def per_page(examples: list[Example] | None = None) -> dict[str, int]:
+    """Example blocks per page."""
+    counts: dict[str, int] = {}
+    for ex in EXAMPLES if examples is None else examples:
+        counts[ex.section] = counts.get(ex.section, 0) + 1
+    return counts
 
 
 def test_readme_states_what_its_tests_prove():
-    """The README's sentence about its examples carries the counts of :func:`census`, so it cannot drift."""
+    """The getting-started page's sentence about the examples carries the counts of :func:`census`, so it
+    cannot drift."""
     counts = census()
-    print("README examples:", ", ".join(f"{v} {k}" for k, v in counts.items()))
-    m = _CLAIM.search((ROOT / "README.md").read_text())
-    assert m, "README.md lost its sentence on what `make test` runs (docs/readme/00-header.md)"
+    print("documentation examples:", ", ".join(f"{v} {k}" for k, v in counts.items()))
+    print("per page:", ", ".join(f"{page} {n}" for page, n in per_page().items()))
+    m = _CLAIM.search((ROOT / CENSUS_PAGE).read_text())
+    assert m, f"{CENSUS_PAGE} lost its sentence on what `make test` runs"
     stated = dict(zip(("blocks", "run", "root", "inputs", "not run", "parsed only"), map(int, m.groups())))
-    assert stated == counts, f"README states {stated}, the examples are {counts}: fix docs/readme/00-header.md"
+    assert stated == counts, f"{CENSUS_PAGE} states {stated}, the examples are {counts}: fix its sentence"
     assert counts["blocks"] == counts["run"] + counts["root"] + counts["inputs"] + counts["not run"]
 
 
 if __name__ == "__main__":
-    print("README examples:", ", ".join(f"{v} {k}" for k, v in census().items()))
+    print("documentation examples:", ", ".join(f"{v} {k}" for k, v in census().items()),
+          f"({len(CASES)} test cases)")
+    print("per page:", ", ".join(f"{page} {n}" for page, n in per_page().items()))

@@ -52,11 +52,12 @@ def register() -> None:
     rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module (the package re-exports a function)
     _REGISTERED = True
     dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
-    env = rdzv._rendezvous_handlers.get("env")
-    if env is not None and not getattr(env, "_loom", False):
-        from .rendezvous import env_handler
+    from .rendezvous import checked_handler, env_handler
 
-        rdzv._rendezvous_handlers["env"] = env_handler(env)
+    for scheme, wrap in (("env", env_handler), ("tcp", checked_handler), ("file", checked_handler)):
+        handler = rdzv._rendezvous_handlers.get(scheme)
+        if handler is not None and not getattr(handler, "_loom", False):
+            rdzv._rendezvous_handlers[scheme] = wrap(handler)
 
 
 def __getattr__(name: str):

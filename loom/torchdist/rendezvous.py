@@ -28,7 +28,8 @@ from urllib.parse import parse_qs, urlparse
 from loom import settings
 from loom.comm import pmi
 
-__all__ = ["env_handler", "mpi_rendezvous", "start_mpi", "check_world", "launched_by_mpi", "bootstrapped"]
+__all__ = ["env_handler", "checked_handler", "mpi_rendezvous", "start_mpi", "check_world", "launched_by_mpi",
+           "bootstrapped"]
 
 _FORMED: dict = {}  # {"rank": r, "size": n} once this process joined a world through form_world
 
@@ -53,14 +54,41 @@ def env_handler(torch_env):
         env, query = os.environ, _query(url)
         master = "MASTER_ADDR" in env and "MASTER_PORT" in env
         ranks = ("rank" in query or "RANK" in env) and ("world_size" in query or "WORLD_SIZE" in env)
-        if launched_by_mpi() and not (master and ranks):
-            return mpi_rendezvous(url, **kwargs)
-        if not launched_by_mpi() and not master and not ranks:
+        if launched_by_mpi():
+            _check_against_launcher(query, env=True)
+            if not (master and ranks):
+                return mpi_rendezvous(url, **kwargs)
+        elif not master and not ranks:
             return mpi_rendezvous(url, **kwargs)  # a lone process: rank 0 of 1
         return torch_env(url, **kwargs)
 
     env_or_mpi._loom = True  # type: ignore[attr-defined]
     return env_or_mpi
+
+
+def checked_handler(torch_handler):
+    """torch's ``tcp://`` or ``file://`` handler, refusing (``ValueError``) inside an MPI job a rank or world size
+    that is not the launcher's: the store would wait for ranks that never come."""
+    def checked(url, **kwargs):
+        if launched_by_mpi():
+            _check_against_launcher(_query(url), env=False)
+        return torch_handler(url, **kwargs)
+
+    checked._loom = True  # type: ignore[attr-defined]
+    return checked
+
+
+def _check_against_launcher(query: dict[str, str], env: bool) -> None:
+    """``ValueError`` (on every rank: each compares its own) when the rank or world size given to
+    ``init_process_group`` (or, for ``env://``, in RANK / WORLD_SIZE) is not what the MPI launcher made."""
+    rank, size = _launcher_rank_size()
+    for key, env_key, mine in (("world_size", "WORLD_SIZE", size), ("rank", "RANK", rank)):
+        given = query.get(key, os.environ.get(env_key) if env else None)
+        if given is not None and given.strip().isdigit() and int(given) != mine:
+            where = f"init_process_group({key}={given})" if key in query else f"{env_key}={given}"
+            raise ValueError(f"{where}, but the MPI launcher made this rank {rank} of {size}: inside an MPI job the "
+                             f"loom backend takes rank and size from MPI; pass neither (or unset {env_key}), or "
+                             f"launch the job with as many ranks")
 
 
 def _launcher_rank_size() -> tuple[int, int]:
@@ -79,14 +107,7 @@ def mpi_rendezvous(url: str, timeout: datetime.timedelta = datetime.timedelta(mi
     import torch.distributed as dist
 
     rank, size = _launcher_rank_size()
-    query = _query(url)
-    for key, env_key, mine in (("rank", "RANK", rank), ("world_size", "WORLD_SIZE", size)):
-        given = query.get(key, os.environ.get(env_key))
-        if given is not None and given.strip().isdigit() and int(given) != mine:
-            where = f"init_process_group({key}={given})" if key in query else f"{env_key}={given}"
-            raise ValueError(f"{where}, but the MPI launcher made this rank {rank} of {size}: inside an MPI job the "
-                             f"loom backend takes rank and size from MPI; pass neither (or unset {env_key}), or "
-                             f"launch the job with as many ranks")
+    _check_against_launcher(_query(url), env=True)
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         rdzv = importlib.import_module("torch.distributed.rendezvous")  # the module (the package re-exports a function)
         store = rdzv._create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, size,

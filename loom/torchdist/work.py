@@ -18,9 +18,7 @@ import datetime
 import threading
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
-import torch.futures
 from torch.futures import Future
 
 from loom.comm import CommError, CommTimeoutError, ProgressThread, Request
@@ -189,15 +187,34 @@ def chain(work: LoomWork, after: Callable[[Any], None]) -> LoomWork:
 
 
 def join(works: list[LoomWork], outputs: list | None = None) -> LoomWork:
-    """One work for several: done when all are (the first error wins)."""
+    """One work for several: done when all are (the first error wins, as it was raised: torch's
+    ``Future.then`` would turn it into a RuntimeError of its text)."""
     outputs = [] if outputs is None else outputs
     pending = [w for w in works if not w.is_completed()]
     if not pending:
         for w in works:
             w.get_future().value()  # raise a failed one's error
         return LoomWork(outputs)
-    if len(works) == 1:
-        w = works[0]
-        return LoomWork(outputs, w.get_future().then(lambda f: (f.wait(), outputs)[1]))
-    fut = torch.futures.collect_all([w.get_future() for w in works])
-    return LoomWork(outputs, fut.then(lambda f: ([x.wait() for x in f.value()], outputs)[1]))
+    fut = Future()
+    left = [len(works)]
+    lock = threading.Lock()
+
+    def one(f) -> None:
+        try:
+            f.wait()
+            err = None
+        except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+            err = exc
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+            if fut.done():
+                return
+            if err is not None:
+                fut.set_exception(err)
+            elif last:
+                fut.set_result(outputs)
+
+    for w in works:
+        w.get_future().add_done_callback(one)
+    return LoomWork(outputs, fut)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -127,18 +128,25 @@ def check_pairwise_reductions_match_gloo(comm):
 
 
 def check_avg_premul_and_16_bit_floats_are_exact(comm):
-    """AVG (gloo has none) is SUM / P; PREMUL_SUM scales first; bf16/fp16 are summed widened and rounded once."""
+    """AVG (gloo has none) is SUM / P; PREMUL_SUM scales first; bf16/fp16 are summed in float32 and rounded once:
+    on data whose 16-bit running sum rounds differently (from 3 ranks on: two 16-bit values add exactly in float32,
+    so at 2 ranks both ways agree), checked to differ from the 16-bit sum before loom is compared."""
     _groups()
     gen = torch.Generator().manual_seed(7)
     every = [_rand((6, 5), torch.float64, gen) for _ in range(comm.size)]
     x = every[comm.rank].clone()
     dist.all_reduce(x, op=dist.ReduceOp.AVG)
     assert torch.equal(x, sum(every) / comm.size)
+    wide = [torch.randn(64, generator=gen, dtype=torch.float64) * (1 + 10 * k) for k in range(comm.size)]
     for dtype in (torch.bfloat16, torch.float16):
-        y = every[comm.rank].to(dtype)
+        y = wide[comm.rank].to(dtype)
         dist.all_reduce(y)
-        want = sum(e.to(dtype).double() for e in every).to(dtype)
-        assert torch.equal(y, want), dtype
+        want = sum(e.to(dtype).float() for e in wide).to(dtype)  # float32, rounded once
+        running = wide[0].to(dtype)
+        for e in wide[1:]:
+            running = running + e.to(dtype)  # rounded at every addition
+        assert comm.size < 3 or not torch.equal(running, want), f"{dtype}: data must tell a 16-bit sum apart"
+        assert torch.equal(y, want), (dtype, (y.float() - want.float()).abs().max())
     z = every[comm.rank].clone()
     dist.all_reduce(z, op=dist._make_nccl_premul_sum(0.5))
     assert torch.equal(z, sum(e * 0.5 for e in every))
@@ -802,6 +810,85 @@ def check_wait_timeout_raises_then_the_exchange_completes(comm):
     else:
         dist.all_reduce(torch.ones(1))
     dist.barrier()
+
+
+def check_sparse_all_reduce_and_ddp_with_sparse_gradients_match_gloo(comm):
+    """all_reduce of a sparse COO tensor (indices overlapping across ranks, some rows on one rank only) and DDP over
+    an ``nn.Embedding(sparse=True)``, trained 4 steps, bit for bit as gloo (both sum the ranks in rank order)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    gen = torch.Generator().manual_seed(40 + comm.rank)
+    idx = torch.tensor([[0, 2, 5 + comm.rank % 3], [1, 1, comm.rank % 8]])
+    vals = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+
+    def reduce(g):
+        t = torch.sparse_coo_tensor(idx, vals, (8, 8, 4))
+        dist.all_reduce(t, group=g)
+        return t.coalesce().to_dense()
+    _same(*_both(reduce), "sparse all_reduce")
+    data = [torch.randint(0, 50, (6, 3), generator=gen) for _ in range(4)]
+
+    def train(g):
+        torch.manual_seed(0)
+        model = DDP(nn.EmbeddingBag(50, 8, mode="sum", sparse=True).double(), process_group=g)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x in data:
+            loss = (model(x) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return _params(model)
+    _same(*_both(train), "DDP with sparse gradients")
+
+
+def check_dcp_async_save_round_trip(comm):
+    """dcp.async_save (torch asks the group for a CPU backend) then load: every parameter back bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    _groups()
+    model = _mlp(5)
+    path = comm.bcast_object(tempfile.mkdtemp(prefix="loom-dcp-async-") if comm.rank == 0 else None)
+    dcp.async_save(model.state_dict(), checkpoint_id=path).result()
+    fresh = _mlp(6)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    fresh.load_state_dict(state)
+    for a, b in zip(_params(model), _params(fresh)):
+        assert torch.equal(a, b)
+
+
+def check_group_timeout_raises_like_gloo_and_the_job_goes_on(comm):
+    """A group made with a 1 s timeout: a barrier, then a large asynchronous all_reduce (the progress thread's
+    path), that only rank 0 joins raise on rank 0 after the timeout, naming the operation, the group and
+    " Timed out " (the words torch's suite looks for), instead of blocking for ever; the group then refuses
+    further work by name; a new group of the same ranks, and the default group, work."""
+    _groups()
+    for op in ("barrier", "all_reduce"):
+        g = dist.new_group(list(range(comm.size)), timeout=datetime.timedelta(seconds=1))
+        if comm.rank == 0:
+            t0 = time.monotonic()
+            try:
+                if op == "barrier":
+                    dist.barrier(group=g)
+                else:
+                    dist.all_reduce(torch.ones(1 << 16), group=g, async_op=True).wait()
+            except RuntimeError as exc:
+                msg = str(exc)
+                assert " Timed out " in msg and op in msg and "torch." in msg, msg
+            else:
+                raise AssertionError(f"a {op} that no peer joined returned")
+            assert time.monotonic() - t0 < 30  # gone at its 1 s timeout, not at the default 30 minutes
+            try:
+                dist.all_reduce(torch.ones(1), group=g)
+            except RuntimeError as exc:
+                assert "make a new" in str(exc), exc
+            else:
+                raise AssertionError("a group whose operation timed out took more work")
+        dist.barrier()
+        fresh = dist.new_group(list(range(comm.size)))
+        y = torch.ones(2, dtype=torch.float64)
+        dist.all_reduce(y, group=fresh)
+        assert y.tolist() == [float(comm.size)] * 2
 
 
 # ---------------------------------------------------------------------------------------------- errors

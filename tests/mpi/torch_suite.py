@@ -121,6 +121,7 @@ def _run_one(cls, name: str, rank: int, world_size: int, file_name: str, skip_co
     """One test as ``TestDistBackend._run`` runs it in a spawned process (module plan)."""
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
     from torch.testing._internal import common_utils
     from torch.testing._internal.distributed import distributed_test as dt
@@ -128,6 +129,12 @@ def _run_one(cls, name: str, rank: int, world_size: int, file_name: str, skip_co
     self = cls(name)
     self.rank = rank
     self.file_name = file_name
+    # what a spawned process starts with, and an earlier test of this process may have changed (with_dist_debug_
+    # levels leaves TORCH_DISTRIBUTED_DEBUG at its last level)
+    os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+    dist.set_debug_level_from_env()
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
     common_utils.set_rng_seed()
     exc = None
     try:

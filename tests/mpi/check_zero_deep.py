@@ -25,8 +25,10 @@ import torch
 from torch import nn
 
 from loom.compress import CompressionPolicy, get_codec
-from loom.parallel import data, zero
+from loom.comm import buffers
+from loom.parallel import data
 from loom.parallel.zero import ShardedDataParallel, reset_zero_stats, zero_stats
+from loom.parallel.zero.requests import _in_backward
 from loom.testing import device_check, mpi_checks, seeded
 
 TOL = 1e-10
@@ -504,7 +506,7 @@ def _staged_path(log: dict):
     """``loom.parallel.data.HOST_STAGING = True`` (the CUDA path without a CUDA-aware MPI, on host tensors), with
     spies: the host buffers staged (kept alive, so no address is reused by a tensor that was not), and the host
     waits for a staging copy made inside backward."""
-    saved = data.HOST_STAGING, zero._b.stage_out, zero._b.host_empty, zero._b.wait_copy
+    saved = data.HOST_STAGING, buffers.stage_out, buffers.host_empty, buffers.wait_copy
     stage_out, host_empty, wait_copy = saved[1:]
 
     def keep(t):
@@ -512,18 +514,18 @@ def _staged_path(log: dict):
         return t
 
     def waited(ev):
-        if zero._in_backward():
+        if _in_backward():
             log["waits_in_backward"] += 1
         return wait_copy(ev)
 
     data.HOST_STAGING = True
-    zero._b.stage_out = lambda x, out=None: (lambda h, ev: (keep(h), ev))(*stage_out(x, out))
-    zero._b.host_empty = lambda *a: keep(host_empty(*a))
-    zero._b.wait_copy = waited
+    buffers.stage_out = lambda x, out=None: (lambda h, ev: (keep(h), ev))(*stage_out(x, out))
+    buffers.host_empty = lambda *a: keep(host_empty(*a))
+    buffers.wait_copy = waited
     try:
         yield
     finally:
-        data.HOST_STAGING, zero._b.stage_out, zero._b.host_empty, zero._b.wait_copy = saved
+        data.HOST_STAGING, buffers.stage_out, buffers.host_empty, buffers.wait_copy = saved
 
 
 def check_host_staged_path_equals_one_process(comm):

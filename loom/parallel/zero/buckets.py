@@ -1,5 +1,26 @@
 """The layout: buckets of the trainable parameters (parameter groups kept apart), flat blocks of them, and a
-meta-device model materialised bucket by bucket."""
+meta-device model materialised bucket by bucket.
+
+Layout. The trainable parameters are grouped, module by module in registration order, into *buckets* of at
+most ``bucket_mb`` MiB (a module's direct parameters never straddle two buckets). Bucket ``b`` is one flat
+vector of ``N_b`` elements padded to ``P * S_b`` (``P`` ranks in the group, ``S_b = ceil(N_b / P)``); rank
+``r`` owns elements ``[r S_b, (r+1) S_b)``: this rank's block of each bucket is one flat *master* parameter
+(``shards[b]``, in the parameters' dtype). The optimizer, any ``torch.optim`` class, steps on these alone,
+so its state is sharded at every stage >= 1; a block's gradient is allocated when its first reduction
+arrives (as a parameter's ``.grad`` in one process), so gradients grow during backward instead of sitting
+allocated all step. Frozen parameters and buffers stay replicated: broadcast from group rank 0 at
+construction, as DDP does (so are the trainable parameters, at every stage), and buffers again around every
+forward that changed one (:meth:`loom.parallel.ShardedDataParallel.sync_buffers`).
+
+Construction from the meta device: a model built under ``torch.device("meta")`` (same seed on every rank) is
+materialised by :mod:`loom.parallel.meta`, its values those of a plain build from that seed. At stage 3 this
+runs bucket by bucket (:class:`_MetaSource`): the bucket's tensors are initialised (a ``reset_parameters``
+replay restarts from the stream's state at construction for each bucket, drawing for the rest of the model on
+one scratch module at a time), this rank's block is copied into its master shard and the full tensors are
+dropped, so the storage live during construction is the shards, the replicated state and about one bucket. No
+broadcast is needed: every rank computes the same values. Stages 0-2 keep every parameter whole and
+materialise it whole.
+"""
 
 from __future__ import annotations
 
@@ -48,6 +69,14 @@ class _Bucket:
         if self.group:
             lay["group"] = self.group
         return lay
+
+    def flat(self, tensors: Sequence[torch.Tensor | None], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``tensors`` (one per parameter, shaped like it; ``None``: zeros) as the bucket's padded flat vector."""
+        flat = torch.zeros(self.padded, dtype=dtype, device=device)
+        for p, off, t in zip(self.params, self.offsets, tensors):
+            if t is not None:
+                flat[off:off + p.numel()].copy_(t.reshape(-1))
+        return flat
 
 
 def _make_buckets(module: nn.Module, size: int, cap: int, group_of: dict[str, int] | None = None,

@@ -1,10 +1,13 @@
 """Sharded data parallelism (ZeRO stages 0-3) on ``loom.comm``: :class:`ShardedDataParallel` and
 :class:`ShardedOptimizer`.
 
-The package, one concern a module: ``engine`` (the wrapper and its plan per stage), ``buckets`` (the layout),
-``params`` (the stage-3 placeholder parameter), ``norms`` (the shard gradient whose norm is the bucket's),
-``requests`` (requests in flight and :func:`zero_stats`), ``habits`` (torch's optimizer step hooks), ``state``
-(sharded checkpoint files) and ``optim`` (:class:`ShardedOptimizer`, stage 1 for loops of their own).
+One concern a module: ``engine`` (the wrapper, its plan per stage, and the backward's start and end where the
+others meet), ``buckets`` (the layout), ``gather`` (parameter gathers and prefetch), ``reduce`` (gradient
+reduce-scatters, their progress and compression), ``staging`` (the host path where MPI cannot read the device),
+``replicas`` (buffers and frozen parameters kept equal), ``habits`` (the wrapped module's habits and torch's
+optimizer step hooks), ``state`` (state dicts and sharded checkpoints), ``params`` (the stage-3 placeholder
+parameter), ``norms`` (the shard gradient whose norm is the bucket's), ``requests`` (requests in flight and
+:func:`zero_stats`) and ``optim`` (:class:`ShardedOptimizer`, stage 1 for loops of their own).
 """
 
 from .engine import ShardedDataParallel

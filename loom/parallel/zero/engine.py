@@ -65,9 +65,9 @@ from ..meta import Init
 from .buckets import _Bucket, _flat_block, _make_buckets, _MetaSource, _parse_groups
 from .gather import ParamGathers
 from .habits import ModuleHabits, _unwatch_steps, _watch_steps
-from .norms import _shard_grad, _ShardGrad
 from .params import _refuse_compile, _ShardedParameter
 from .reduce import GradReduction, compression
+from .replicas import Replicas
 from .staging import ParamMirror
 from .state import gather_state_dict, load_shards, save_shards, scatter_state_dict
 
@@ -190,9 +190,9 @@ class ShardedDataParallel(nn.Module):
         self.micro_batches = micro_batches
         self.scale = 1.0 / comm.size if reduce == "avg" else 1.0
         self.broadcast_buffers = broadcast_buffers
-        self._buffer_key: tuple[tuple[int, int], ...] | None = None  # buffers' (id, version) at the last sync
+        self._replicas = Replicas(module, comm)
         self._source = _MetaSource.open(module, init, stage, torch.device(device or "cpu"))
-        self._broadcast_replicated()
+        self._replicas.broadcast()
         # missing_grad="skip": a bucket holds one module's direct parameters (used or unused together), so
         # that the optimizer can skip it whole, as torch skips each parameter without a gradient.
         self.buckets, self._owners = _make_buckets(module, comm.size, int(bucket_mb * (1 << 20)), group_of,
@@ -220,7 +220,7 @@ class ShardedDataParallel(nn.Module):
             if compute_dtype not in (None, self.master_dtype):
                 raise ValueError("compute_dtype needs stage >= 1 (the fp32 master copy lives in the shard)")
             self._reduce = GradReduction(self, None)  # its accounting only: the reducer reduces
-            self._broadcast_trainable(trainable)
+            self._replicas.bcast(trainable)  # every rank starts from rank 0's parameters (stages 1-3: per bucket)
             # Registered before the reducer's hooks: the first gradient of a backward arms the reducer for it.
             self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad0) for p in trainable]
             self.reducer = GradReducer(trainable, comm, bucket_mb=bucket_mb, progress=progress)
@@ -242,7 +242,6 @@ class ShardedDataParallel(nn.Module):
         trainable = [p for b in self.buckets for p in b.params]  # a meta model's were replaced by real ones
         self._inner_ids = {id(p) for p in trainable}
         self._synced = False  # this step's gradients are reduced into the shards (sync_grads ran)
-        self._accumulating = False  # a backward ran since the last reduction (missing_grad="skip" flags)
         self._stepped = False  # the optimizer step hook refreshed the parameters
         if stage >= 2:
             self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
@@ -260,66 +259,14 @@ class ShardedDataParallel(nn.Module):
         self._habits.install()
 
     # ------------------------------------------------------------------ construction
-    def _broadcast_replicated(self) -> None:
-        """Replicated state (buffers, frozen parameters) starts equal on every rank, as under DDP."""
-        self._bcast_coalesced([*self.module.buffers(), *(p for p in self.module.parameters() if not p.requires_grad)])
-        self._buffer_key = self._buffers_now()
-
-    def _broadcast_trainable(self, params: Sequence[torch.Tensor]) -> None:
-        """Stage 0: every rank starts from rank 0's parameters, as DDP's construction (stages 1-3 broadcast each
-        bucket as they build its shards)."""
-        self._bcast_coalesced(params)
-
-    def _bcast_coalesced(self, tensors: Sequence[torch.Tensor], fresh: bool = False) -> dict[int, torch.Tensor]:
-        """Rank 0's values of ``tensors`` on every rank: one broadcast per (dtype, device), copied in place, or
-        (``fresh``) into new tensors, returned by ``id`` of the old one (ranks other than 0)."""
-        out: dict[int, torch.Tensor] = {}
-        if self.comm.size == 1:
-            return out
-        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for t in tensors:
-            if t.numel() and not t.is_meta:
-                groups.setdefault((t.dtype, t.device), []).append(t)
-        with torch.no_grad():
-            for ts in groups.values():
-                flat = self.comm.bcast(torch.cat([t.detach().reshape(-1) for t in ts]), root=0)
-                if self.comm.rank:
-                    off = 0
-                    for t in ts:
-                        got = flat[off:off + t.numel()].view_as(t)
-                        if fresh:
-                            out[id(t)] = got.clone()
-                        else:
-                            t.copy_(got)
-                        off += t.numel()
-        return out
-
-    def _buffers_now(self) -> tuple[tuple[int, int], ...]:
-        return tuple((id(t), t._version) for t in self.module.buffers())
-
     @torch.compiler.disable  # collectives: run as they are, never traced into a graph (torch.compile at 0-2)
     def sync_buffers(self, force: bool = False) -> None:
         """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``): run at the start and the end of every
         forward, so that a buffer a forward updates (BatchNorm's running statistics) is the same on every rank
         between forwards, as is what each forward reads. A buffer is sent only when some rank's changed since
         the last sync (one small allreduce finds out; ``force``: always). Collective over the group."""
-        if not self.broadcast_buffers or self.comm.size == 1:
-            return
-        bufs = list(self.module.buffers())
-        if not bufs:
-            return
-        if not force:
-            changed = torch.tensor([int(self._buffers_now() != self._buffer_key)], dtype=torch.int32, device="cpu")
-            if not self.comm.allreduce(changed, op="max").item():
-                return
-        # New tensors rather than copies in place: a forward's graph saves the buffers it read (BatchNorm's
-        # backward takes its running statistics), and an in-place write would fail that backward's version check.
-        fresh = self._bcast_coalesced(bufs, fresh=True)
-        for m in self.module.modules():
-            for name, t in m._buffers.items():
-                if t is not None and id(t) in fresh:
-                    m._buffers[name] = fresh[id(t)]
-        self._buffer_key = self._buffers_now()
+        if self.broadcast_buffers:
+            self._replicas.sync_buffers(force)
 
     def _init_shards(self) -> None:
         """This rank's master block of every bucket (``shards``); stage 3 turns the parameters into placeholders,
@@ -480,15 +427,6 @@ class ShardedDataParallel(nn.Module):
         if self.stage == 1:
             self._reduce.post_stage1()
         self._reduce.finish()
-        skip = self._skipped() if self.missing_grad == "skip" else set()
-        self._accumulating = False
-        for i, sh in enumerate(self.shards):
-            if i in skip:
-                sh.grad = None
-            elif sh.grad is None:  # no gradient reached it this step: zero, the same on every rank
-                sh.grad = _shard_grad(torch.zeros_like(sh), self.comm)
-            elif type(sh.grad) is not _ShardGrad:
-                sh.grad = _shard_grad(sh.grad, self.comm)
 
     @property
     def last(self) -> dict[str, float]:
@@ -634,14 +572,14 @@ class ShardedDataParallel(nn.Module):
         self._synced = False  # stage 1: a backward ran, so this step's gradients wait for their reduce-scatter
         if not self._bwd_open:
             self._bwd_open = True
-            self._fresh_accumulation()
+            self._reduce.fresh_accumulation()
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
 
     def _open_backward(self) -> None:
         if self._bwd_open:
             return
         self._bwd_open = True
-        self._fresh_accumulation()
+        self._reduce.fresh_accumulation()
         self._reduce.next = len(self.buckets) - 1
         if self.stage == 3:
             self._gathers.backward_start()
@@ -693,37 +631,3 @@ class ShardedDataParallel(nn.Module):
             self._unreduced += 1
         else:
             self.sync_grads()
-
-    def _fresh_accumulation(self) -> None:
-        """The first backward after a reduction begins: a bucket whose shard gradient is ``None`` may stay
-        ``None`` (``fresh``); one holding a gradient (earlier backward calls, or zeros from the optimizer's
-        ``zero_grad(set_to_none=False)``) keeps it, as torch keeps a ``.grad`` that nothing adds to."""
-        if self._accumulating:
-            return
-        self._accumulating = True
-        for b, sh in zip(self.buckets, self.shards):
-            b.fresh = sh.grad is None
-            b.had = [False] * len(b.params)
-
-    def _skipped(self) -> set[int]:
-        """``missing_grad="skip"``: the buckets whose shard gradient stays ``None`` (no rank produced a gradient
-        for any of its parameters since it was ``None``), agreed by every rank (one allreduce of a flag per
-        parameter). A bucket some of whose parameters got a gradient and others none cannot be skipped in part
-        (the optimizer steps a shard whole): refused by name, on every rank alike."""
-        had = torch.tensor([h for b in self.buckets for h in b.had], dtype=torch.int32, device="cpu")
-        had = self.comm.allreduce(had, op="max") if self.comm.size > 1 else had
-        flags, skip, off = had.tolist(), set(), 0
-        for b in self.buckets:
-            mine, off = flags[off:off + len(b.params)], off + len(b.params)
-            if b.fresh and not any(mine):
-                skip.add(b.index)
-            elif b.fresh and not all(mine):
-                without = [n for n, h in zip(b.names, mine) if not h]
-                with_ = [n for n, h in zip(b.names, mine) if h]
-                raise ValueError(
-                    f"missing_grad='skip': bucket {b.index} holds parameters with a gradient this step ({with_[:3]}) "
-                    f"and without one on every rank ({without[:3]}); the optimizer steps a bucket's shard whole, so "
-                    f"it cannot skip {without[0]!r} alone. Buckets hold one module's parameters under 'skip': "
-                    f"use that module's parameters together, or pass missing_grad='zero' (a missing gradient "
-                    f"counts as zeros)")
-        return skip

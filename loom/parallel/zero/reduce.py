@@ -47,6 +47,7 @@ from ... import stats as _stats
 from ...comm import Communicator, ProgressThread, Request, Ticket
 from ..data import _union
 from .buckets import _Bucket
+from .norms import _shard_grad, _ShardGrad
 from .requests import _RS, _Then, _wait
 from .staging import GradStaging, to_device
 
@@ -96,6 +97,7 @@ class GradReduction:
         self.last: dict[str, float] = {}
         self.deferred: list[tuple[_Bucket, torch.Tensor]] = []  # compressed reduce-scatters run after backward
         self.next = -1  # the next bucket this backward posts (buckets strictly in descending order)
+        self.accumulating = False  # a backward ran since the last reduction (missing_grad="skip" flags)
         self.staging = GradStaging(self._posted)
 
     # ------------------------------------------------------------------ posting
@@ -274,7 +276,9 @@ class GradReduction:
         self.drain(None)
 
     def finish(self) -> None:
-        """Wait for this step's reduce-scatters (the deferred compressed ones run now) and account for them."""
+        """Wait for this step's reduce-scatters (the deferred compressed ones run now) and account for them;
+        then every shard's gradient is complete: zeros where no gradient reached it, ``None`` where
+        ``missing_grad="skip"`` skips its bucket, and a norm of it is the bucket's over the group."""
         for b, grad in self.deferred:
             self.pending.append(_RS(b.index, self.compressed(b, grad), False))  # no fixed size: not staged
         self.deferred.clear()
@@ -283,6 +287,16 @@ class GradReduction:
         self.staging.flush(block=True)
         self.drain(0)
         self.account(t0, time.perf_counter())
+        sdp = self.sdp
+        skip = self.skipped() if sdp.missing_grad == "skip" else set()
+        self.accumulating = False
+        for i, sh in enumerate(sdp.shards):
+            if i in skip:
+                sh.grad = None
+            elif sh.grad is None:  # no gradient reached it this step: zero, the same on every rank
+                sh.grad = _shard_grad(torch.zeros_like(sh), sdp.comm)
+            elif type(sh.grad) is not _ShardGrad:
+                sh.grad = _shard_grad(sh.grad, sdp.comm)
 
     def wait_all(self) -> None:
         """Wait for every reduce-scatter in flight, staged ones included (MPI still reads their buffers)."""
@@ -293,6 +307,42 @@ class GradReduction:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+
+    # ------------------------------------------------------------------ missing gradients
+    def fresh_accumulation(self) -> None:
+        """The first backward after a reduction begins: a bucket whose shard gradient is ``None`` may stay
+        ``None`` (``fresh``); one holding a gradient (earlier backward calls, or zeros from the optimizer's
+        ``zero_grad(set_to_none=False)``) keeps it, as torch keeps a ``.grad`` that nothing adds to."""
+        if self.accumulating:
+            return
+        self.accumulating = True
+        for b, sh in zip(self.sdp.buckets, self.sdp.shards):
+            b.fresh = sh.grad is None
+            b.had = [False] * len(b.params)
+
+    def skipped(self) -> set[int]:
+        """``missing_grad="skip"``: the buckets whose shard gradient stays ``None`` (no rank produced a gradient
+        for any of its parameters since it was ``None``), agreed by every rank (one allreduce of a flag per
+        parameter). A bucket some of whose parameters got a gradient and others none cannot be skipped in part
+        (the optimizer steps a shard whole): refused by name, on every rank alike."""
+        sdp = self.sdp
+        had = torch.tensor([h for b in sdp.buckets for h in b.had], dtype=torch.int32, device="cpu")
+        had = sdp.comm.allreduce(had, op="max") if sdp.comm.size > 1 else had
+        flags, skip, off = had.tolist(), set(), 0
+        for b in sdp.buckets:
+            mine, off = flags[off:off + len(b.params)], off + len(b.params)
+            if b.fresh and not any(mine):
+                skip.add(b.index)
+            elif b.fresh and not all(mine):
+                without = [n for n, h in zip(b.names, mine) if not h]
+                with_ = [n for n, h in zip(b.names, mine) if h]
+                raise ValueError(
+                    f"missing_grad='skip': bucket {b.index} holds parameters with a gradient this step ({with_[:3]}) "
+                    f"and without one on every rank ({without[:3]}); the optimizer steps a bucket's shard whole, so "
+                    f"it cannot skip {without[0]!r} alone. Buckets hold one module's parameters under 'skip': "
+                    f"use that module's parameters together, or pass missing_grad='zero' (a missing gradient "
+                    f"counts as zeros)")
+        return skip
 
     # ------------------------------------------------------------------ accounting
     def account(self, t0: float, t1: float) -> None:

@@ -76,6 +76,7 @@ __all__ = ["ShardedDataParallel"]
 
 
 def _group(group: Communicator | Mesh, axes: str | Sequence[str] | None) -> Communicator:
+    """The communicator to shard over: the mesh's ``axes`` (default ``["dp"]``), or the communicator itself."""
     if isinstance(group, Mesh):
         names = ("dp",) if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
         bad = [a for a in names if a not in group.shape]
@@ -92,7 +93,8 @@ def _group(group: Communicator | Mesh, axes: str | Sequence[str] | None) -> Comm
                     f"{type(group).__name__}")
 
 
-def _check_args(module, stage, bucket_mb, reduce, micro_batches) -> None:
+def _check_args(module, stage, bucket_mb, reduce, micro_batches, missing_grad, progress) -> None:
+    """The constructor's arguments, each refused by name before anything is allocated or sent."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"ShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
@@ -104,6 +106,15 @@ def _check_args(module, stage, bucket_mb, reduce, micro_batches) -> None:
         raise ValueError(f"reduce={reduce!r} must be 'avg' (mean over the group) or 'sum'")
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r} must be an integer >= 1 (backward calls per step)")
+    if progress not in PROGRESS_MODES:
+        raise ValueError(f"progress={progress!r} is not one of {', '.join(PROGRESS_MODES)}")
+    if progress == "thread" and not ProgressThread.available():
+        raise ValueError("progress='thread' needs MPI at MPI_THREAD_MULTIPLE (mpi4py's default level; was "
+                         "mpi4py.rc.thread_level changed?); use progress='hooks'")
+    if missing_grad not in ("zero", "skip"):
+        raise ValueError(f"missing_grad={missing_grad!r} must be 'zero' (a parameter without a gradient counts "
+                         f"as a zero gradient) or 'skip' (a bucket no rank produced a gradient for is skipped "
+                         f"by the optimizer, as torch skips a parameter whose .grad is None)")
 
 
 
@@ -171,32 +182,32 @@ class ShardedDataParallel(nn.Module):
                  device: Any = None, missing_grad: str = "zero", progress: str = "auto",
                  broadcast_buffers: bool = True):
         super().__init__()
-        _check_args(module, stage, bucket_mb, reduce, micro_batches)
-        if progress not in PROGRESS_MODES:
-            raise ValueError(f"progress={progress!r} is not one of {', '.join(PROGRESS_MODES)}")
-        if progress == "thread" and not ProgressThread.available():
-            raise ValueError("progress='thread' needs MPI at MPI_THREAD_MULTIPLE (mpi4py's default level; was "
-                             "mpi4py.rc.thread_level changed?); use progress='hooks'")
-        if missing_grad not in ("zero", "skip"):
-            raise ValueError(f"missing_grad={missing_grad!r} must be 'zero' (a parameter without a gradient counts "
-                             f"as a zero gradient) or 'skip' (a bucket no rank produced a gradient for is skipped "
-                             f"by the optimizer, as torch skips a parameter whose .grad is None)")
-        self.missing_grad = missing_grad
+        _check_args(module, stage, bucket_mb, reduce, micro_batches, missing_grad, progress)
         self._group_opts, group_of = _parse_groups(module, groups)  # by name: a meta build installs new tensors
-        comm = _group(group, axes)
-        self.module = module
-        self.stage = stage
-        self.comm = comm
-        self.micro_batches = micro_batches
-        self.scale = 1.0 / comm.size if reduce == "avg" else 1.0
-        self.broadcast_buffers = broadcast_buffers
+        self.module, self.stage, self.comm = module, stage, _group(group, axes)
+        self.missing_grad, self.micro_batches, self.broadcast_buffers = missing_grad, micro_batches, broadcast_buffers
+        self.scale = 1.0 / self.comm.size if reduce == "avg" else 1.0
+        trainable = self._lay_out(bucket_mb, group_of, compute_dtype, init, device)
+        self._step_state(progress)
+        if stage == 0:
+            self._wire_stage0(trainable, compute_dtype, bucket_mb, progress)
+        else:
+            self._wire_sharded(compress, param_codec, keep)
+        self._habits.install()
+
+    # ------------------------------------------------------------------ construction
+    def _lay_out(self, bucket_mb: float, group_of: dict[str, int], compute_dtype: torch.dtype | None,
+                 init: Init | None, device: Any) -> list[nn.Parameter]:
+        """The replicated state broadcast from rank 0, the trainable parameters (materialised from meta, below
+        stage 3) laid out in buckets, and where and in which dtypes they live; returns the trainable parameters."""
+        module, comm = self.module, self.comm
         self._replicas = Replicas(module, comm)
-        self._source = _MetaSource.open(module, init, stage, torch.device(device or "cpu"))
+        self._source = _MetaSource.open(module, init, self.stage, torch.device(device or "cpu"))
         self._replicas.broadcast()
         # missing_grad="skip": a bucket holds one module's direct parameters (used or unused together), so
         # that the optimizer can skip it whole, as torch skips each parameter without a gradient.
         self.buckets, self._owners = _make_buckets(module, comm.size, int(bucket_mb * (1 << 20)), group_of,
-                                                   per_module=missing_grad == "skip" and stage >= 1)
+                                                   per_module=self.missing_grad == "skip" and self.stage >= 1)
         trainable = [p for b in self.buckets for p in b.params]
         self.master_dtype = trainable[0].dtype if trainable else torch.float32
         # Buckets, shards, placeholders, gradients and (through the shards) the optimizer state live where the
@@ -204,9 +215,13 @@ class ShardedDataParallel(nn.Module):
         self.device = next((p.device for p in trainable if not p.is_meta), torch.device(device or "cpu"))
         self.compute_dtype = compute_dtype or self.master_dtype
         self._staged = stages_through_host(self.device)
+        return trainable
+
+    def _step_state(self, progress: str) -> None:
+        """What one training step moves through: the backward's flags, the forward's depth, the progress mode."""
         # How posted reduce-scatters move during backward (loom.parallel.zero.reduce); nothing travels on one rank.
         self.progress = default_progress() if progress == "auto" else progress
-        if comm.size == 1:
+        if self.comm.size == 1:
             self.progress = "hooks"
         self._hooks: list[Any] = []
         self._bwd_open = False  # a backward() is running (its end callback is queued)
@@ -216,25 +231,30 @@ class ShardedDataParallel(nn.Module):
         self._index_of: dict[int, tuple[int, int]] = {}
         self._inner_ids: set[int] = set()  # stages 1-3: the wrapped module's trainable parameters (not stepped)
         self._habits = ModuleHabits(self)
-        if stage == 0:
-            if compute_dtype not in (None, self.master_dtype):
-                raise ValueError("compute_dtype needs stage >= 1 (the fp32 master copy lives in the shard)")
-            self._reduce = GradReduction(self, None)  # its accounting only: the reducer reduces
-            self._replicas.bcast(trainable)  # every rank starts from rank 0's parameters (stages 1-3: per bucket)
-            # Registered before the reducer's hooks: the first gradient of a backward arms the reducer for it.
-            self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad0) for p in trainable]
-            self.reducer = GradReducer(trainable, comm, bucket_mb=bucket_mb, progress=progress)
-            for p in trainable:  # a missing gradient counts as zero, as in the flat shard of stages 1-3
-                p.grad = torch.zeros_like(p)
-            _watch_steps(self, trainable)
-            self._habits.install()
-            return
+
+    def _wire_stage0(self, trainable: list[nn.Parameter], compute_dtype: torch.dtype | None, bucket_mb: float,
+                     progress: str) -> None:
+        """Stage 0: rank 0's parameters on every rank, and data parallelism's reducer armed from a hook."""
+        if compute_dtype not in (None, self.master_dtype):
+            raise ValueError("compute_dtype needs stage >= 1 (the fp32 master copy lives in the shard)")
+        self._reduce = GradReduction(self, None)  # its accounting only: the reducer reduces
+        self._replicas.bcast(trainable)  # every rank starts from rank 0's parameters (stages 1-3: per bucket)
+        # Registered before the reducer's hooks: the first gradient of a backward arms the reducer for it.
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad0) for p in trainable]
+        self.reducer = GradReducer(trainable, self.comm, bucket_mb=bucket_mb, progress=progress)
+        for p in trainable:  # a missing gradient counts as zero, as in the flat shard of stages 1-3
+            p.grad = torch.zeros_like(p)
+        _watch_steps(self, trainable)
+
+    def _wire_sharded(self, compress: Any, param_codec: str | None, keep: Sequence[nn.Module]) -> None:
+        """Stages 1-3: the shards, the helpers that gather and reduce them, and the hooks that drive those."""
+        comm = self.comm
         if self.compute_dtype != self.master_dtype:
             with torch.no_grad():
-                for p in module.parameters():
+                for p in self.module.parameters():
                     if not p.requires_grad and p.is_floating_point():
                         p.data = p.data.to(self.compute_dtype)
-        self.grad_codec, self.param_codec, self.error_feedback = compression(compress, param_codec, stage)
+        self.grad_codec, self.param_codec, self.error_feedback = compression(compress, param_codec, self.stage)
         self._gathers = ParamGathers(self, comm.dup(name=comm.name))  # parameter gathers, in their own order
         self._reduce = GradReduction(self, comm.dup(name=comm.name))  # gradient reduce-scatters, in theirs
         self._init_shards()
@@ -243,22 +263,16 @@ class ShardedDataParallel(nn.Module):
         self._inner_ids = {id(p) for p in trainable}
         self._synced = False  # this step's gradients are reduced into the shards (sync_grads ran)
         self._stepped = False  # the optimizer step hook refreshed the parameters
-        if stage >= 2:
-            self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad) for p in trainable]
-        else:
-            self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad1) for p in trainable]
+        on_grad = self._on_grad if self.stage >= 2 else self._on_grad1
+        self._hooks += [p.register_post_accumulate_grad_hook(on_grad) for p in trainable]
         _watch_steps(self, list(self.shards))
-        if stage == 3:
+        self._index_of = {id(q): (b.index, i) for b in self.buckets for i, q in enumerate(b.params)}
+        if self.stage == 3:
             for m, bs in self._owners.items():
                 self._hooks.append(m.register_forward_pre_hook(self._gathers.pre_hook(bs)))
                 self._hooks.append(m.register_forward_hook(self._gathers.post_hook(bs)))
-        self._index_of = {id(q): (b.index, i) for b in self.buckets for i, q in enumerate(b.params)}
-        if stage == 3:
             self._gathers.keep = sorted({self._index_of[id(p)][0] for m in keep for p in m.parameters()
                                          if id(p) in self._index_of})
-        self._habits.install()
-
-    # ------------------------------------------------------------------ construction
     @torch.compiler.disable  # collectives: run as they are, never traced into a graph (torch.compile at 0-2)
     def sync_buffers(self, force: bool = False) -> None:
         """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``): run at the start and the end of every

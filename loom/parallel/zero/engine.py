@@ -59,8 +59,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ...comm import Communicator, Mesh, ProgressThread
-from ..data import PROGRESS_MODES, GradReducer, default_progress, stages_through_host
+from ...comm import Communicator, Mesh
+from ..data import GradReducer, check_progress, default_progress, stages_through_host
 from ..meta import Init
 from .buckets import _Bucket, _flat_block, _make_buckets, _MetaSource, _parse_groups
 from .gather import ParamGathers
@@ -72,7 +72,6 @@ from .staging import ParamMirror
 from .state import gather_state_dict, load_shards, save_shards, scatter_state_dict
 
 __all__ = ["ShardedDataParallel"]
-
 
 
 def _group(group: Communicator | Mesh, axes: str | Sequence[str] | None) -> Communicator:
@@ -106,16 +105,11 @@ def _check_args(module, stage, bucket_mb, reduce, micro_batches, missing_grad, p
         raise ValueError(f"reduce={reduce!r} must be 'avg' (mean over the group) or 'sum'")
     if not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r} must be an integer >= 1 (backward calls per step)")
-    if progress not in PROGRESS_MODES:
-        raise ValueError(f"progress={progress!r} is not one of {', '.join(PROGRESS_MODES)}")
-    if progress == "thread" and not ProgressThread.available():
-        raise ValueError("progress='thread' needs MPI at MPI_THREAD_MULTIPLE (mpi4py's default level; was "
-                         "mpi4py.rc.thread_level changed?); use progress='hooks'")
+    check_progress(progress)
     if missing_grad not in ("zero", "skip"):
         raise ValueError(f"missing_grad={missing_grad!r} must be 'zero' (a parameter without a gradient counts "
                          f"as a zero gradient) or 'skip' (a bucket no rank produced a gradient for is skipped "
                          f"by the optimizer, as torch skips a parameter whose .grad is None)")
-
 
 
 class ShardedDataParallel(nn.Module):
@@ -273,6 +267,7 @@ class ShardedDataParallel(nn.Module):
                 self._hooks.append(m.register_forward_hook(self._gathers.post_hook(bs)))
             self._gathers.keep = sorted({self._index_of[id(p)][0] for m in keep for p in m.parameters()
                                          if id(p) in self._index_of})
+
     @torch.compiler.disable  # collectives: run as they are, never traced into a graph (torch.compile at 0-2)
     def sync_buffers(self, force: bool = False) -> None:
         """Rank 0's buffers on every rank (DDP's ``broadcast_buffers``): run at the start and the end of every

@@ -18,9 +18,8 @@ _ZERO_COUNTERS = ("exposed_comm_s", "gathers", "gather_waits", "reduce_scatters"
                   "posted_in_backward", "tests_in_backward")
 
 
-
 def zero_stats() -> dict[str, float]:
-    """Counters of every :class:`ShardedDataParallel` in this process: seconds blocked on communication
+    """Counters of every :class:`~loom.parallel.ShardedDataParallel` in this process: seconds blocked on communication
     (``exposed_comm_s``), parameter gathers posted, gathers not complete when needed, reduce-scatters, and the
     reduce-scatters' overlap with backward as in :func:`loom.parallel.data.dp_stats` (``overlapped_comm_s``,
     ``buckets``, ``posted_in_backward``, ``tests_in_backward``)."""
@@ -29,6 +28,7 @@ def zero_stats() -> dict[str, float]:
 
 
 def reset_zero_stats() -> None:
+    """Zero the counters :func:`zero_stats` reads."""
     _stats.counters("time", "zero").clear()
 
 

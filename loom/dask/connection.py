@@ -1,6 +1,8 @@
-"""MPIComm, one established mpi:// connection: reads (the read op on loom's poller, the inline spin after a
-write), writes (framing, sends kept until done) and close (steps 2-4 of the wire plan in
-:mod:`loom.dask.backend`)."""
+"""MPIComm, one established mpi:// connection: reads, writes and close.
+
+Reads wait on loom's poller (or spin inline right after a write), writes frame the message and keep their
+sends until done; steps 2-4 of the wire plan in :mod:`loom.dask.backend`.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""Connection set-up over MPI alone: :class:`MPIConnector` sends CONNECT to the target rank's control tag,
-whose dispatcher (one per event loop with listeners) answers ACCEPT or REFUSE and hands the new comm to its
-:class:`MPIListener` (step 1 of the wire plan in :mod:`loom.dask.backend`)."""
+"""Connection set-up over MPI alone: MPIConnector, MPIListener and the control tag's dispatcher.
+
+:class:`MPIConnector` sends CONNECT to the target rank's control tag, whose dispatcher (one per event loop with
+listeners) answers ACCEPT or REFUSE and hands the new comm to its :class:`MPIListener` (step 1 of the wire plan
+in :mod:`loom.dask.backend`).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The per-process mpi:// engine: the communicator, tag pairs, ports, listeners, sends kept until done, peers'
-liveness and doorbells, and each connection's channel (its tags, counters and close).
+"""The per-process mpi:// engine (tags, ports, listeners, sends in flight, liveness) and each connection's channel.
+
+The engine holds the communicator, the tag pairs and ports, the listeners, the sends kept until done and the
+peers' liveness and doorbells; a channel holds one connection's tags, message counters and close.
 
 Finalisers and the liveness thread make no MPI call and take no lock: a comm dropped unclosed is queued and
 closed by the engine's next :meth:`_Engine.tidy`. No receive blocks: messages drained from closed channels

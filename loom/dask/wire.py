@@ -1,5 +1,7 @@
-"""The mpi:// wire format: control operations, message kinds, header layout, and which frames travel inside
-the header (steps 1 and 2 of the wire plan in :mod:`loom.dask.backend`)."""
+"""The mpi:// wire format: control operations, message kinds, the header, which frames travel inside it.
+
+Steps 1 and 2 of the wire plan in :mod:`loom.dask.backend`.
+"""
 
 from __future__ import annotations
 

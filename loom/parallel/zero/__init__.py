@@ -1,5 +1,4 @@
-"""Sharded data parallelism (ZeRO stages 0-3) on ``loom.comm``: :class:`ShardedDataParallel` and
-:class:`ShardedOptimizer`.
+"""Sharded data parallelism (ZeRO stages 0-3) on ``loom.comm``: :class:`ShardedDataParallel`, :class:`ShardedOptimizer`.
 
 One concern a module: ``engine`` (the wrapper, its plan per stage, and the backward's start and end where the
 others meet), ``buckets`` (the layout), ``gather`` (parameter gathers and prefetch), ``reduce`` (gradient

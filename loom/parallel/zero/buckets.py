@@ -1,5 +1,4 @@
-"""The layout: buckets of the trainable parameters (parameter groups kept apart), flat blocks of them, and a
-meta-device model materialised bucket by bucket.
+"""The layout: trainable parameters in buckets, flat blocks of them, and a meta model built bucket by bucket.
 
 Layout. The trainable parameters are grouped, module by module in registration order, into *buckets* of at
 most ``bucket_mb`` MiB (a module's direct parameters never straddle two buckets). Bucket ``b`` is one flat

@@ -1,12 +1,13 @@
-"""Parameter gathers: stage 3's buckets gathered just in time with the next one prefetched, freed after use, and
-autograd's saved views of them tracked; stages 1-2's updated blocks gathered after each optimizer step.
+"""Parameter gathers: stage 3's just-in-time gathers, prefetch and frees; stages 1-2's gather after a step.
 
-The plan is stage 3's in :mod:`loom.parallel.zero.engine`: forward gathers buckets in ascending order and
-backward in descending order, every rank posting the same gathers in the same order (a bucket no module used
-is gathered all the same), each bucket prefetching the next. Compressed gathers (``param_codec``, default
-blockwise int8 when ``compress=`` is given): each rank encodes its block once, one ``allgatherv`` of the bytes,
-every rank decodes every block, its own included, so the gathered weights are the same on every rank while the
-fp32 master stays exact. They are blocking (they run at the post point, in the gathers' common order).
+Stage 3's buckets are gathered just in time with the next one prefetched, freed after use, and autograd's saved
+views of them tracked; stages 1-2's updated blocks are gathered after each optimizer step. The plan is stage 3's in
+:mod:`loom.parallel.zero.engine`: forward gathers buckets in ascending order and backward in descending order,
+every rank posting the same gathers in the same order (a bucket no module used is gathered all the same), each
+bucket prefetching the next. Compressed gathers (``param_codec``, default blockwise int8 when ``compress=`` is
+given): each rank encodes its block once, one ``allgatherv`` of the bytes, every rank decodes every block, its own
+included, so the gathered weights are the same on every rank while the fp32 master stays exact. They are blocking
+(they run at the post point, in the gathers' common order).
 """
 
 from __future__ import annotations

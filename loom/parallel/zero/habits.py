@@ -1,8 +1,8 @@
-"""The wrapped module's habits answering as its wrapper (its forward, ``zero_grad``, ``state_dict``,
-``load_state_dict``), and torch's global optimizer step hooks, through which an optimizer over a wrapper's
-shards reduces before its step and refreshes the parameters after it.
+"""The wrapped module's own habits answering as its wrapper, and torch's global optimizer step hooks.
 
-The table of habits and their answers is ``tests/mpi/check_zero_habits.py``'s.
+The habits: its forward, ``zero_grad``, ``state_dict`` and ``load_state_dict``. Through the step hooks an optimizer
+over a wrapper's shards reduces before its step and refreshes the parameters after it. The table of habits and
+their answers is ``tests/mpi/check_zero_habits.py``'s.
 """
 
 from __future__ import annotations

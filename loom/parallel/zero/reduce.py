@@ -1,5 +1,7 @@
-"""Gradient reduction (stages 1-3): one reduce-scatter per bucket, posted as backward completes the bucket,
-moved by hooks or a progress thread, compressed on request, consumed into the shards' gradients.
+"""Gradient reduction (stages 1-3): per-bucket reduce-scatters posted from backward, moved, compressed, consumed.
+
+One reduce-scatter per bucket, posted as backward completes the bucket, moved by hooks or a progress thread,
+compressed on request, and consumed into the shards' gradients as it completes.
 
 Communication: gathers and reduce-scatters run on two duplicates of the group, so each keeps its own order.
 MPICH makes no asynchronous progress, so posted reduce-scatters move only when tested (``progress=``, chosen

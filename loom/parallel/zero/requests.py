@@ -1,5 +1,8 @@
-"""Requests in flight: testing and waiting on them (time blocked counts as exposed communication), a posted
-gradient reduce-scatter's accounting, and the counters :func:`zero_stats` reads."""
+"""Requests in flight (tested, waited for, accounted) and the counters :func:`zero_stats` reads.
+
+Time blocked on a request counts as exposed communication; a posted gradient reduce-scatter keeps its posting
+time, when it was first seen complete and how often it was tested.
+"""
 
 from __future__ import annotations
 

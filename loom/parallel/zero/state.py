@@ -1,5 +1,7 @@
-"""State dicts and sharded checkpoints of a ShardedDataParallel: full values gathered from the shards or scattered
-into them, and one file per rank plus a manifest, loadable at any group size."""
+"""State dicts and sharded checkpoints: full values gathered or scattered, one file per rank plus a manifest.
+
+Full values are gathered from the shards or scattered into them; a sharded checkpoint loads at any group size.
+"""
 
 from __future__ import annotations
 

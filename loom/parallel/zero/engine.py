@@ -1,4 +1,4 @@
-"""Sharded data parallelism (ZeRO stages 0-3) on ``loom.comm``: :class:`ShardedDataParallel`.
+"""The :class:`ShardedDataParallel` wrapper: construction, the public API, and the backward's start and end.
 
 The wrapper lays the trainable parameters out in buckets (:mod:`loom.parallel.zero.buckets`), keeps this rank's
 block of each as a flat master shard, and runs one training step's collectives from hooks: parameter gathers

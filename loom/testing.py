@@ -243,6 +243,76 @@ def device_check(roots: "tuple[str | os.PathLike, ...] | None" = None):
 _MISSING = object()
 
 
+class _FakeStream:
+    """A CUDA stream for :func:`staged_on_host`: logs what it is asked to wait for."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self._log = name, log
+
+    def wait_stream(self, other):
+        self._log.append(("wait", self.name, other.name))
+
+    def wait_event(self, ev):
+        self._log.append(("wait_event", self.name, ev.n))
+
+
+def _fake_events(log: list) -> type:
+    """A CUDA event class for :func:`staged_on_host`: events numbered in order of creation, their records and
+    host waits logged, every one complete."""
+    made = [0]
+
+    class Event:
+        def __init__(self, *args, **kwargs):
+            self.n = made[0]
+            made[0] += 1
+
+        def record(self, stream=None):
+            log.append(("record", stream.name, self.n))
+
+        def synchronize(self):
+            log.append(("host waits", self.n))
+
+        def query(self):
+            return True
+
+    return Event
+
+
+class _LoggedMPI:
+    """A communicator's mpi4py communicator, each upper-case call logged as ``("mpi", name)``."""
+
+    def __init__(self, mpi, log: list):
+        self._mpi, self._log = mpi, log
+
+    def __getattr__(self, name):
+        got = getattr(self._mpi, name)
+        if not name[:1].isupper() or not callable(got) or name.startswith("Get_"):
+            return got
+
+        def call(*args, **kwargs):
+            self._log.append(("mpi", name))
+            return got(*args, **kwargs)
+        return call
+
+
+@contextlib.contextmanager
+def _swapped(swaps: list[tuple[Any, str, Any]]):
+    """``setattr(obj, name, value)`` for each swap, undone on exit: a class gets its own attribute back, or loses
+    the one set here where it had none (so the inherited one shows again); anything else its old value."""
+    saved = [(obj, name, obj.__dict__.get(name, _MISSING) if isinstance(obj, type) else getattr(obj, name))
+             for obj, name, _ in swaps]
+    try:
+        for obj, name, value in swaps:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            if value is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+
+
 @contextlib.contextmanager
 def staged_on_host(comm=None):
     """A context in which loom.comm takes its path for CUDA tensors without a CUDA-aware MPI (staging through
@@ -261,68 +331,15 @@ def staged_on_host(comm=None):
     from .comm import buffers
 
     log: list[tuple] = []
-    made = [0]
-
-    class Stream:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_stream(self, other):
-            log.append(("wait", self.name, other.name))
-
-        def wait_event(self, ev):
-            log.append(("wait_event", self.name, ev.n))
-
-    class Event:
-        def __init__(self, *args, **kwargs):
-            self.n = made[0]
-            made[0] += 1
-
-        def record(self, stream=None):
-            log.append(("record", stream.name, self.n))
-
-        def synchronize(self):
-            log.append(("host waits", self.n))
-
-        def query(self):
-            return True
-
-    class Logged:
-        """The communicator's mpi4py communicator, each upper-case call logged."""
-
-        def __init__(self, mpi):
-            self._mpi = mpi
-
-        def __getattr__(self, name):
-            got = getattr(self._mpi, name)
-            if not name[:1].isupper() or not callable(got) or name.startswith("Get_"):
-                return got
-
-            def call(*args, **kwargs):
-                log.append(("mpi", name))
-                return got(*args, **kwargs)
-            return call
-
-    cur, side = Stream("cur"), {0: Stream("d2h"), 1: Stream("h2d")}
+    cur, side = _FakeStream("cur", log), {0: _FakeStream("d2h", log), 1: _FakeStream("h2d", log)}
     swaps = [(buffers, "staging", lambda x: isinstance(x, torch.Tensor)),
              (buffers, "_side_stream", lambda dev, which=0: side[which]),
              (buffers, "_PINNED", buffers._Pinned(lambda n: torch.empty(n, dtype=torch.uint8, device="cpu"))),
-             (torch.cuda, "Event", Event),
+             (torch.cuda, "Event", _fake_events(log)),
              (torch.cuda, "current_stream", lambda device=None: cur),
              (torch.cuda, "stream", lambda s: contextlib.nullcontext()),
              (torch.Tensor, "record_stream", lambda self, s: None)]
     if comm is not None:
-        swaps.append((comm, "mpi", Logged(comm.mpi)))
-    # a class's own attribute or none (then the inherited one comes back by deleting ours); else the value
-    saved = [(obj, name, obj.__dict__.get(name, _MISSING) if isinstance(obj, type) else getattr(obj, name))
-             for obj, name, _ in swaps]
-    try:
-        for obj, name, value in swaps:
-            setattr(obj, name, value)
+        swaps.append((comm, "mpi", _LoggedMPI(comm.mpi, log)))
+    with _swapped(swaps):
         yield log
-    finally:
-        for obj, name, value in reversed(saved):
-            if value is _MISSING:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, value)

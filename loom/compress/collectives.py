@@ -286,20 +286,7 @@ def reduce_scatter(
                          f"reduce-scatters, or loom.compress.allreduce with powersgd")
     x = tensor.detach()
     p, me = comm.size, comm.rank
-    if x.ndim == 0:
-        raise ValueError("reduce_scatter needs a tensor with at least one dim (rank r keeps block r of dim 0); "
-                         "use x.reshape(1)")
-    n0 = x.shape[0]
-    if counts is None:
-        if n0 % p:
-            raise ValueError(f"reduce_scatter: dim 0 ({n0}) does not divide by {p} ranks; pad it or pass counts "
-                             f"(rows per rank)")
-        rows = [n0 // p] * p
-    else:
-        rows = [int(c) for c in counts]
-        if len(rows) != p or any(c < 0 for c in rows) or sum(rows) != n0:
-            raise ValueError(f"reduce_scatter: counts {rows} must have {p} non-negative entries summing to dim 0 "
-                             f"({n0} rows)")
+    rows = _block_rows(x, p, counts)
     row = math.prod(x.shape[1:])
     starts = [sum(rows[:j]) * row for j in range(p)]
     bounds = [(a, a + c * row) for a, c in zip(starts, rows)]
@@ -308,16 +295,7 @@ def reduce_scatter(
     raw = (_nbytes(x) - rows[me] * row * x.element_size()) if p > 1 else 0
     ef = error_feedback
     if p == 1 or isinstance(codec, NoneCodec) or _nbytes(x) < min_bytes or x.numel() == 0:
-        if ef is not None and key in ef and p > 1:
-            x = ef.apply(key, x)  # flush a residual left from compressed steps
-            ef.reset(key)
-        if p == 1:
-            out = x.clone()
-        elif len(set(rows)) == 1:
-            out = comm.reduce_scatter(x)
-        else:
-            y = x.reshape(-1).to(_reduce_dtype(x.dtype))
-            out = _reduce_own_shard(y, comm, _RAW, bounds, None)[0]
+        out = _reduce_scatter_plain(x, comm, rows, bounds, ef, key)
     else:
         y = (ef.apply(key, x) if ef is not None else x).reshape(-1).to(_reduce_dtype(x.dtype))
         residual = torch.zeros_like(y) if ef is not None else None
@@ -326,6 +304,40 @@ def reduce_scatter(
             ef.set(key, residual.view(x.shape))
     _account(comm, raw, before)
     return out.reshape(shape).to(tensor.dtype)
+
+
+def _block_rows(x: torch.Tensor, p: int, counts: Sequence[int] | None) -> list[int]:
+    """:func:`reduce_scatter`'s rows of dim 0 per rank: ``counts``, checked, or equal blocks."""
+    if x.ndim == 0:
+        raise ValueError("reduce_scatter needs a tensor with at least one dim (rank r keeps block r of dim 0); "
+                         "use x.reshape(1)")
+    n0 = x.shape[0]
+    if counts is None:
+        if n0 % p:
+            raise ValueError(f"reduce_scatter: dim 0 ({n0}) does not divide by {p} ranks; pad it or pass counts "
+                             f"(rows per rank)")
+        return [n0 // p] * p
+    rows = [int(c) for c in counts]
+    if len(rows) != p or any(c < 0 for c in rows) or sum(rows) != n0:
+        raise ValueError(f"reduce_scatter: counts {rows} must have {p} non-negative entries summing to dim 0 "
+                         f"({n0} rows)")
+    return rows
+
+
+def _reduce_scatter_plain(x: torch.Tensor, comm: Communicator, rows: list[int], bounds: list[tuple[int, int]],
+                          ef: ErrorFeedback | None, key: Hashable) -> torch.Tensor:
+    """:func:`reduce_scatter` uncompressed (a small tensor, ``codec="none"``, one rank): a residual left from
+    compressed steps is added first and dropped; uneven ``rows`` take the alltoallv of raw shards."""
+    p = comm.size
+    if ef is not None and key in ef and p > 1:
+        x = ef.apply(key, x)  # flush a residual left from compressed steps
+        ef.reset(key)
+    if p == 1:
+        return x.clone()
+    if len(set(rows)) == 1:
+        return comm.reduce_scatter(x)
+    y = x.reshape(-1).to(_reduce_dtype(x.dtype))
+    return _reduce_own_shard(y, comm, _RAW, bounds, None)[0]
 
 
 def _allreduce_powersgd(x, comm, codec: PowerSGDCodec, ef: ErrorFeedback | None, key, shapes) -> torch.Tensor:

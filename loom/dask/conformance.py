@@ -331,10 +331,10 @@ async def check_addresses(a, b) -> None:
 
 async def check_split_frames(addr: str, chunk: int = 100_000) -> None:
     """Frames larger than the backend's chunk size arrive intact (the mpi backend splits them)."""
-    from . import backend
+    from . import connection
 
-    old = backend.CHUNK_BYTES
-    backend.CHUNK_BYTES = chunk
+    old = connection.CHUNK_BYTES
+    connection.CHUNK_BYTES = chunk
     try:
         a, b = await comm_pair(addr)
         blob = os.urandom(chunk * 3 + 17)
@@ -344,7 +344,7 @@ async def check_split_frames(addr: str, chunk: int = 100_000) -> None:
         await a.close()
         await b.close()
     finally:
-        backend.CHUNK_BYTES = old
+        connection.CHUNK_BYTES = old
 
 
 async def check_close_wakes_reader(addr: str) -> None:

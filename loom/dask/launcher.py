@@ -307,9 +307,9 @@ def _exit_after_loss() -> None:
     launcher barrier for every rank, the dead one included, so a survivor would hang there; the engine's
     flush has already completed or dropped every message, and the exit code is the one :func:`set_exit_code`
     recorded (0 unless told)."""
-    from . import backend
+    from .process import running
 
-    eng = backend._ENGINE
+    eng = running()
     if eng is None or not eng.liveness.dead:
         return
     eng._flush()

@@ -72,8 +72,8 @@ from .. import stats as _stats
 from ..comm import Communicator, ProgressThread, Request, Ticket
 from ..comm import buffers as _b
 
-__all__ = ["GradHook", "GradReducer", "PROGRESS_MODES", "HOST_STAGING", "allreduce_hook", "default_progress",
-           "dp_stats", "reset_dp_stats", "stages_through_host"]
+__all__ = ["GradHook", "GradReducer", "PROGRESS_MODES", "HOST_STAGING", "allreduce_hook", "check_progress",
+           "default_progress", "dp_stats", "reset_dp_stats", "stages_through_host"]
 
 GradHook = Callable[[torch.Tensor, Communicator, int], torch.Tensor]
 
@@ -112,6 +112,16 @@ def reset_dp_stats() -> None:
 def allreduce_hook(flat: torch.Tensor, comm: Communicator, bucket_index: int) -> torch.Tensor:
     """The default gradient hook: the mean of ``flat`` over ``comm`` (one allreduce)."""
     return comm.allreduce(flat, op="avg")
+
+
+def check_progress(progress: str) -> None:
+    """Refuse a ``progress=`` that is not one of :data:`PROGRESS_MODES`, or ``"thread"`` where MPI allows no
+    second thread."""
+    if progress not in PROGRESS_MODES:
+        raise ValueError(f"progress={progress!r} is not one of {', '.join(PROGRESS_MODES)}")
+    if progress == "thread" and not ProgressThread.available():
+        raise ValueError("progress='thread' needs MPI at MPI_THREAD_MULTIPLE (mpi4py's default level; was "
+                         "mpi4py.rc.thread_level changed?); use progress='hooks'")
 
 
 def default_progress() -> str:
@@ -161,11 +171,7 @@ class GradReducer:
                  bucket_mb: float = 25.0, progress: str = "auto"):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb={bucket_mb} must be > 0")
-        if progress not in PROGRESS_MODES:
-            raise ValueError(f"progress={progress!r} is not one of {', '.join(PROGRESS_MODES)}")
-        if progress == "thread" and not ProgressThread.available():
-            raise ValueError("progress='thread' needs MPI at MPI_THREAD_MULTIPLE (mpi4py's default level; was "
-                             "mpi4py.rc.thread_level changed?); use progress='hooks'")
+        check_progress(progress)
         # The reductions run on a private duplicate: a progress thread posts them at moments of its own, which
         # must not interleave with the caller's collectives on ``comm`` in a different order on each rank.
         self.comm = comm.dup() if comm.size > 1 else comm

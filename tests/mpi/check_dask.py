@@ -14,6 +14,7 @@ from distributed.comm import CommClosedError, connect, listen
 from distributed.protocol import to_serialize
 
 from loom.dask import backend as B
+from loom.dask import connection
 from loom.testing import mpi_checks
 
 CLIENTS = 3  # concurrent connections from each rank to each rank
@@ -26,7 +27,7 @@ def _run(coro):
 
 def check_ping_pong_all_pairs(comm):
     """Fp64 payloads (inline and split frames) to every rank, echoed back bit-exact; counts add up."""
-    B.CHUNK_BYTES = 1 << 18  # 2 MB arrays below travel as several MPI messages per frame
+    connection.CHUNK_BYTES = 1 << 18  # 2 MB arrays below travel as several MPI messages per frame
 
     async def main():
         served: list[int] = []
@@ -67,7 +68,7 @@ def check_ping_pong_all_pairs(comm):
         listener.stop()
 
     _run(main())
-    B.CHUNK_BYTES = 512 << 20
+    connection.CHUNK_BYTES = 512 << 20
 
 
 def check_close_reaches_other_rank(comm):

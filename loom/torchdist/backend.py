@@ -76,6 +76,9 @@ ASYNC_MIN_BYTES = 64 * 1024
 _R = dist.ReduceOp.RedOpType
 _REDUCE = {_R.SUM: "sum", _R.AVG: "avg", _R.MIN: "min", _R.MAX: "max", _R.PRODUCT: "prod", _R.PREMUL_SUM: "sum"}
 _BOOL = {"sum": "max", "max": "max", "min": "min", "prod": "min"}  # or / and on 0-1 bytes
+_PLAIN = {_R.SUM: "sum", _R.MIN: "min", _R.MAX: "max", _R.PRODUCT: "prod"}  # no factor, no dtype rule
+_STRIDED, _BOOL_T, _SUM = torch.strided, torch.bool, _R.SUM
+_DONE = LoomWork([])  # the work of a completed blocking call (async_op=False: torch only waits on it)
 
 _WORLD: Communicator | None = None  # the default group's communicator, in torch's rank order
 
@@ -352,6 +355,20 @@ class LoomProcessGroup(dist.ProcessGroup):
         t.copy_(out)
 
     def allreduce(self, tensors, opts=None) -> LoomWork:
+        # Fast path: one small dense tensor under SUM/MIN/MAX/PRODUCT, no codec, not coalescing (a 1-byte
+        # all_reduce's cost is mostly this Python: loom bench torch --only latency)
+        if len(tensors) == 1 and self._codec is None and self._coalesced is None:
+            t = tensors[0]
+            if opts is None:
+                name = "sum"
+            else:  # pybind's enums hash and compare slowly: SUM, the common case, by one comparison
+                rop = opts.reduceOp
+                name = "sum" if rop == _SUM else _PLAIN.get(rop.op)
+            if name is not None and t.layout is _STRIDED and t.dtype is not _BOOL_T and 0 < t.numel() \
+                    and t.numel() * t.element_size() < ASYNC_MIN_BYTES:
+                self.comm.allreduce(t, name, out=t)
+                # a blocking call's work is only waited on (torch's all_reduce(async_op=False)): one for all
+                return LoomWork(tensors) if opts is None or opts.asyncOp else _DONE
         op, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
         if tensors and tensors[0].is_sparse:
             return self._record(self._sparse_allreduce(tensors, op, factor))

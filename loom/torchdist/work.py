@@ -67,7 +67,7 @@ class LoomWork(dist.Work):
     def __init__(self, outputs: list, fut: Future | None = None, source: int = -1):
         super().__init__()
         self._outputs = outputs
-        self._fut = _done_future(outputs) if fut is None else fut
+        self._fut = fut  # None: done (its future is made only if asked for: most blocking calls never are)
         self._source = source
 
     def wait(self, timeout=None) -> bool:
@@ -76,6 +76,8 @@ class LoomWork(dist.Work):
         fails it. Past a ``timeout`` given here, ``RuntimeError`` naming the operation and the timeout, as torch's
         works raise; the operation stays posted (a later ``wait`` completes it). Where MPI allows no progress
         thread, every operation completed before its work was returned, so there is nothing to time out."""
+        if self._fut is None:
+            return True
         limit = seconds(timeout)
         if limit and not self._fut.done():
             done = threading.Event()
@@ -92,9 +94,11 @@ class LoomWork(dist.Work):
         return True
 
     def is_completed(self) -> bool:
-        return self._fut.done()
+        return self._fut is None or self._fut.done()
 
     def is_success(self) -> bool:
+        if self._fut is None:
+            return True
         if not self._fut.done():
             return False
         try:
@@ -104,6 +108,8 @@ class LoomWork(dist.Work):
         return True
 
     def exception(self):
+        if self._fut is None:
+            return None
         try:
             self._fut.wait()
         except Exception as exc:  # noqa: BLE001 - reported, not raised
@@ -111,6 +117,8 @@ class LoomWork(dist.Work):
         return None
 
     def get_future(self) -> Future:
+        if self._fut is None:
+            self._fut = _done_future(self._outputs)
         return self._fut
 
     def result(self) -> list:

@@ -40,7 +40,7 @@ def _ok(proc: subprocess.CompletedProcess, n: int, how: str) -> None:
     if how == "formed through the store" and launch.library_flavor() == launch.OPENMPI:
         # Open MPI takes its world from PMIx only: the processes stay singletons, refused by name on every rank
         assert proc.returncode != 0, out
-        assert out.count("Only MPICH joins processes it did not launch") >= n, out
+        assert "Only MPICH joins processes it did not launch" in out, out  # mp.spawn shows the first rank's error
         assert "loom run --ranks" in out and "mpiexec -n" in out, out
         return
     assert proc.returncode == 0, out

@@ -27,6 +27,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "moe": ("loom.bench.moe", "main", "MoE layer step time: direct vs multi-path dispatch"),
     "zero": ("loom.bench.zero", "main", "sharded data parallel (ZeRO 0-3): capacity at a budget, vs FSDP2 and DDP"),
     "dask": ("loom.bench.dask", "main", "Dask comm latency/bandwidth and applications: mpi:// vs tcp://"),
+    "launchers": ("loom.bench.launchers", "main", "the \"loom\" torch backend under mpiexec, torchrun and mp.spawn: "
+                  "1 B and large allreduce against raw mpi4py in the same world"),
     "torch": ("loom.bench.torchdist", "main", "the \"loom\" torch.distributed backend vs gloo: latency, bandwidth, "
               "DDP and FSDP2 steps"),
 }

@@ -26,7 +26,7 @@ import torch
 from ..comm import Communicator, local_device, wait_all, world
 from . import omb
 
-__all__ = ["latency", "bw", "bibw", "allreduce", "allgather", "alltoall", "alltoallv", "tour"]
+__all__ = ["latency", "bw", "bibw", "allreduce", "allgather", "alltoall", "alltoallv", "tour", "raw_collectives"]
 
 WINDOW = 64  # messages in flight per iteration in the bandwidth tests (osu_bw's window)
 
@@ -35,6 +35,17 @@ def _raw():
     from mpi4py import MPI  # the peer: raw mpi4py, deliberately outside loom.comm
 
     return MPI
+
+
+def raw_collectives(one: np.ndarray, big: np.ndarray, shard: np.ndarray) -> dict[str, Callable[[], None]]:
+    """The raw mpi4py column of ``loom bench torch`` and ``loom bench launchers``: what a user writes by hand on
+    numpy views of the same buffers (the fastest raw path: in-place ``Allreduce``, ``Reduce_scatter_block``), on a
+    duplicate of COMM_WORLD. Keys: ``latency``, ``allreduce``, ``reduce_scatter``."""
+    MPI = _raw()
+    c = MPI.COMM_WORLD.Dup()
+    return {"latency": lambda: c.Allreduce(MPI.IN_PLACE, one, MPI.SUM),
+            "allreduce": lambda: c.Allreduce(MPI.IN_PLACE, big, MPI.SUM),
+            "reduce_scatter": lambda: c.Reduce_scatter_block(big, shard, MPI.SUM)}
 
 
 def _buf(kind: str, nbytes: int, dtype=np.uint8, fill: float = 1) -> Any:

@@ -1,8 +1,9 @@
 """``loom bench torch``: the ``"loom"`` torch.distributed backend against gloo, in one job, side by side.
 
 One table, every row timed on both backends of the same job (``init_process_group("loom")`` and
-``new_group(backend="gloo")`` over the same ranks), rounds interleaved loom / gloo, the best round's mean kept,
-the slowest rank's time reported:
+``new_group(backend="gloo")`` over the same ranks) and, for the collectives, on raw mpi4py (in-place
+``Allreduce`` / ``Reduce_scatter_block`` on numpy views of the same buffers: the limit under the backend),
+rounds interleaved loom / gloo / raw, the best round's mean kept, the slowest rank's time reported:
 
 * ``allreduce 1 B``: latency of ``dist.all_reduce`` of one uint8 (us);
 * ``allreduce SIZE`` and ``reduce_scatter SIZE`` (``--size``, 64 MiB of float32): bus bandwidth in GB/s
@@ -11,8 +12,8 @@ the slowest rank's time reported:
   residual MLP (``--width`` x ``--depth``, batch ``--batch`` rows per rank, float32) under
   ``DistributedDataParallel`` (its defaults) and under ``fully_shard`` per block plus the root (ms).
 
-The last column is loom's figure over gloo's: below 1 is better for times, above 1 for bandwidths. ``--only``
-keeps some of these rows.
+The ratio columns are loom's figure over gloo's and over raw mpi4py's: below 1 is better for times, above 1
+for bandwidths. ``--only`` keeps some of these rows.
 
 ``--codec CODEC`` (repeatable) adds a second table, DDP under a dp codec: the same DDP training (model, initial
 weights, per-rank batches, step count) on gloo, on loom uncompressed, and on loom with each codec as the
@@ -81,6 +82,64 @@ def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], No
     return step
 
 
+def _setup(args, comm):
+    """The default group on loom, a gloo group of the same ranks, a 1-D mesh on each: ``(groups, meshes)``."""
+    dist.init_process_group("loom")
+    groups = {"loom": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # distinct dim names: DTensor caches plans by mesh, and meshes equal in shape and names compare equal
+    meshes = {"loom": init_device_mesh("cpu", (comm.size,), mesh_dim_names=("dp",)),
+              "gloo": init_device_mesh("cpu", (comm.size,), mesh_dim_names=("dp_gloo",),
+                                       backend_override={"dp_gloo": "gloo"})}
+    return groups, meshes
+
+
+def _rows(args, comm, groups, meshes) -> dict[str, dict[str, tuple[Callable[[], None], int, int]]]:
+    """``{row: {backend: (call, warm-up calls, timed calls)}}``; backends ``loom``, ``gloo`` and, for the
+    collectives, ``raw`` (mpi4py on the same buffers)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .comm import raw_collectives
+
+    only, p = set(args.only or ROWS), comm.size
+    one = torch.ones(1, dtype=torch.uint8)
+    big = torch.ones(args.size // 4 if only & {"allreduce", "reduce_scatter"} else 0, dtype=torch.float32)
+    shard = torch.empty(big.numel() // p, dtype=torch.float32)
+    raw = raw_collectives(one.numpy(), big.numpy(), shard.numpy())
+    gen = torch.Generator().manual_seed(comm.rank)
+    x, y = torch.randn(args.batch, 64, generator=gen), torch.randn(args.batch, 16, generator=gen)
+    warm, iters = args.warmup, args.iterations_large
+    out: dict[str, dict] = {}
+    for backend, g in groups.items():
+        if "latency" in only:
+            out.setdefault("allreduce 1 B", {})[backend] = (
+                lambda g=g: dist.all_reduce(one, group=g), 30 * warm, args.iterations)
+        if "allreduce" in only:
+            out.setdefault(f"allreduce {_human(args.size)}", {})[backend] = (
+                lambda g=g: dist.all_reduce(big, group=g), warm, iters)
+        if "reduce_scatter" in only:
+            out.setdefault(f"reduce_scatter {_human(args.size)}", {})[backend] = (
+                lambda g=g: dist.reduce_scatter_tensor(shard, big, group=g), warm, iters)
+        if "ddp" in only:
+            torch.manual_seed(0)
+            out.setdefault("DDP step", {})[backend] = (
+                _step(DDP(WideResMLP(args.width, args.depth), process_group=g), x, y), warm, iters)
+        if "fsdp2" in only:
+            torch.manual_seed(0)
+            fsdp = WideResMLP(args.width, args.depth)
+            for block in fsdp.blocks:
+                fully_shard(block, mesh=meshes[backend])
+            fully_shard(fsdp, mesh=meshes[backend])
+            out.setdefault("FSDP2 step", {})[backend] = (_step(fsdp, x, y), warm, iters)
+    for name, key in (("allreduce 1 B", "latency"), (f"allreduce {_human(args.size)}", "allreduce"),
+                      (f"reduce_scatter {_human(args.size)}", "reduce_scatter")):
+        if name in out:
+            out[name]["raw"] = (raw[key], out[name]["loom"][1], out[name]["loom"][2])
+    return out
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch 2.13 renames reduce_scatter_tensor
@@ -88,81 +147,45 @@ def main(argv: list[str]) -> int:
     if comm.size < 2:
         raise cli_args.UsageError("loom bench torch compares two backends' collectives; run it on 2 ranks or more "
                                   "(loom bench torch --ranks 2)")
-    dist.init_process_group("loom")
-    groups = {"loom": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    # distinct dim names: DTensor caches plans by mesh, and meshes equal in shape and names compare equal
-    meshes = {"loom": init_device_mesh("cpu", (comm.size,), mesh_dim_names=("dp",)),
-              "gloo": init_device_mesh("cpu", (comm.size,), mesh_dim_names=("dp_gloo",),
-                                       backend_override={"dp_gloo": "gloo"})}
-    p = comm.size
-    n = args.size // 4
-    gen = torch.Generator().manual_seed(comm.rank)
-    x = torch.randn(args.batch, 64, generator=gen)
-    y = torch.randn(args.batch, 16, generator=gen)
-
-    only = set(args.only or ROWS)
-
-    def rows(backend: str) -> dict[str, tuple[Callable[[], None], int, int]]:
-        g = groups[backend]
-        one = torch.ones(1, dtype=torch.uint8)
-        big = torch.ones(n if only & {"allreduce", "reduce_scatter"} else 0, dtype=torch.float32)
-        shard = torch.empty(big.numel() // p, dtype=torch.float32)
-        warm, iters = args.warmup, args.iterations_large
-        out = {}
-        if "latency" in only:
-            out["allreduce 1 B"] = (lambda: dist.all_reduce(one, group=g), 30 * args.warmup, args.iterations)
-        if "allreduce" in only:
-            out[f"allreduce {_human(args.size)}"] = (lambda: dist.all_reduce(big, group=g), warm, iters)
-        if "reduce_scatter" in only:
-            out[f"reduce_scatter {_human(args.size)}"] = (
-                lambda: dist.reduce_scatter_tensor(shard, big, group=g), warm, iters)
-        if "ddp" in only:
-            torch.manual_seed(0)
-            out["DDP step"] = (_step(DDP(WideResMLP(args.width, args.depth), process_group=g), x, y), warm, iters)
-        if "fsdp2" in only:
-            torch.manual_seed(0)
-            fsdp = WideResMLP(args.width, args.depth)
-            for block in fsdp.blocks:
-                fully_shard(block, mesh=meshes[backend])
-            fully_shard(fsdp, mesh=meshes[backend])
-            out["FSDP2 step"] = (_step(fsdp, x, y), warm, iters)
-        return out
-
-    work = {b: rows(b) for b in groups}
+    groups, meshes = _setup(args, comm)
+    work = _rows(args, comm, groups, meshes)
     best: dict[tuple[str, str], float] = {}
-    for name in work["loom"]:
+    for name, per in work.items():
         for _ in range(args.rounds):
-            for backend in groups:
-                fn, warm, iters = work[backend][name]
+            for backend, (fn, warm, iters) in per.items():
                 t = omb.time_op(fn, comm, warm, iters, max_seconds=args.max_seconds, nbytes=args.size)
                 t = comm.allreduce_object(t, "max")
-                key = (name, backend)
-                best[key] = min(best.get(key, float("inf")), t)
-
-    table = omb.Table("torch.distributed backend: loom vs gloo", ["Test", "unit", "loom", "gloo", "loom/gloo"],
-                      rank=comm.rank)
+                best[(name, backend)] = min(best.get((name, backend), float("inf")), t)
+    p = comm.size
+    table = omb.Table("torch.distributed backend: loom vs gloo (and raw mpi4py under them)",
+                      ["Test", "unit", "loom", "gloo", "raw", "loom/gloo", "loom/raw"], rank=comm.rank)
     table.meta = {"ranks": p, "size": args.size, "model": f"WideResMLP width {args.width} depth {args.depth}, "
-                  f"batch {args.batch} per rank, float32"}
-    table.widths = [22, 8, 12, 12, 12]
+                  f"batch {args.batch} per rank, float32", "raw": "mpi4py in place on numpy views of the buffers"}
+    table.widths = [22, 8, 12, 12, 12, 12, 12]
     table.header()
-    for name in work["loom"]:
-        lo, gl = best[(name, "loom")], best[(name, "gloo")]
-        if name == "allreduce 1 B":
-            table.add(name, "us", lo * 1e6, gl * 1e6, lo / gl)
-        elif name.startswith(("allreduce", "reduce_scatter")):
-            factor = (2 if name.startswith("allreduce") else 1) * (p - 1) / p
-            bw_lo, bw_gl = factor * args.size / lo / 1e9, factor * args.size / gl / 1e9
-            table.add(name, "GB/s", bw_lo, bw_gl, bw_lo / bw_gl)
-        else:
-            table.add(name, "ms", lo * 1e3, gl * 1e3, lo / gl)
+    for name in work:
+        times = {b: best.get((name, b)) for b in ("loom", "gloo", "raw")}
+        unit, value = _unit(name, p, args.size)
+        v = {b: (value(t) if t is not None else None) for b, t in times.items()}
+        table.add(name, unit, v["loom"], v["gloo"], "-" if v["raw"] is None else v["raw"], v["loom"] / v["gloo"],
+                  "-" if v["raw"] is None else v["loom"] / v["raw"])
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     codec_rows = _ddp_codecs(args, comm, groups["gloo"], DDP) if args.codec else []
     table.write_json(args.json, ddp_codecs=codec_rows)
     dist.destroy_process_group()
     return 0
+
+
+def _unit(name: str, p: int, size: int) -> tuple[str, Callable[[float], float]]:
+    """A row's unit and seconds -> value: us for the latency, bus GB/s for the bandwidths (nccl-tests' factors),
+    ms for the training steps."""
+    if name == "allreduce 1 B":
+        return "us", lambda t: t * 1e6
+    if name.startswith(("allreduce", "reduce_scatter")):
+        factor = (2 if name.startswith("allreduce") else 1) * (p - 1) / p
+        return "GB/s", lambda t: factor * size / t / 1e9
+    return "ms", lambda t: t * 1e3
 
 
 def _ddp_codecs(args, comm, gloo, DDP) -> list[dict]:

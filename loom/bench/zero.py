@@ -15,16 +15,19 @@ Three tables, one run:
   memory returned before the next. Pinned host staging buffers are host memory and not counted.
 * **Peer, FSDP2** (``--peer-ranks``, 2 by default): loom stage 3, once per progress mode (``hooks`` and
   ``thread``, the row of the mode ``auto`` picks marked; the JSON keeps each mode's last-step accounting), and
-  torch ``fully_shard`` (gloo, one ``fully_shard`` per block and one on the root) on the same model, batch and
-  Adam: step time and peak memory per rank. Every Adam here runs ``foreach=False`` (its temporaries are one
+  torch ``fully_shard`` (one ``fully_shard`` per block and one on the root) on the same model, batch and Adam,
+  over gloo and over the ``"loom"`` backend (the fair peer: the same transport as loom's own rows, so the rows
+  compare the sharding engines, not the transports; the speed-up column is against it): step time and peak
+  memory per rank. Every Adam here runs ``foreach=False`` (its temporaries are one
   tensor's, not the whole model's), the same for all. The tracker also counts storages that
   ``UntypedStorage.resize_`` grows, since FSDP2 allocates its unsharded parameters that way.
-* **Plain data parallel vs DDP** (``--peer-ranks``): loom plain data parallel (:class:`loom.parallel.data.GradReducer`,
-  25 MiB buckets reduced during backward, once per progress mode: ``hooks`` and ``thread``, the row of the mode
-  ``auto`` picks on this machine marked) and torch ``DistributedDataParallel`` (gloo, its defaults: 25 MiB
-  buckets, ``gradient_as_bucket_view``) on the model of ``loom bench hybrid`` (width 1024, depth 16, global
-  batch 16, SGD, one micro-batch). The JSON keeps each loom mode's exposed and overlapped seconds of its last
-  step.
+* **Plain data parallel vs DDP** (``--peer-ranks``): loom plain data parallel
+  (:class:`loom.parallel.data.GradReducer`, 25 MiB buckets reduced during backward, once per progress mode:
+  ``hooks`` and ``thread``, the row of the mode ``auto`` picks on this machine marked) and torch
+  ``DistributedDataParallel`` (its defaults: 25 MiB buckets, ``gradient_as_bucket_view``), over gloo and over
+  the ``"loom"`` backend (the speed-up column's peer), on the model of ``loom bench hybrid`` (width 1024, depth
+  16, global batch 16, SGD, one micro-batch). The JSON keeps each loom mode's exposed and overlapped seconds of
+  its last step.
 
 The peer tables run on the CPU whatever ``--device`` says: torch's GPU peers need NCCL, which refuses two
 ranks on one GPU.
@@ -288,7 +291,8 @@ def _peers(sub: Communicator, group, mesh, args) -> dict[str, Any]:
 
     makers = [(f"loom stage 3 ({mode}{', auto' if mode == auto else ''})", lambda mode=mode: stage3(mode))
               for mode in ("hooks", "thread")]
-    makers.append(("torch FSDP2", lambda: _fsdp2(group, mesh, w, d, b, sub)))
+    makers += [(f"torch FSDP2 ({backend})", lambda backend=backend: _fsdp2(group[backend], mesh[backend], w, d, b, sub))
+               for backend in ("gloo", "loom")]
     runs = []
     for name, make in makers:
         peak, step = _peak(sub, make)
@@ -297,12 +301,13 @@ def _peers(sub: Communicator, group, mesh, args) -> dict[str, Any]:
     _timed(sub, runs, args)
     exposed = zero_stats()["exposed_comm_s"]
     # Speedup columns hold the peer's step time over this row's (> 1: faster than the peer), named as speedups.
-    t1 = omb.Table("ZeRO-3 vs torch FSDP2 (fully_shard, gloo)", ["Mode", "Step(ms)", "Peak(MiB)", "speedup-vs-FSDP2"],
-                   rank=sub.rank)
+    t1 = omb.Table("ZeRO-3 vs torch FSDP2 (fully_shard, over gloo and over loom)",
+                   ["Mode", "Step(ms)", "Peak(MiB)", "speedup-vs-FSDP2"], rank=sub.rank)
     t1.meta = {"model": f"residual MLP width {w} depth {d} ({params / 1e6:.1f} M params, fp32, Adam foreach=False)",
                "batch": f"global {b}", "ranks": f"{sub.size}, 1 thread each; loom buckets of {bucket:.2f} MiB",
                "progress": f"loom reduce-scatters progress from the hooks or a progress thread; auto picks {auto} "
-                           f"here"}
+                           f"here",
+               "speedup": "torch FSDP2 over the loom backend's step time over the row's (> 1: faster)"}
     t1.header()
     for name, peak, _, t in runs:
         t1.add(name, t * 1e3, peak / 2**20, runs[-1][3] / t)
@@ -313,14 +318,17 @@ def _peers(sub: Communicator, group, mesh, args) -> dict[str, Any]:
     for mode in ("hooks", "thread"):
         step, reducers[mode] = _loom_dp(sub, w, d, 16, mode)
         ddp_runs.append([f"loom dp ({mode}{', auto' if mode == auto else ''})", 0, step, float("inf")])
-    ddp_runs.append(["torch DDP", 0, _ddp(group, w, d, 16, sub)[0], float("inf")])
+    ddp_runs += [[f"torch DDP ({backend})", 0, _ddp(group[backend], w, d, 16, sub)[0], float("inf")]
+                 for backend in ("gloo", "loom")]
     _timed(sub, ddp_runs, args)
     for red in reducers.values():
         red.remove()
-    t2 = omb.Table("Plain data parallel vs torch DDP (gloo)", ["Mode", "Step(ms)", "speedup-vs-DDP"], rank=sub.rank)
+    t2 = omb.Table("Plain data parallel vs torch DDP (over gloo and over loom)", ["Mode", "Step(ms)", "speedup-vs-DDP"],
+                   rank=sub.rank)
     t2.meta = {"model": f"residual MLP width {w} depth {d} ({params / 1e6:.1f} M params, fp32, SGD)",
                "batch": "global 16, one micro-batch", "ranks": f"{sub.size}, 1 thread each, 25 MiB buckets",
-               "progress": f"loom reductions progress from the hooks or a progress thread; auto picks {auto} here"}
+               "progress": f"loom reductions progress from the hooks or a progress thread; auto picks {auto} here",
+               "speedup": "torch DDP over the loom backend's step time over the row's (> 1: faster)"}
     t2.header()
     for name, _, _, t in ddp_runs:
         t2.add(name, t * 1e3, ddp_runs[-1][3] / t)
@@ -329,15 +337,16 @@ def _peers(sub: Communicator, group, mesh, args) -> dict[str, Any]:
 
 
 def _torch_group(comm: Communicator, n: int):
-    """torch.distributed (gloo) over the job, a group of its first ``n`` ranks and a CPU device mesh on it."""
+    """torch.distributed over the job (the ``"loom"`` backend), groups of its first ``n`` ranks on gloo and on loom,
+    and a CPU device mesh on each: ``(dist, {backend: group}, {backend: mesh})``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     path = comm.bcast_object(tempfile.mktemp(prefix="loom-bench-zero-") if comm.rank == 0 else None)
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=comm.rank, world_size=comm.size)
-    group = dist.new_group(list(range(n)))
-    mesh = DeviceMesh.from_group(group, "cpu") if comm.rank < n else None
-    return dist, group, mesh
+    dist.init_process_group("loom", init_method=f"file://{path}", rank=comm.rank, world_size=comm.size)
+    groups = {backend: dist.new_group(list(range(n)), backend=backend) for backend in ("gloo", "loom")}
+    meshes = {b: DeviceMesh.from_group(g, "cpu") if comm.rank < n else None for b, g in groups.items()}
+    return dist, groups, meshes
 
 
 def main(argv: list[str] | None = None) -> int:

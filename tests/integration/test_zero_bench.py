@@ -23,21 +23,23 @@ def test_bench_zero(tmp_path):
     cap = doc["capacity"]["results"]
     assert cap["stage 3"]["blocks"] > cap["dp (stage 0)"]["blocks"]  # sharding fits a deeper model
     assert all(r["peak"] <= 2 * 2**20 for r in cap.values())
-    modes = [r["Mode"] for r in doc["fsdp2"]]  # loom stage 3 in both progress modes (auto's marked), FSDP2
-    assert modes[2] == "torch FSDP2" and [m.split(",")[0].rstrip(")") for m in modes[:2]] == [
-        "loom stage 3 (hooks", "loom stage 3 (thread"]
+    modes = [r["Mode"] for r in doc["fsdp2"]]  # loom stage 3 in both progress modes (auto's marked), FSDP2 x 2
+    assert modes[2:] == ["torch FSDP2 (gloo)", "torch FSDP2 (loom)"]
+    assert [m.split(",")[0].rstrip(")") for m in modes[:2]] == ["loom stage 3 (hooks", "loom stage 3 (thread"]
     assert sum(", auto)" in m for m in modes) == 1
     for mode in ("hooks", "thread"):  # each row ran its mode; reduce-scatters posted during backward in both
         assert doc["zero_last_step"][mode]["progress"] == mode, doc["zero_last_step"]
         assert doc["zero_last_step"][mode]["posted_in_backward"] >= 1, doc["zero_last_step"]
-    modes = [r["Mode"] for r in doc["ddp"]]  # loom dp in both progress modes (the one auto picks marked), DDP
-    assert modes[2] == "torch DDP" and [m.split(",")[0].rstrip(")") for m in modes[:2]] == ["loom dp (hooks",
-                                                                                           "loom dp (thread"]
+    modes = [r["Mode"] for r in doc["ddp"]]  # loom dp in both progress modes (the one auto picks marked), DDP x 2
+    assert modes[2:] == ["torch DDP (gloo)", "torch DDP (loom)"]
+    assert [m.split(",")[0].rstrip(")") for m in modes[:2]] == ["loom dp (hooks", "loom dp (thread"]
     assert sum(", auto)" in m for m in modes) == 1
     for mode in ("hooks", "thread"):  # reductions launched during backward, not after it
         assert doc["dp_last_step"][mode]["posted_in_backward"] >= 1, doc["dp_last_step"]
-    # The speedup columns hold the peer's step time over the row's (> 1: faster than the peer).
-    for key, peer, col in (("fsdp2", "torch FSDP2", "speedup-vs-FSDP2"), ("ddp", "torch DDP", "speedup-vs-DDP")):
+    # The speedup columns hold the peer's step time over the row's (> 1: faster than the peer); the peer is torch's
+    # engine over the loom backend (the same transport as loom's rows).
+    for key, peer, col in (("fsdp2", "torch FSDP2 (loom)", "speedup-vs-FSDP2"),
+                           ("ddp", "torch DDP (loom)", "speedup-vs-DDP")):
         rows = {r["Mode"]: r for r in doc[key]}
         assert rows[peer][col] == 1.0
         for r in rows.values():

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 from collections import Counter
@@ -110,6 +112,24 @@ def test_torch_suite_subset_passes_on_loom_wherever_it_passes_on_gloo():
     counts, missing = compare(results)
     assert counts["gloo", "pass"] >= 25, counts  # the subset ran: a selection that matched nothing proves nothing
     assert not _unexpected(missing), "\n".join(_unexpected(missing))
+
+
+#: tests run through torch's own spawn runner on loom (fresh processes per test: a world formed through the store)
+SPAWNED = ("test_all_reduce_sum", "test_broadcast", "test_all_gather_coalesced_simple", "test_sparse_all_reduce_sum",
+           "test_barrier")
+
+
+def test_torch_own_spawn_runner_passes_on_loom():
+    """torch's ``TestDistBackend`` runner, as torch's CI runs it (a subprocess of pytest per test pair)."""
+    env = {**os.environ, "SUITE_BACKEND": "loom", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for key in ("BACKEND", "WORLD_SIZE", "TEMP_DIR", "LOOM_LAUNCHED"):
+        env.pop(key, None)
+    module = ROOT / "tests" / "mpi" / "torch_suite_spawn.py"
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
+            *(f"{module}::TestSpawned::{t}" for t in SPAWNED)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and f"{len(SPAWNED)} passed" in out, out[-4000:]
 
 
 def main(argv: list[str]) -> int:

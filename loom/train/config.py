@@ -40,6 +40,7 @@ __all__ = [
     "parse_overrides",
     "config_to_dict",
     "config_from_dict",
+    "config_defaults",
 ]
 
 
@@ -431,14 +432,7 @@ class Config:
               f"per-replica batch {per_dp} (data.batch / mesh.dp) is not divisible by data.micro_batches = "
               f"{d.micro_batches}; change one of them")
         self._check_ring()
-        if self.padded_seq_len != d.seq_len and (mesh.pp > 1 or mesh.tp > 1 or m.hf or m.hf_config):
-            ring, need = mesh.sp_ring, self.padded_seq_len
-            raise ConfigError(
-                f"data.seq_len = {d.seq_len} is not divisible by mesh.sp = {mesh.sp} x sequence.chunks = "
-                f"{s.chunks}; use data.seq_len = {need} or change mesh.sp / sequence.chunks" if ring == 1 else
-                f"data.seq_len = {d.seq_len} is not divisible by mesh.sp = {mesh.sp} x sequence.chunks = "
-                f"{s.chunks} and by 2 x mesh.sp_ring = {2 * ring} (the ring's zig-zag layout); use data.seq_len = "
-                f"{need}")
+        self._check_padding()
         _need(not d.pack or mesh.pp == mesh.tp == 1 and not (m.hf or m.hf_config),
               f"data.pack = true with mesh.pp = {mesh.pp}, mesh.tp = {mesh.tp}, model.hf = {m.hf or m.hf_config!r}: "
               f"packed documents run on loom's Llama without a pipeline or tp so far; set those to 1 / empty")
@@ -456,6 +450,25 @@ class Config:
             _need(m.ffn == "moe", f"mesh.ep = {mesh.ep} needs model.ffn = 'moe' (got {m.ffn!r})")
             _need(m.experts % mesh.ep == 0,
                   f"model.experts = {m.experts} is not divisible by mesh.ep = {mesh.ep}")
+
+    def _check_padding(self) -> None:
+        """A length the layout does not split is padded only for loom's own Llama outside a pipeline and tp;
+        elsewhere it is refused, saying why: a transformers model is not padded (its loss divides by every
+        position of the sequence, so a pad would count as a target), a pipeline's loss is the mean over each
+        micro-batch's positions, and tp's vocabulary-parallel loss likewise."""
+        m, d, s, mesh = self.model, self.data, self.sequence, self.mesh
+        if self.padded_seq_len == d.seq_len or not (mesh.pp > 1 or mesh.tp > 1 or m.hf or m.hf_config):
+            return
+        ring, need = mesh.sp_ring, self.padded_seq_len
+        rule = (f"mesh.sp = {mesh.sp} x sequence.chunks = {s.chunks}" if ring == 1 else
+                f"mesh.sp = {mesh.sp} x sequence.chunks = {s.chunks} and by 2 x mesh.sp_ring = {2 * ring} (the "
+                f"ring's zig-zag layout)")
+        why = ("transformers models are not padded (their loss divides by every position of the sequence, so "
+               "pads would count as targets)" if m.hf or m.hf_config else
+               f"loom pads sequences only without a pipeline or tp (under mesh.pp = {mesh.pp}, mesh.tp = {mesh.tp} "
+               f"the loss is the mean over every position, pads included)")
+        raise ConfigError(f"data.seq_len = {d.seq_len} is not divisible by {rule}: {why}; use data.seq_len = "
+                          f"{need} or change mesh.sp / sequence.chunks")
 
     @property
     def padded_seq_len(self) -> int:
@@ -579,6 +592,17 @@ def config_from_dict(data: dict[str, Any], world_size: int | None = None) -> Con
     if world_size is not None:
         sections.get("mesh", MeshConfig()).validate_world(world_size)
     return Config(**sections)
+
+
+def config_defaults() -> dict[str, dict[str, Any]]:
+    """Every key of every section with the default it declares: what a key left out takes, before the rules
+    across sections resolve it (``mesh.sp_ring = 0`` stays 0, chosen from the heads when a run is laid out;
+    ``Config()`` would show the value it resolves to for the default model)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, cls in _SECTIONS.items():
+        out[name] = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                     for f in dataclasses.fields(cls)}
+    return out
 
 
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

@@ -77,6 +77,56 @@ def test_any_length_is_padded_to_the_layout():
                              "data": {"seq_len": 31}}).padded_seq_len == 48  # lcm(8 x 3, 2 x 2)
 
 
+def test_help_shows_every_declared_default():
+    """``loom train --help`` lists every key with the default its section declares (a resolved ``Config()``
+    shows mesh.sp_ring = 1 for the default heads, hiding the automatic 0)."""
+    import dataclasses
+
+    from loom.train.cli import parser
+    from loom.train.config import _SECTIONS
+
+    text = parser().format_help()
+    lines = {ln.split("] ", 1)[0].strip() + "]": ln.split("] ", 1)[1] for ln in text.splitlines()
+             if ln.strip().startswith("[") and "] " in ln}
+    for name, cls in _SECTIONS.items():
+        shown = dict(kv.split("=", 1) for kv in _split_top(lines[f"[{name}]"]))
+        for f in dataclasses.fields(cls):
+            want = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            assert shown.get(f.name) == repr(want), (name, f.name, shown.get(f.name), want)
+    assert "sp_ring=0" in text
+
+
+def _split_top(text: str) -> list[str]:
+    """``a=1, b=['x', 'y']`` -> ``["a=1", "b=['x', 'y']"]``: commas inside brackets or quotes kept."""
+    out, depth, quote, cur = [], 0, "", ""
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+            continue
+        cur += ch
+    return out + [cur.strip()] if cur.strip() else out
+
+
+def test_odd_length_of_a_transformers_model_is_refused_saying_why(tmp_path):
+    pytest.importorskip("transformers")
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 16, "intermediate_size": 32,
+                                "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}))
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict({"model": {"hf_config": str(path)}, "mesh": {"sp": 2}, "data": {"seq_len": 31}})
+    for words in ("data.seq_len = 31", "transformers models are not padded", "use data.seq_len = 32"):
+        assert words in str(exc.value), exc.value
+
+
 def test_mesh_must_match_world():
     cfg = config_from_dict({"mesh": {"dp": 2, "sp": 2}})
     cfg.validate_world(4)

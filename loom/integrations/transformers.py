@@ -627,9 +627,9 @@ def build_train_model(cfg: Any, *, sp_comm: Any = None, dtype: torch.dtype = tor
         raise ValueError("sequence.recompute is not supported for transformers models; set it to false")
     model = load_model(cfg.model, dtype=dtype, device=device)
     sp = None
-    if sp_comm is not None and sp_comm.size > 1:
-        s = cfg.sequence
-        fpdt = s.algorithm == "fpdt"
+    s = cfg.sequence
+    fpdt = s.algorithm == "fpdt"
+    if sp_comm is not None and (sp_comm.size > 1 or fpdt):  # FPDT's chunks and offload run on one rank too
         sp = SequenceParallel(model, sp_comm, mode=s.algorithm, chunks=s.chunks if fpdt else 1,
                               offload=s.offload and fpdt, ring=max(1, cfg.mesh.sp_ring))
     return HFTrainModel(model, sp, _tokenizer(cfg.model))

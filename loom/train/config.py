@@ -169,7 +169,8 @@ class SequenceConfig:
     chunks: int = 1
     """FPDT: chunks each rank's sequence slice is processed in (1 = plain Ulysses)."""
     offload: bool = False
-    """FPDT: keep inactive key/value chunks (and recomputed block inputs) in host memory."""
+    """FPDT: keep inactive key/value chunks (and recomputed block inputs) in host memory (Ulysses keeps no chunk
+    store: it is refused there; its block checkpoints go to the host with ``offload_checkpoints``)."""
     recompute: bool = False
     """Recompute each block in backward, keeping only its input (loom.models.llama ``checkpoint``)."""
     offload_checkpoints: bool = False
@@ -184,6 +185,10 @@ class SequenceConfig:
         _need(isinstance(self.chunks, int) and self.chunks >= 1, f"sequence.chunks = {self.chunks!r} must be >= 1")
         _need(self.chunks == 1 or self.algorithm == "fpdt",
               f"sequence.chunks = {self.chunks} needs sequence.algorithm = 'fpdt' (Ulysses does not chunk)")
+        _need(not self.offload or self.algorithm == "fpdt",
+              "sequence.offload = true needs sequence.algorithm = 'fpdt': what it puts in host memory is FPDT's "
+              "chunk store, which Ulysses does not keep; set --sequence.algorithm=fpdt, or to keep Ulysses' block "
+              "checkpoints in host memory --sequence.recompute=true --sequence.offload_checkpoints=true")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -525,6 +530,9 @@ class Config:
         _need(not (m.hf or m.hf_config), f"mesh.tp = {tp} with a transformers model (model.hf): tensor "
                                          f"parallelism splits loom's Llama only; use mesh.tp = 1")
         _need(m.ffn != "moe", f"mesh.tp = {tp} with model.ffn = 'moe' is not implemented; use 'swiglu' or 'gelu'")
+        _need(self.sequence.algorithm == "ulysses",
+              f"mesh.tp = {tp} with sequence.algorithm = 'fpdt': FPDT under tensor parallelism is not implemented; "
+              f"use sequence.algorithm = 'ulysses' (or mesh.tp = 1)")
         kv = m.kv_heads or m.heads
         for what, n in (("model.heads", m.heads), ("model.kv_heads", kv)):
             _need(n % tp == 0, f"{what} = {n} is not divisible by mesh.tp = {tp}: each tp rank holds whole query "
@@ -537,9 +545,9 @@ class Config:
               f"mesh.tp_sequence_parallel: the tokens are split evenly over tp; use data.seq_len = "
               f"{-(-self.data.seq_len // tp) * tp}")
         if mesh.sp > 1:
-            _need(self.sequence.algorithm == "ulysses" and not mesh.tp_sequence_parallel,
-                  f"mesh.tp = {tp} with mesh.sp = {mesh.sp} works with sequence.algorithm = 'ulysses' and without "
-                  f"mesh.tp_sequence_parallel; set those (FPDT and Megatron-SP under Ulysses are not implemented)")
+            _need(not mesh.tp_sequence_parallel,
+                  f"mesh.tp = {tp} with mesh.sp = {mesh.sp} works without mesh.tp_sequence_parallel (Megatron-SP "
+                  f"under Ulysses is not implemented); set it to false")
             _need((m.heads // tp) % mesh.sp == 0,
                   f"model.heads / mesh.tp = {m.heads} / {tp} is not divisible by mesh.sp = {mesh.sp}: Ulysses splits "
                   f"each tp rank's heads over sp; choose mesh.tp x mesh.sp dividing {m.heads}")

@@ -183,7 +183,7 @@ def _block(cfg: Config, d: dict[str, int]) -> tuple[int, int, int, int]:
         plain = e * t * (whole + (5 * h + 2 * kv + _ffn_saved(cfg, d)) // tp)
         work = e * t * (3 * h + 2 * d["F"] // tp)
     s = cfg.sequence
-    fpdt = s.algorithm == "fpdt" and cfg.mesh.sp > 1
+    fpdt = s.algorithm == "fpdt"  # at any sp: loom train runs FPDT on one rank too
     if fpdt:
         u = s.chunks
         chunk = e * (t // u) * (12 * h + 4 * kv + 4 * d["F"] // max(1, u)) + _kernel_work(cfg, d)
@@ -214,7 +214,7 @@ def _loss(cfg: Config, d: dict[str, int], last: bool) -> tuple[int, int]:
     e, t, h, V = d["e"], d["t"], d["h"], d["V"]
     V = -(-V // getattr(cfg.mesh, "tp", 1))  # vocabulary-split logits under tp
     f = 8 if e == 8 else 4  # the loss accumulates in fp32 (fp64 for fp64 models)
-    fpdt = cfg.sequence.algorithm == "fpdt" and cfg.mesh.sp > 1
+    fpdt = cfg.sequence.algorithm == "fpdt"
     chunks = 1 if cfg.mesh.pp > 1 else (cfg.sequence.chunks if fpdt else 1)
     if chunks == 1:
         return e * t * 3 * h + f * t * V, 2 * f * t * V
@@ -458,7 +458,7 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
         + f" -> {cfg.padded_seq_len // mesh.sp:,} tokens per sp rank, "
         f"chunks {seq.chunks}, offload {seq.offload}, recompute {seq.recompute}"
         + (", checkpoints on host" if getattr(seq, "offload_checkpoints", False) else "")
-        + (f", attention kernel {attention_kernel(cfg)}" if seq.algorithm == "fpdt" and mesh.sp > 1 else ""),
+        + (f", attention kernel {attention_kernel(cfg)}" if seq.algorithm == "fpdt" else ""),
         f"  batch      {d.batch} sequences/step global, {d.batch // (mesh.dp * mesh.ep)} per dp replica, "
         f"{d.batch * d.seq_len:,} tokens/step",
         *memory_lines(cfg),

@@ -153,9 +153,12 @@ class TrainModel:
         return _mean_ce(logits, y)
 
 
-def llama_config(cfg: Config, sp: int = 1) -> LlamaConfig:
-    """The :class:`LlamaConfig` of a run whose sequences are split over ``sp`` ranks (1: unsharded)."""
-    mode = cfg.sequence.algorithm if sp > 1 else "none"
+def llama_config(cfg: Config, sp: int | None = None) -> LlamaConfig:
+    """The :class:`LlamaConfig` of a run whose sequences are split over an sp communicator of ``sp`` ranks
+    (``None``: whole sequences and no communicator, as generation holds them). FPDT runs at any ``sp``, 1
+    included (its chunks and offload on one rank); Ulysses needs two ranks."""
+    algo = cfg.sequence.algorithm
+    mode = "none" if sp is None or sp == 1 and algo != "fpdt" else algo
     fpdt = mode == "fpdt"
     try:
         return LlamaConfig.from_any(cfg.model, sequence_parallel=mode, chunks=cfg.sequence.chunks if fpdt else 1,
@@ -189,7 +192,7 @@ def build_model(cfg: Config, *, sp_comm=None, ep_comm=None, dtype: torch.dtype =
     sp = sp_comm.size if sp_comm is not None else 1
     try:
         with torch.device("meta") if meta else contextlib.nullcontext():
-            module = Llama(llama_config(cfg, sp), sp_comm if sp > 1 else None, ep_comm)
+            module = Llama(llama_config(cfg, sp if sp_comm is not None else None), sp_comm, ep_comm)
     except ValueError as exc:
         raise ConfigError(f"model: {exc}") from None
     if not meta:

@@ -260,7 +260,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         sp_codec = self.policy.codec_for("sp") if self.policy is not None else None
         sp_min = self.policy.min_bytes if self.policy is not None else None
-        sp_comm = TimedComm(self.sp, "sp", sp_codec, sp_min) if self.sp is not None else None
+        # FPDT runs on a one-rank sp group too (its chunks and offload are the point there); Ulysses needs two
+        model_sp = self.sp if self.sp is not None or cfg.sequence.algorithm != "fpdt" else self.mesh["sp"]
+        sp_comm = TimedComm(model_sp, "sp", sp_codec, sp_min) if model_sp is not None else None
         # Under a pipeline the model is built on the meta device and HybridParallel materialises only this
         # rank's stage (the same weights as a whole build: each tensor's init depends only on its name); at
         # ZeRO stage 3 without one, ShardedDataParallel materialises it bucket by bucket, keeping this rank's shard

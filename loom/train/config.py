@@ -265,7 +265,8 @@ class DataConfig:
     pack: bool = False
     """Packed documents: each file is a document; every sequence starts at a document and runs on through the
     next ones, positions restart at each, attention stays inside each, and the loss is the mean over the real
-    targets (none predicts across a boundary) of the whole batch (loom's Llama, without ``mesh.pp``/``mesh.tp``)."""
+    targets (none predicts across a boundary) of the whole batch (loom's Llama and transformers models, without
+    ``mesh.pp``/``mesh.tp``)."""
 
     def __post_init__(self) -> None:
         _at_least(self, "data", seq_len=2, batch=1, micro_batches=1)
@@ -438,9 +439,9 @@ class Config:
               f"{d.micro_batches}; change one of them")
         self._check_ring()
         self._check_padding()
-        _need(not d.pack or mesh.pp == mesh.tp == 1 and not (m.hf or m.hf_config),
-              f"data.pack = true with mesh.pp = {mesh.pp}, mesh.tp = {mesh.tp}, model.hf = {m.hf or m.hf_config!r}: "
-              f"packed documents run on loom's Llama without a pipeline or tp so far; set those to 1 / empty")
+        _need(not d.pack or mesh.pp == mesh.tp == 1,
+              f"data.pack = true with mesh.pp = {mesh.pp}, mesh.tp = {mesh.tp}: packed documents run without a "
+              f"pipeline or tp so far; set those to 1")
         _need(not s.offload_checkpoints or mesh.pp == 1,
               f"sequence.offload_checkpoints with mesh.pp = {mesh.pp}: pipeline stages do not recompute their "
               f"blocks, so there is no checkpoint to offload; set mesh.pp = 1 or offload_checkpoints = false")

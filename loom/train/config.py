@@ -265,8 +265,8 @@ class DataConfig:
     pack: bool = False
     """Packed documents: each file is a document; every sequence starts at a document and runs on through the
     next ones, positions restart at each, attention stays inside each, and the loss is the mean over the real
-    targets (none predicts across a boundary) of the whole batch (loom's Llama and transformers models, without
-    ``mesh.pp``/``mesh.tp``)."""
+    targets (none predicts across a boundary) of the whole batch (loom's Llama on every mesh; a transformers model
+    without ``mesh.pp``)."""
 
     def __post_init__(self) -> None:
         _at_least(self, "data", seq_len=2, batch=1, micro_batches=1)
@@ -439,9 +439,11 @@ class Config:
               f"{d.micro_batches}; change one of them")
         self._check_ring()
         self._check_padding()
-        _need(not d.pack or mesh.pp == mesh.tp == 1,
-              f"data.pack = true with mesh.pp = {mesh.pp}, mesh.tp = {mesh.tp}: packed documents run without a "
-              f"pipeline or tp so far; set those to 1")
+        _need(not d.pack or mesh.pp == 1 or not (m.hf or m.hf_config),
+              f"data.pack = true with a transformers model (model.hf) and mesh.pp = {mesh.pp}: its pipeline layers "
+              f"read one position layout for every micro-batch (loom.integrations.transformers.PositionHolder), "
+              f"not each micro-batch's documents; set mesh.pp = 1 (packing runs under sp, Ulysses, FPDT and the "
+              f"ring, and dp)")
         _need(not s.offload_checkpoints or mesh.pp == 1,
               f"sequence.offload_checkpoints with mesh.pp = {mesh.pp}: pipeline stages do not recompute their "
               f"blocks, so there is no checkpoint to offload; set mesh.pp = 1 or offload_checkpoints = false")

@@ -915,12 +915,13 @@ class Trainer:
         detached tensor on the model's device, read on the host once per step with the gradient norm.
         ``packed``: packed documents (``local_batch``'s third value)."""
         if self.hybrid is not None:
+            inputs, loss_fn = self._pipeline_batch(x, packed)
             if self.sdp is None:
-                return self.hybrid.train_step(x, y, self.tm.loss_fn)
+                return self.hybrid.train_step(inputs, y, loss_fn)
             # One backward per micro-batch and stage: their reduce-scatters still run as each one computes, but
             # the wait for them is the step's (sync_grads), not every micro-batch's end.
             with self.sdp.no_sync():
-                return self.hybrid.train_step(x, y, self.tm.loss_fn)
+                return self.hybrid.train_step(inputs, y, loss_fn)
         if self.reducer is not None:
             self.reducer.start(1)
         loss = self._loss(x, y, packed)
@@ -929,9 +930,18 @@ class Trainer:
         loss.backward()
         return self._as_mean(loss.detach())
 
+    def _pipeline_batch(self, x: torch.Tensor, packed: Packed | None) -> tuple[Any, Callable]:
+        """The pipeline's inputs and loss_fn: ``x`` and the mean over each micro-batch; with packed documents
+        ``(x, positions, doc_ids)`` (graph inputs every block reads) and each micro-batch's summed losses times
+        ``micro_batches x sp / count``: the pipeline averages its micro-batches and sp averages gradients
+        under a pipeline, so the replica's loss is its summed losses over the packed count, as without one."""
+        if packed is None:
+            return x, self.tm.loss_fn
+        scale = self.cfg.data.micro_batches * self.cfg.mesh.sp / packed.count
+        return (x, packed.positions, packed.doc_ids), self.tm.packed_loss_fn(scale)
+
     def _loss(self, x: torch.Tensor, y: torch.Tensor, packed: Packed | None) -> torch.Tensor:
-        """The whole model's loss (in ZeRO 2-3's context); packed documents only where there are some (a
-        transformers model's loss takes none: the config refuses ``data.pack`` there)."""
+        """The whole model's loss (in ZeRO 2-3's context); packed documents only where there are some."""
         args = (x, y) if packed is None else (x, y, packed)
         return self.sdp.call(self.tm.loss, *args) if self.sdp is not None else self.tm.loss(*args)
 
@@ -957,7 +967,8 @@ class Trainer:
         for k in range(self.cfg.train.eval_batches):
             x, y, packed = self.local_batch(self.corpus.heldout, k, stream_id=1)
             if self.hybrid is not None:
-                parts.append(self.hybrid.eval_step(x, y, self.tm.loss_fn))
+                inputs, loss_fn = self._pipeline_batch(x, packed)
+                parts.append(self.hybrid.eval_step(inputs, y, loss_fn))
             else:
                 parts.append(self._as_mean(self._loss(x, y, packed)))
         tot = sum(_host_floats(*parts)) if parts else 0.0

@@ -109,11 +109,13 @@ def _matches_one_rank(comm, extra: dict, base: dict = BASE):
 
 # Packed documents of uneven lengths (tests/jobs.py uneven_documents): Ulysses and FPDT at sp = 2 and 4, Ulysses x
 # ring and FPDT x ring at sp = 4, dp (replicas whose real-target counts differ; also under ZeRO-3), ep (MoE ranks
-# that take different rows, like dp: the count is divided by dp x ep), and checkpoints on the host under Ulysses
-# and FPDT.
+# that take different rows, like dp: the count is divided by dp x ep), pipelines (micro-batches whose real-target
+# counts differ; with sp under FPDT, dp under GPipe, MoE over ep), and checkpoints on the host under Ulysses and
+# FPDT. Tensor parallelism: check_train_tp_packed_matches_one_rank in tests/mpi/check_tensor.py.
 PACKED = {
     2: [{"mesh": {"sp": 2}},
         {**MOE, "mesh": {"ep": 2}},
+        {"mesh": {"pp": 2}, "data": {"micro_batches": 2}},
         {"mesh": {"sp": 2}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}},
         {"mesh": {"dp": 2}},
         {"mesh": {"dp": 2}, "zero": {"stage": 3}},
@@ -124,6 +126,9 @@ PACKED = {
          "sequence": {"algorithm": "fpdt", "chunks": 2, "recompute": True, "offload_checkpoints": True}},
         {**MOE, "mesh": {"dp": 2, "ep": 2}},
         {**MOE, "mesh": {"ep": 2, "sp": 2}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}},
+        {"mesh": {"pp": 2, "sp": 2}, "data": {"micro_batches": 2}, "sequence": {"algorithm": "fpdt", "chunks": 2}},
+        {"mesh": {"dp": 2, "pp": 2}, "data": {"micro_batches": 2}, "mesh_schedule": "gpipe"},
+        {**MOE, "mesh": {"pp": 2, "ep": 2}, "data": {"micro_batches": 2}},
         # Ulysses 2 x ring 2 (2 heads) on an odd length: the pads are a document of their own
         {"model": {"heads": 2, "kv_heads": 1}, "mesh": {"sp": 4}, "data": {"seq_len": 29}},
         # FPDT x ring: chunks 3 inside each Ulysses group of 2 (a chunk split at the zig-zag boundary), offload,

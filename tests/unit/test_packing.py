@@ -112,6 +112,15 @@ def test_packed_transformers_loss_is_the_mean_over_each_documents_own_targets(tm
             assert float((g - w).abs().max()) <= TOL
 
 
+def test_pack_of_a_transformers_model_under_a_pipeline_is_refused_saying_why(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.jobs import tiny_hf_llama
+
+    hf = tiny_hf_llama(None, str(tmp_path / "llama.json"))
+    with pytest.raises(ConfigError, match="data.pack = true with a transformers model .* mesh.pp = 2: its pipeline"):
+        config_from_dict({"model": {"hf_config": hf}, "data": {"pack": True, "micro_batches": 2}, "mesh": {"pp": 2}})
+
+
 def test_pack_and_checkpoint_offload_are_validated():
     # packed documents run under every sequence-parallel plan, FPDT x ring included (exact against one rank:
     # check_packed_documents_match_one_rank in tests/mpi/check_train.py)
@@ -120,8 +129,8 @@ def test_pack_and_checkpoint_offload_are_validated():
     assert cfg.data.pack and cfg.mesh.sp_ring == 2 and cfg.sequence.algorithm == "fpdt"
     with pytest.raises(ConfigError, match="needs sequence.recompute = true"):
         config_from_dict({"sequence": {"offload_checkpoints": True}})
-    with pytest.raises(ConfigError, match="data.pack = true with mesh.pp = 2"):
-        config_from_dict({"data": {"pack": True, "micro_batches": 2}, "mesh": {"pp": 2}})
+    # and under a pipeline and tp (check_train.py, check_tensor.py)
+    assert config_from_dict({"data": {"pack": True, "micro_batches": 2}, "mesh": {"pp": 2, "tp": 2}}).data.pack
     with pytest.raises(ConfigError, match="offload_checkpoints with mesh.pp = 2"):
         config_from_dict({"sequence": {"recompute": True, "offload_checkpoints": True}, "mesh": {"pp": 2},
                           "data": {"micro_batches": 2}})

@@ -844,13 +844,14 @@ class FPDTRingPipeline(FPDTPipeline):
     parallelism with FPDT's memory: no sequence-sized tensor beyond one group's K/V chunks in the store).
 
     Forward: every local chunk's (q, k, v) goes through the group's all-to-all into the chunk store (FPDT).
-    Then ``R`` ring steps, K/V chunk outer and q chunk inner (as FPDT's backward): step ``t`` attends every
-    q chunk to each K/V chunk of ring group ``j - t`` while that chunk goes on to group ``j + 1`` and the next
-    group's arrives (isend/irecv posted before the chunk's blocks and waited after the next chunk's, into the
-    store: two passes in flight at most), merging into per-q-chunk (out, log-sum-exp) accumulators held on the
-    device through the steps (as FPDT holds one q chunk's: no store round trip per block; together one fp32
-    copy of the rank's attention output, below the step's peak, which ``check_fpdt_ring_memory_linear`` bounds
-    by FPDT's); the outputs are complete after the last step, and go back through the all-to-all.
+    Then ``R`` ring steps, q chunk outer and K/V chunk inner (as FPDT's forward): step ``t`` attends q chunk
+    ``a`` to every K/V chunk of ring group ``j - t`` (from the store) while K/V chunk ``a`` goes on to group
+    ``j + 1`` and the next group's arrives (isend/irecv posted before q chunk ``a``'s blocks and waited after the
+    next one's, into the store: two passes in flight at most), merging into q chunk ``a``'s (out,
+    log-sum-exp) accumulator, which waits in the store between steps: one q chunk's on the device at a time,
+    as FPDT's (holding every chunk's, one fp32 copy of the rank's attention output, set the peak where the
+    attention does; ``check_fpdt_ring_memory_linear`` bounds the ring's peak by FPDT's on one rank at 1/R of
+    the length); the outputs are complete after the last step, and go back through the all-to-all.
     Backward mirrors it (K/V passes waited one chunk later alike), each K/V chunk's (dk, dv) accumulator going
     on with it once this rank's blocks are added (sent after the chunk's blocks, waited after the next chunk's,
     kept in the store till the next step: two in flight at most, never one per chunk). Zig-zag blocks: ring
@@ -918,48 +919,61 @@ class FPDTRingPipeline(FPDTPipeline):
             qi, _, _ = self._scatter(get_qkv(i))
         rows, dtype = qi.shape[2], qi.dtype
         del qi
-        # (out, log-sum-exp) accumulator of every q chunk, on the device through the ring steps (as FPDT keeps
-        # one q chunk's while it meets every K/V chunk): no store round trip per block.
-        acc: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * u
+        # Each q chunk's (out, log-sum-exp) accumulator waits in the store between ring steps: one q chunk's on
+        # the device at a time, as FPDT's, not every chunk's (that fp32 copy of the rank's attention output set
+        # the peak where the attention, not the LM head, does: 1.54x FPDT's longest at ring 2).
+        hacc: list[tuple[int, int] | None] = [None] * u
         kvs = list(zip(self.hk, self.hv))
         for t in range(r):
-            src, nxt, pending = (j - t) % r, [], None
-            for b in range(u):
-                kb, vb = store.get(kvs[b][0]), store.get(kvs[b][1])
-                reqs = _ring_pass(rc, torch.stack([kb, vb]), 0) if t + 1 < r else None
-                for a in range(u):
-                    blk = self._blk(src, a, b, rows)
-                    if blk is None:
-                        continue
-                    ra, cb, diag, bd = blk
-                    qa = store.get(self.hq[a])
-                    o, lse = _block_forward(qa[:, :, ra], kb[:, :, cb], vb[:, :, cb], diag, self.scale, self.kernel,
-                                            bd)
-                    del qa
-                    if acc[a] is None:  # the first block of every q chunk covers all its rows
-                        acc[a] = _merge(None, None, o, lse)
-                    else:
-                        o_acc, l_acc = acc[a]
-                        o_acc[:, :, ra], l_acc[:, :, ra] = _merge(o_acc[:, :, ra], l_acc[:, :, ra], o, lse)
-                        del o_acc, l_acc
-                    del o, lse
-                del kb, vb
-                # a visiting chunk freed; the chunk the ring brings in is waited one chunk later (overlapping
-                # the next chunk's blocks: two passes in flight at most), kept for the next step
-                _ring_hand_over(store, kvs[b], t > 0, pending, nxt)
+            src, nxt, pending, last = (j - t) % r, [], None, t + 1 == r
+            for a in range(u):
+                # K/V chunk a goes on to the next group while q chunk a meets this step's chunks, waited after
+                # the next q chunk's blocks: two passes in flight at most
+                reqs = None if last else _ring_pass(rc, torch.stack([store.get(h) for h in kvs[a]]), 0)
+                acc = self._ring_attend(a, src, rows, kvs, None if hacc[a] is None else hacc[a])
+                if last:
+                    self._emit_ring_out(a, acc, dtype, emit_out)
+                else:
+                    hacc[a] = (store.put(acc[0]), store.put(acc[1]))
+                del acc
+                if pending is not None:
+                    _ring_hand_over(store, (), False, pending, nxt)
                 pending = reqs
             _ring_hand_over(store, (), False, pending, nxt)
+            if t > 0:  # the visiting group's chunks are done with (this rank's own stay for backward)
+                for h in (h for kv in kvs for h in kv):
+                    store.free(h)
             kvs = nxt
-        for a in range(u):
-            o_acc, l_acc = acc[a]
-            acc[a] = None
-            oa = o_acc.to(dtype)
-            del o_acc
-            self.ho.append(store.put(oa))
-            self.hl.append(store.put(l_acc))
-            del l_acc
-            (o_seq,) = _h2s([oa.transpose(1, 2)], self.comm, self.qc)
-            emit_out(a, o_seq)
+
+    def _ring_attend(self, a: int, src: int, rows: int, kvs, hacc) -> tuple[torch.Tensor, torch.Tensor]:
+        """q chunk ``a`` against every K/V chunk ``kvs`` of ring group ``src``, merged into its accumulator (from
+        the store at ``hacc``, popped; a new one at the first step, whose first block covers all its rows)."""
+        store = self.store
+        o_acc, l_acc = (None, None) if hacc is None else (store.pop(hacc[0]), store.pop(hacc[1]))
+        qa = store.get(self.hq[a])
+        for b in range(len(kvs)):
+            blk = self._blk(src, a, b, rows)
+            if blk is None:
+                continue
+            ra, cb, diag, bd = blk
+            kb, vb = store.get(kvs[b][0]), store.get(kvs[b][1])
+            o, lse = _block_forward(qa[:, :, ra], kb[:, :, cb], vb[:, :, cb], diag, self.scale, self.kernel, bd)
+            del kb, vb
+            if o_acc is None:
+                o_acc, l_acc = _merge(None, None, o, lse)
+            else:
+                o_acc[:, :, ra], l_acc[:, :, ra] = _merge(o_acc[:, :, ra], l_acc[:, :, ra], o, lse)
+            del o, lse
+        return o_acc, l_acc
+
+    def _emit_ring_out(self, a: int, acc, dtype, emit_out) -> None:
+        """Q chunk ``a``'s output, complete after the last ring step: saved for backward with its log-sum-exp,
+        and back through the group's all-to-all."""
+        oa = acc[0].to(dtype)
+        self.ho.append(self.store.put(oa))
+        self.hl.append(self.store.put(acc[1]))
+        (o_seq,) = _h2s([oa.transpose(1, 2)], self.comm, self.qc)
+        emit_out(a, o_seq)
 
     def backward(self, get_dout, emit_grads) -> None:
         u, store, rc = self.u, self.store, self.ring

@@ -61,8 +61,9 @@ from torch import nn
 from ..parallel.moe import MoE, MoEConfig
 from .config import SEQUENCE_PARALLEL, LlamaConfig, LlamaShape
 from ..parallel.offload import chunk_store
-from ..parallel.sequence import (FPDTPipeline, FPDTRingPipeline, HeadPlan, _global_docs, check_sizes,
-                                 local_positions, ring_attention)
+from ..parallel.sequence import (FPDTPipeline, FPDTRingPipeline, HeadPlan, check_sizes, local_positions,
+                                 ring_attention)
+from ..parallel.sequence.layout import _global_docs
 
 __all__ = [
     "LlamaShape", "LlamaConfig", "Llama", "MoEFeedForward", "build_llama", "chunked_lm_loss", "chunked_ffn",

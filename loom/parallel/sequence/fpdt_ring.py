@@ -97,8 +97,8 @@ class FPDTRingPipeline(FPDTPipeline):
         rows, dtype = qi.shape[2], qi.dtype
         del qi
         # Each q chunk's (out, log-sum-exp) accumulator waits in the store between ring steps: one q chunk's on
-        # the device at a time, as FPDT's, not every chunk's (that fp32 copy of the rank's attention output set
-        # the peak where the attention, not the LM head, does: 1.54x FPDT's longest at ring 2).
+        # the device at a time, as FPDT's. Every chunk's, an fp32 copy of the rank's attention output, would set
+        # the peak wherever the attention does (check_fpdt_ring_memory_linear).
         hacc: list[tuple[int, int] | None] = [None] * u
         kvs = list(zip(self.hk, self.hv))
         for t in range(r):

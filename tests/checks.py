@@ -35,7 +35,8 @@ CHECKS = [
     Checks("tests/mpi/check_zero.py", (2, 3, 4), timeout=600,  # one rank: tests/unit/test_zero.py
            only=((8, ("check_train_zero_stages_2_3_match_one_rank",)),)),  # dp x pp x sp = 2 x 2 x 2
     Checks("tests/mpi/check_tensor.py", (1, 2, 3), timeout=400,  # dp/sp/pp x tp = 2 x 2, oversubscribed:
-           only=((4, ("check_train_tp_matches_one_rank", "check_train_tp_resume_is_bit_exact")),)),
+           only=((4, ("check_train_tp_matches_one_rank", "check_train_tp_resume_is_bit_exact",
+                      "check_train_tp_packed_matches_one_rank")),)),
     Checks("tests/mpi/check_zero_deep.py", (2, 3, 4), timeout=400),  # one rank: tests/unit/test_zero.py
     Checks("tests/mpi/check_zero_habits.py", (1, 2, 3), timeout=300),  # BatchNorm needs 2 rows a micro-batch
     Checks("tests/mpi/check_hf.py", (1, 2, 4), timeout=400, needs="transformers"),

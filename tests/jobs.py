@@ -61,18 +61,20 @@ def train_job(n: int, *args: str, timeout: float = 180) -> subprocess.CompletedP
                       env=env, capture=True)
 
 
-def tiny_hf_llama(comm, path: str, *, tie: bool = False) -> str | None:
-    """A tiny transformers Llama config (nothing downloaded; embedding and head tied with ``tie``) written to
-    ``path`` by rank 0 and seen by every rank; ``None`` where transformers is not installed."""
+def tiny_hf_llama(comm, path: str, *, tie: bool = False, heads: int = 4, kv_heads: int = 2) -> str | None:
+    """A tiny transformers Llama config (nothing downloaded; embedding and head tied with ``tie``; ``heads``
+    query heads of 8 dimensions) written to ``path`` by rank 0 (every rank when ``comm`` is None) and seen by
+    every rank; ``None`` where transformers is not installed."""
     try:
         from transformers import LlamaConfig
     except ImportError:
         return None
-    if comm.rank == 0:
-        LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+    if comm is None or comm.rank == 0:
+        LlamaConfig(vocab_size=256, hidden_size=8 * heads, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=128,
                     tie_word_embeddings=tie).to_json_file(path)
-    comm.barrier()
+    if comm is not None:
+        comm.barrier()
     return path
 
 

@@ -241,11 +241,17 @@ class SequenceParallel:
                        shift_labels=None if shift is None else shard_sequence(shift, self.comm, **lay),
                        num_items=num or 0)
 
+    def use_documents(self, position_ids: torch.Tensor, doc_ids: torch.Tensor | None) -> None:
+        """Name the document ids of this rank's tokens whose local positions are ``position_ids`` (the very tensor
+        the model will be called with), so that attention reads them instead of finding them from the gathered
+        positions: ``loom train`` knows them (packed documents) and spares the allgather."""
+        self._docs = (position_ids, doc_ids)
+
     def doc_ids(self, position_ids: torch.Tensor | None) -> torch.Tensor | None:
         """This rank's document ids for the local ``position_ids`` (``None``: one document per row).
 
-        The ids come from :meth:`shard` for the tensor it returned; other position tensors (a micro-batch
-        slice) are gathered over ``comm`` once and remembered until the next one.
+        The ids come from :meth:`shard` (or :meth:`use_documents`) for the tensor it returned; other position
+        tensors (a micro-batch slice) are gathered over ``comm`` once and remembered until the next one.
         """
         if position_ids is None:
             raise ValueError("loom sequence-parallel attention needs the global position_ids of the local tokens; "
@@ -565,13 +571,24 @@ class HFTrainModel:
         self.positions = PositionHolder()
         _PIPELINE_POSITIONS[model] = self.positions
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Summed token losses over the target count of the whole sequence (the mean without ``sp``)."""
-        pos = self.positions.ids(x.shape[1], x.device)
+    def loss(self, x: torch.Tensor, y: torch.Tensor, packed: Any = None) -> torch.Tensor:
+        """Summed token losses over the target count of the whole sequence (the mean without ``sp``).
+
+        ``packed``: packed documents (``loom.train.model.Packed``): the model gets each token's position inside
+        its document (RoPE restarts), attention stays inside each document (loom's attention is handed the
+        document ids; on one rank transformers' own attention finds them where the position ids restart) and
+        the summed losses are divided by ``packed.count``, the batch's real targets over the replicas."""
+        if packed is None:
+            pos = self.positions.ids(x.shape[1], x.device)
+            count = y.numel() * (self.sp.comm.size if self.sp is not None else 1)  # loom's data ignores none
+        else:
+            pos, count = packed.positions, packed.count
+            if self.sp is not None:
+                self.sp.use_documents(pos, packed.doc_ids)
         h = self.module.get_decoder()(input_ids=x, position_ids=pos, use_cache=False).last_hidden_state
         chunks = self.sp.loss_chunks if self.sp is not None else 1
         total = chunked_lm_loss(h, self.module.get_output_embeddings().weight, y, chunks)
-        return total / (y.numel() * (self.sp.comm.size if self.sp is not None else 1))  # loom's data ignores none
+        return total / count
 
     @staticmethod
     def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -627,9 +644,9 @@ def build_train_model(cfg: Any, *, sp_comm: Any = None, dtype: torch.dtype = tor
         raise ValueError("sequence.recompute is not supported for transformers models; set it to false")
     model = load_model(cfg.model, dtype=dtype, device=device)
     sp = None
-    if sp_comm is not None and sp_comm.size > 1:
-        s = cfg.sequence
-        fpdt = s.algorithm == "fpdt"
+    s = cfg.sequence
+    fpdt = s.algorithm == "fpdt"
+    if sp_comm is not None and (sp_comm.size > 1 or fpdt):  # FPDT's chunks and offload run on one rank too
         sp = SequenceParallel(model, sp_comm, mode=s.algorithm, chunks=s.chunks if fpdt else 1,
                               offload=s.offload and fpdt, ring=max(1, cfg.mesh.sp_ring))
     return HFTrainModel(model, sp, _tokenizer(cfg.model))

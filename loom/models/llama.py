@@ -61,8 +61,9 @@ from torch import nn
 from ..parallel.moe import MoE, MoEConfig
 from .config import SEQUENCE_PARALLEL, LlamaConfig, LlamaShape
 from ..parallel.offload import chunk_store
-from ..parallel.sequence import (FPDTPipeline, FPDTRingPipeline, HeadPlan, _global_docs, check_sizes,
-                                 local_positions, ring_attention)
+from ..parallel.sequence import (FPDTPipeline, FPDTRingPipeline, HeadPlan, check_sizes, local_positions,
+                                 ring_attention)
+from ..parallel.sequence.layout import _global_docs
 
 __all__ = [
     "LlamaShape", "LlamaConfig", "Llama", "MoEFeedForward", "build_llama", "chunked_lm_loss", "chunked_ffn",
@@ -355,11 +356,14 @@ class _FPDTBlock(torch.autograd.Function):
                 ho.append(store.put(o))
             out[:, i * c:(i + 1) * c] = block.tail(x[:, i * c:(i + 1) * c], o)
 
-        pipe.forward(lambda i: block.qkv_chunk(i, x[:, i * c:(i + 1) * c]), emit)
+        # This call's positions, kept for backward's recompute of q/k/v: a pipeline runs other micro-batches'
+        # forwards (other packed positions) through the block before this one's backward.
+        pos = block.pos
+        pipe.forward(lambda i: block.qkv_chunk(i, x[:, i * c:(i + 1) * c], pos), emit)
         if not keep:
             pipe.release()
             return out
-        ctx.block, ctx.pipe, ctx.store, ctx.hx, ctx.ho = block, pipe, store, hx, ho
+        ctx.block, ctx.pipe, ctx.store, ctx.hx, ctx.ho, ctx.pos = block, pipe, store, hx, ho, pos
         ctx.save_for_backward(*params)
         return out
 
@@ -394,13 +398,13 @@ class _FPDTBlock(torch.autograd.Function):
         def emit(j, gq, gk, gv):
             xj = store.pop(hx[j]).detach().requires_grad_()
             with torch.enable_grad():
-                q, k, v = block.qkv_chunk(j, xj)
+                q, k, v = block.qkv_chunk(j, xj, ctx.pos)
             got = torch.autograd.grad([q, k, v], [xj, *params[:4]], [gq, gk, gv], allow_unused=True)
             dx[:, j * c:(j + 1) * c] += got[0]
             add(0, got[1:])
 
         pipe.backward(get_dout, emit)
-        ctx.pipe = ctx.store = None
+        ctx.pipe = ctx.store = ctx.pos = None
         return (dx, None, None, *dps)
 
 
@@ -425,12 +429,14 @@ class Block(nn.Module):
     def _ffn_residual(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.ffn(self.ffn_norm(x))
 
-    def qkv_chunk(self, i: int, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv_chunk(self, i: int, xc: torch.Tensor, pos: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ``[B, c, heads|kv_heads, D]`` of local chunk ``i`` (kv gathered to split over the sp ranks,
         :meth:`HeadPlan.gather_kv <loom.parallel.sequence.HeadPlan.gather_kv>`)."""
         cfg, a = self.cfg, self.attn
         b, c, _ = xc.shape
-        packed = a.qkv(self.attn_norm(xc), self.pos[..., i * c:(i + 1) * c])
+        pos = self.pos if pos is None else pos  # the positions of the forward this chunk belongs to
+        packed = a.qkv(self.attn_norm(xc), pos[..., i * c:(i + 1) * c])
         nq, nk = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         q = packed[..., :nq].unflatten(-1, (cfg.heads, cfg.head_dim))
         k = packed[..., nq:nq + nk].unflatten(-1, (cfg.kv_heads, cfg.head_dim))

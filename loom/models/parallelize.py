@@ -111,23 +111,29 @@ class TensorParallelLlama(Llama):
 
     tp: TPLink
 
-    def hidden_states(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """As ``Llama.hidden_states``; with sequence parallelism this rank's contiguous token slice of them."""
+    def hidden_states(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``Llama.hidden_states``; with sequence parallelism this rank's contiguous token slice of them.
+        ``doc_ids`` and ``positions`` are of the whole sequence on every tp rank, as the tokens are: attention
+        runs on the gathered sequence, and RoPE is applied after the gather."""
         p = self.tp.size
         if self.tp.sequence_parallel and tokens.shape[1] % p:
             raise ValueError(f"sequence length {tokens.shape[1]} is not divisible by the tp size {p}: sequence "
                              f"parallelism splits every sequence evenly over tp; pad it to "
                              f"{-(-tokens.shape[1] // p) * p} tokens or parallelize without sequence_parallel")
-        return super().hidden_states(tokens, doc_ids)
+        return super().hidden_states(tokens, doc_ids, positions)
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.norm(self.hidden_states(tokens, doc_ids))
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.norm(self.hidden_states(tokens, doc_ids, positions))
         return gather_from_tp_region(self.head(h), self.tp, self.cfg.vocab)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
-             doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The mean next-token cross-entropy, the same value on every tp rank (see ``Llama.loss``)."""
-        h = self.hidden_states(tokens, doc_ids)
+             doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+             count: torch.Tensor | float | None = None) -> torch.Tensor:
+        """The mean next-token cross-entropy, the same value on every tp rank (see ``Llama.loss``, whose
+        ``doc_ids``, ``positions`` and ``count`` these are)."""
+        h = self.hidden_states(tokens, doc_ids, positions)
         s = h.shape[1]  # local tokens (all of them without sequence parallelism)
         c = s // self.cfg.loss_chunks if s % self.cfg.loss_chunks == 0 else 0
         ranks = self.tp.size if self.tp.sequence_parallel else 1
@@ -141,6 +147,8 @@ class TensorParallelLlama(Llama):
 
         total = chunked_map(fn, h, self.cfg.loss_chunks, [self.head.weight, self.norm.weight], reduce="sum",
                             what="loss_chunks")
+        if count is not None:
+            return total / count
         count = (targets != ignore_index).sum(dtype=torch.float64).reshape(1)  # on the device: no host sync
         if self.sp is not None and self.sp.size > 1:  # Ulysses: a share of the whole sequence's mean
             count = self.sp.allreduce(count)

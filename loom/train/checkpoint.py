@@ -218,6 +218,9 @@ RESUMABLE: dict[str, frozenset[str]] = {
     # The checkpoint holds whole stages (tp slices and ep experts gathered), so the replicas and shards can be
     # laid out again; pp must match.
     "mesh": frozenset({"dp", "sp", "sp_ring", "ep", "tp", "schedule"}),
+    # How attention is laid out, chunked, recomputed and offloaded: the same math (a padded length differs only
+    # in pads, which no loss or real token sees), so a run out of memory under Ulysses can go on under FPDT.
+    "sequence": frozenset({"algorithm", "chunks", "offload", "recompute", "offload_checkpoints"}),
     "data": frozenset({"micro_batches"}),
     # Stage 1 saves the optimizer state unsharded and stages 2-3 reshard theirs, so the split can change on
     # resume (within 0-1 or within 2-3: the trainer checks); multi-path routing moves the same bytes by other
@@ -227,8 +230,9 @@ RESUMABLE: dict[str, frozenset[str]] = {
     # The schedule's horizon: a resumed run keeps the checkpoint's unless this sets another (the trainer says so).
     "optim": frozenset({"decay_steps"}),
 }
-"""Config keys a ``--resume`` may change: how long, how often, where, and on how many replicas.
-Every other key (the model, optimizer, data, compression, precision) must equal the checkpoint's."""
+"""Config keys a ``--resume`` may change: how long, how often, where, on how many replicas, and how the sequence
+is split and kept. Every other key (the model, optimizer, data, compression, precision) must equal the
+checkpoint's."""
 
 
 def config_changes(saved: dict[str, dict[str, Any]], current: dict[str, dict[str, Any]]) -> list[str]:

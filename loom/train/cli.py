@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import cli_args, settings
 from . import checkpoint as ckpt
-from .config import Config, ConfigError, config_to_dict, load_config
+from .config import Config, ConfigError, config_defaults, config_to_dict, load_config
 from .memory import plan
 
 __all__ = ["main", "parser", "plan", "load", "preflight", "claim"]
@@ -57,9 +57,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _defaults_epilog() -> str:
+    """The keys and the defaults they declare (not a resolved ``Config()``, whose ``mesh.sp_ring`` would read 1
+    for the default model's heads and hide the automatic choice)."""
     lines = ["config keys and defaults:"]
-    for section, values in config_to_dict(Config()).items():
+    for section, values in config_defaults().items():
         lines.append(f"  [{section}] " + ", ".join(f"{k}={v!r}" for k, v in values.items()))
+    lines.append("  (chosen when the run is laid out: mesh.sp_ring=0 from the heads, optim.decay_steps=0 is "
+                 "train.steps, checkpoint.dir='' is <train.out>/checkpoints)")
     return "\n".join(lines)
 
 

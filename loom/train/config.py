@@ -40,6 +40,7 @@ __all__ = [
     "parse_overrides",
     "config_to_dict",
     "config_from_dict",
+    "config_defaults",
 ]
 
 
@@ -168,7 +169,8 @@ class SequenceConfig:
     chunks: int = 1
     """FPDT: chunks each rank's sequence slice is processed in (1 = plain Ulysses)."""
     offload: bool = False
-    """FPDT: keep inactive key/value chunks (and recomputed block inputs) in host memory."""
+    """FPDT: keep inactive key/value chunks (and recomputed block inputs) in host memory (Ulysses keeps no chunk
+    store: it is refused there; its block checkpoints go to the host with ``offload_checkpoints``)."""
     recompute: bool = False
     """Recompute each block in backward, keeping only its input (loom.models.llama ``checkpoint``)."""
     offload_checkpoints: bool = False
@@ -183,6 +185,10 @@ class SequenceConfig:
         _need(isinstance(self.chunks, int) and self.chunks >= 1, f"sequence.chunks = {self.chunks!r} must be >= 1")
         _need(self.chunks == 1 or self.algorithm == "fpdt",
               f"sequence.chunks = {self.chunks} needs sequence.algorithm = 'fpdt' (Ulysses does not chunk)")
+        _need(not self.offload or self.algorithm == "fpdt",
+              "sequence.offload = true needs sequence.algorithm = 'fpdt': what it puts in host memory is FPDT's "
+              "chunk store, which Ulysses does not keep; set --sequence.algorithm=fpdt, or to keep Ulysses' block "
+              "checkpoints in host memory --sequence.recompute=true --sequence.offload_checkpoints=true")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -259,7 +265,8 @@ class DataConfig:
     pack: bool = False
     """Packed documents: each file is a document; every sequence starts at a document and runs on through the
     next ones, positions restart at each, attention stays inside each, and the loss is the mean over the real
-    targets (none predicts across a boundary) of the whole batch (loom's Llama, without ``mesh.pp``/``mesh.tp``)."""
+    targets (none predicts across a boundary) of the whole batch (loom's Llama on every mesh; a transformers model
+    without ``mesh.pp``)."""
 
     def __post_init__(self) -> None:
         _at_least(self, "data", seq_len=2, batch=1, micro_batches=1)
@@ -431,17 +438,12 @@ class Config:
               f"per-replica batch {per_dp} (data.batch / mesh.dp) is not divisible by data.micro_batches = "
               f"{d.micro_batches}; change one of them")
         self._check_ring()
-        if self.padded_seq_len != d.seq_len and (mesh.pp > 1 or mesh.tp > 1 or m.hf or m.hf_config):
-            ring, need = mesh.sp_ring, self.padded_seq_len
-            raise ConfigError(
-                f"data.seq_len = {d.seq_len} is not divisible by mesh.sp = {mesh.sp} x sequence.chunks = "
-                f"{s.chunks}; use data.seq_len = {need} or change mesh.sp / sequence.chunks" if ring == 1 else
-                f"data.seq_len = {d.seq_len} is not divisible by mesh.sp = {mesh.sp} x sequence.chunks = "
-                f"{s.chunks} and by 2 x mesh.sp_ring = {2 * ring} (the ring's zig-zag layout); use data.seq_len = "
-                f"{need}")
-        _need(not d.pack or mesh.pp == mesh.tp == 1 and not (m.hf or m.hf_config),
-              f"data.pack = true with mesh.pp = {mesh.pp}, mesh.tp = {mesh.tp}, model.hf = {m.hf or m.hf_config!r}: "
-              f"packed documents run on loom's Llama without a pipeline or tp so far; set those to 1 / empty")
+        self._check_padding()
+        _need(not d.pack or mesh.pp == 1 or not (m.hf or m.hf_config),
+              f"data.pack = true with a transformers model (model.hf) and mesh.pp = {mesh.pp}: its pipeline layers "
+              f"read one position layout for every micro-batch (loom.integrations.transformers.PositionHolder), "
+              f"not each micro-batch's documents; set mesh.pp = 1 (packing runs under sp, Ulysses, FPDT and the "
+              f"ring, and dp)")
         _need(not s.offload_checkpoints or mesh.pp == 1,
               f"sequence.offload_checkpoints with mesh.pp = {mesh.pp}: pipeline stages do not recompute their "
               f"blocks, so there is no checkpoint to offload; set mesh.pp = 1 or offload_checkpoints = false")
@@ -456,6 +458,25 @@ class Config:
             _need(m.ffn == "moe", f"mesh.ep = {mesh.ep} needs model.ffn = 'moe' (got {m.ffn!r})")
             _need(m.experts % mesh.ep == 0,
                   f"model.experts = {m.experts} is not divisible by mesh.ep = {mesh.ep}")
+
+    def _check_padding(self) -> None:
+        """A length the layout does not split is padded only for loom's own Llama outside a pipeline and tp;
+        elsewhere it is refused, saying why: a transformers model is not padded (its loss divides by every
+        position of the sequence, so a pad would count as a target), a pipeline's loss is the mean over each
+        micro-batch's positions, and tp's vocabulary-parallel loss likewise."""
+        m, d, s, mesh = self.model, self.data, self.sequence, self.mesh
+        if self.padded_seq_len == d.seq_len or not (mesh.pp > 1 or mesh.tp > 1 or m.hf or m.hf_config):
+            return
+        ring, need = mesh.sp_ring, self.padded_seq_len
+        rule = (f"mesh.sp = {mesh.sp} x sequence.chunks = {s.chunks}" if ring == 1 else
+                f"mesh.sp = {mesh.sp} x sequence.chunks = {s.chunks} and by 2 x mesh.sp_ring = {2 * ring} (the "
+                f"ring's zig-zag layout)")
+        why = ("transformers models are not padded (their loss divides by every position of the sequence, so "
+               "pads would count as targets)" if m.hf or m.hf_config else
+               f"loom pads sequences only without a pipeline or tp (under mesh.pp = {mesh.pp}, mesh.tp = {mesh.tp} "
+               f"the loss is the mean over every position, pads included)")
+        raise ConfigError(f"data.seq_len = {d.seq_len} is not divisible by {rule}: {why}; use data.seq_len = "
+                          f"{need} or change mesh.sp / sequence.chunks")
 
     @property
     def padded_seq_len(self) -> int:
@@ -512,6 +533,9 @@ class Config:
         _need(not (m.hf or m.hf_config), f"mesh.tp = {tp} with a transformers model (model.hf): tensor "
                                          f"parallelism splits loom's Llama only; use mesh.tp = 1")
         _need(m.ffn != "moe", f"mesh.tp = {tp} with model.ffn = 'moe' is not implemented; use 'swiglu' or 'gelu'")
+        _need(self.sequence.algorithm == "ulysses",
+              f"mesh.tp = {tp} with sequence.algorithm = 'fpdt': FPDT under tensor parallelism is not implemented; "
+              f"use sequence.algorithm = 'ulysses' (or mesh.tp = 1)")
         kv = m.kv_heads or m.heads
         for what, n in (("model.heads", m.heads), ("model.kv_heads", kv)):
             _need(n % tp == 0, f"{what} = {n} is not divisible by mesh.tp = {tp}: each tp rank holds whole query "
@@ -524,9 +548,9 @@ class Config:
               f"mesh.tp_sequence_parallel: the tokens are split evenly over tp; use data.seq_len = "
               f"{-(-self.data.seq_len // tp) * tp}")
         if mesh.sp > 1:
-            _need(self.sequence.algorithm == "ulysses" and not mesh.tp_sequence_parallel,
-                  f"mesh.tp = {tp} with mesh.sp = {mesh.sp} works with sequence.algorithm = 'ulysses' and without "
-                  f"mesh.tp_sequence_parallel; set those (FPDT and Megatron-SP under Ulysses are not implemented)")
+            _need(not mesh.tp_sequence_parallel,
+                  f"mesh.tp = {tp} with mesh.sp = {mesh.sp} works without mesh.tp_sequence_parallel (Megatron-SP "
+                  f"under Ulysses is not implemented); set it to false")
             _need((m.heads // tp) % mesh.sp == 0,
                   f"model.heads / mesh.tp = {m.heads} / {tp} is not divisible by mesh.sp = {mesh.sp}: Ulysses splits "
                   f"each tp rank's heads over sp; choose mesh.tp x mesh.sp dividing {m.heads}")
@@ -579,6 +603,17 @@ def config_from_dict(data: dict[str, Any], world_size: int | None = None) -> Con
     if world_size is not None:
         sections.get("mesh", MeshConfig()).validate_world(world_size)
     return Config(**sections)
+
+
+def config_defaults() -> dict[str, dict[str, Any]]:
+    """Every key of every section with the default it declares: what a key left out takes, before the rules
+    across sections resolve it (``mesh.sp_ring = 0`` stays 0, chosen from the heads when a run is laid out;
+    ``Config()`` would show the value it resolves to for the default model)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, cls in _SECTIONS.items():
+        out[name] = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                     for f in dataclasses.fields(cls)}
+    return out
 
 
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

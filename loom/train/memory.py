@@ -46,9 +46,10 @@ The prediction follows what the code keeps alive, term by term, for the most loa
     (``mesh.tp_sequence_parallel``, whose column-parallel layers gather their input again in backward
     instead of saving it) divide by ``T`` too (``loom bench memory`` has ``tp=2`` configurations).
 
-Peak = ``W + O + max(activations at the start of backward + the head's gradient, G + gradient-sync
-buckets, G + the optimizer's per-parameter temporaries)``: gradients grow while saved activations shrink,
-so the two never peak together. ``loom bench memory`` compares this with the measured peak (the CPU
+Peak = ``W + O + ids + max(activations at the start of backward + the head's gradient, G + gradient-sync
+buckets, G + the optimizer's per-parameter temporaries)``, ``ids`` the batch's int64 token ids, targets and
+positions (and packed documents' ids): gradients grow while saved activations shrink, so the two never peak
+together. ``loom bench memory`` compares this with the measured peak (the CPU
 live-storage tracker of ``loom bench seqlen``).
 """
 
@@ -183,7 +184,7 @@ def _block(cfg: Config, d: dict[str, int]) -> tuple[int, int, int, int]:
         plain = e * t * (whole + (5 * h + 2 * kv + _ffn_saved(cfg, d)) // tp)
         work = e * t * (3 * h + 2 * d["F"] // tp)
     s = cfg.sequence
-    fpdt = s.algorithm == "fpdt" and cfg.mesh.sp > 1
+    fpdt = s.algorithm == "fpdt"  # at any sp: loom train runs FPDT on one rank too
     if fpdt:
         u = s.chunks
         chunk = e * (t // u) * (12 * h + 4 * kv + 4 * d["F"] // max(1, u)) + _kernel_work(cfg, d)
@@ -214,11 +215,21 @@ def _loss(cfg: Config, d: dict[str, int], last: bool) -> tuple[int, int]:
     e, t, h, V = d["e"], d["t"], d["h"], d["V"]
     V = -(-V // getattr(cfg.mesh, "tp", 1))  # vocabulary-split logits under tp
     f = 8 if e == 8 else 4  # the loss accumulates in fp32 (fp64 for fp64 models)
-    fpdt = cfg.sequence.algorithm == "fpdt" and cfg.mesh.sp > 1
+    fpdt = cfg.sequence.algorithm == "fpdt"
     chunks = 1 if cfg.mesh.pp > 1 else (cfg.sequence.chunks if fpdt else 1)
     if chunks == 1:
         return e * t * 3 * h + f * t * V, 2 * f * t * V
     return e * t * h, (3 * f * t * V + 3 * e * t * h) // chunks + e * t * h
+
+
+def _batch_ids(cfg: Config) -> int:
+    """Bytes of this rank's integer inputs, held through the step: token ids and targets (int64) of its rows,
+    the positions of its tokens (one row; per row with packed documents, with their document ids): 24 bytes a
+    token on one row, a tenth of FPDT's device bytes per token at hidden 16 (``loom bench seqlen --ring``)."""
+    mesh, d = cfg.mesh, cfg.data
+    rows, s = d.batch // (mesh.dp * mesh.ep), cfg.padded_seq_len // mesh.sp
+    packed = getattr(d, "pack", False)
+    return 8 * (rows * s * (4 if packed else 2) + (0 if packed else s))
 
 
 def _in_flight(cfg: Config, stage: int) -> int:
@@ -275,14 +286,15 @@ def estimate(cfg: Config, zero: tuple[int, tuple[str, ...]] | None = None) -> li
         head_grad = e * units[-1] if last else 0
         # Backward of the loss (every block's activations still saved), of the last block (the loss's freed),
         # of the first block (every later gradient made): saved activations shrink as gradients grow.
-        start_bwd = max(acts + head_grad + max(flight * loss_saved + loss_work, (flight - 1) * loss_saved + work),
-                        g + first)
+        ids = _batch_ids(cfg)  # alive through the whole step
+        start_bwd = ids + max(acts + head_grad + max(flight * loss_saved + loss_work,
+                                                     (flight - 1) * loss_saved + work), g + first)
         bucket = min(int(cfg.compress.bucket_mb * 2**20), g)
         sync = g + 2 * bucket
         if zstage == 1 and cfg.compress.policy == "none":  # also under tp and pp (Trainer._zero1_rs)
             sync = g + e * n + e * n // z  # the flat gradient reduce-scattered, and this rank's block of it
         step = g + 3 * e * max(units[lo:hi])
-        total = w + o + zbuf + max(start_bwd, sync, step)
+        total = w + o + zbuf + max(start_bwd, ids + sync, ids + step)
         out.append(Estimate(stage=s, units=(lo, hi), weights=w, grads=g, optimizer=o, zero_buffers=zbuf,
                             activations=start_bwd, host=flight * blocks * host, total=total,
                             detail={"blocks": blocks, "in_flight": flight, "tokens": d["t"], "zero": (zstage, z)}))
@@ -458,7 +470,7 @@ def plan(cfg: Config, world_size: int | None = None) -> str:
         + f" -> {cfg.padded_seq_len // mesh.sp:,} tokens per sp rank, "
         f"chunks {seq.chunks}, offload {seq.offload}, recompute {seq.recompute}"
         + (", checkpoints on host" if getattr(seq, "offload_checkpoints", False) else "")
-        + (f", attention kernel {attention_kernel(cfg)}" if seq.algorithm == "fpdt" and mesh.sp > 1 else ""),
+        + (f", attention kernel {attention_kernel(cfg)}" if seq.algorithm == "fpdt" else ""),
         f"  batch      {d.batch} sequences/step global, {d.batch // (mesh.dp * mesh.ep)} per dp replica, "
         f"{d.batch * d.seq_len:,} tokens/step",
         *memory_lines(cfg),

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.testing import mpi_checks, seeded
+from tests.jobs import SharedDir, tiny_hf_llama, train_config, uneven_documents
 
 TOL = 1e-10
 SEQ = 24  # divisible by sp x chunks for sp in (1, 2, 4) and chunks in (1, 3)
@@ -227,6 +228,61 @@ def check_dp_x_sp_adamw(comm):
 
         _steps(comm, model, ref, hp, shard, sp.loss_fn, after=after,
                what=f"dp={hp.replicas} x sp={sp_size} {mode}")
+
+
+# loom train, packed documents of uneven lengths on a transformers Llama (heads/kv heads in "model"): Ulysses, FPDT
+# (offload) and dp; past the heads Ulysses x ring and FPDT x ring (1 query head at sp 2: ring 2; 2 heads at sp 4:
+# Ulysses 2 x ring 2, FPDT chunks 3 x ring 2 with a chunk cut at the zig-zag boundary; 1 head: FPDT x ring 4).
+HF_PACKED = {
+    2: [{"mesh": {"sp": 2}},
+        {"mesh": {"sp": 2}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}},
+        {"mesh": {"dp": 2}},
+        {"model": (1, 1), "mesh": {"sp": 2}, "sequence": {"algorithm": "fpdt", "chunks": 2}}],
+    4: [{"mesh": {"sp": 4}, "sequence": {"algorithm": "fpdt", "chunks": 2}},
+        {"mesh": {"dp": 2, "sp": 2}},
+        {"model": (2, 1), "mesh": {"sp": 4}},
+        {"model": (2, 1), "mesh": {"sp": 4}, "sequence": {"algorithm": "fpdt", "chunks": 3, "offload": True}},
+        {"model": (1, 1), "mesh": {"sp": 4}, "sequence": {"algorithm": "fpdt", "chunks": 2}}],
+}
+_DIR = SharedDir("loom-hf-train-")
+
+
+def check_train_packed_matches_one_rank(comm):
+    """``loom train --data.pack=true`` on a transformers Llama: losses, held-out losses and every parameter after
+    two AdamW steps equal the one-rank run (transformers' own sdpa, its documents found where the position ids
+    restart; that run equals each document alone: tests/unit/test_packing.py), 1e-9 in fp64."""
+    import math
+
+    from loom.train.trainer import Trainer
+
+    if comm.size not in HF_PACKED:
+        return
+    docs = _DIR.path(comm, "docs")
+    data = comm.bcast_object(uneven_documents(docs) if comm.rank == 0 else None)
+    base = {"data": {**data, "seq_len": 48, "batch": 4},
+            "train": {"steps": 2, "dtype": "float64", "eval_every": 2, "eval_batches": 1, "progress": "none",
+                      "plots": False}, "optim": {"warmup": 1, "lr": 1e-2}, "checkpoint": {"every": 0}}
+    for k, extra in enumerate(HF_PACKED.get(comm.size, [])):
+        heads, kv = extra.get("model", (4, 2))
+        hf = tiny_hf_llama(comm, _DIR.path(comm, f"llama{heads}-{kv}.json"), heads=heads, kv_heads=kv)
+        run = {**extra, "model": {"hf_config": hf}}
+        solo = comm.split(comm.rank, 0, name="solo")
+        ref = Trainer(train_config(base, {"model": run["model"]}), solo, out=_DIR.path(comm, f"ref{k}-{comm.rank}"),
+                      quiet=True)
+        want = ref.run()
+        tr = Trainer(train_config(base, run), comm, out=_DIR.path(comm, f"mesh{k}"), quiet=True)
+        got = tr.run()
+        for r, q in zip(got, want, strict=True):
+            for key in ("loss", "eval_loss"):
+                if q[key] is not None:
+                    assert math.isclose(r[key], q[key], rel_tol=1e-9, abs_tol=1e-9), (extra, key, r[key], q[key])
+        named = dict(ref.model.named_parameters())
+        for n, p in tr.model.named_parameters():
+            err = float((p.detach() - named[n].detach()).abs().max())
+            assert err < 1e-9, (extra, n, err)
+        ring = tr.cfg.mesh.sp_ring
+        assert ring == (1 if heads >= tr.cfg.mesh.sp else tr.cfg.mesh.sp // heads), (extra, ring)
+    _DIR.remove(comm)
 
 
 if __name__ == "__main__":

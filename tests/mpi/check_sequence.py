@@ -478,7 +478,8 @@ def check_fpdt_ring_memory_linear(comm):
     x Ulysses 2 at 4): peak per rank (max over ranks) grows by the same amount per token from S to 2S and 2S
     to 4S (within 10 %), and at 2S it is at most FPDT's at S on P / 2 ranks x 2 replicas (+1 %): the ring
     halves each rank's share and adds no sequence-sized term. A small vocabulary, so that the attention
-    backward, not the LM head, sets the peak."""
+    backward, not the LM head, sets the peak; then one head at 32 chunks a rank and ring P, where the forward
+    would."""
     if comm.size % 2:
         return
     from loom.bench import seqlen
@@ -492,6 +493,15 @@ def check_fpdt_ring_memory_linear(comm):
     assert abs(d2 / 2 - d1) <= 0.1 * d1, peaks
     fpdt = run.step(seqlen.STEPS[-1], s)["peak"]
     assert peaks[1] <= 1.01 * fpdt, (peaks, fpdt)
+    # One query head of 16 dimensions, 32 attention chunks per rank, FPDT x ring P against FPDT on one rank at
+    # 1/P of the length: the forward's (out, log-sum-exp) accumulators set the peak if the ring holds every q
+    # chunk's (+12 % at 2 ranks: 1.54x FPDT's longest instead of 2x in `loom bench seqlen --ring 2`).
+    p = comm.size
+    args = seqlen.parser().parse_args(["--ring", str(p), "--layers", "1", "--hidden", "16", "--heads", "1",
+                                       "--kv-heads", "1", "--vocab", "64", "--chunk", "32", "--attn-chunk", "32"])
+    run = seqlen._Runner(args, comm)
+    ring, fpdt = run.step(seqlen.ring_step(p), 1024 * p)["peak"], run.step(seqlen.STEPS[-1], 1024)["peak"]
+    assert ring <= 1.01 * fpdt, (ring, fpdt)
 
 
 if __name__ == "__main__":

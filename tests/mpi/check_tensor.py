@@ -36,7 +36,7 @@ from loom.parallel.tensor import (
     vocab_parallel_cross_entropy,
 )
 from loom.testing import mpi_checks, seeded
-from tests.jobs import SharedDir, train_config
+from tests.jobs import SharedDir, train_config, uneven_documents
 
 TOL = 1e-9
 B, S = 2, 12  # S divides by tp = 1-4 (sequence parallelism splits it)
@@ -446,6 +446,54 @@ def check_train_tp_matches_one_rank(comm):
             assert err < 1e-9, (extra, n, err)
     if dp_bytes:
         assert abs(dp_bytes[1] - dp_bytes[0]) <= 0.02 * dp_bytes[0], dp_bytes
+
+
+def _packed_meshes(p: int) -> list[dict]:
+    kv = {"model": {"kv_heads": 2}}
+    if p == 2:
+        return [{**kv, "mesh": {"tp": 2}}, {**kv, "mesh": {"tp": 2, "tp_sequence_parallel": True}}]
+    if p == 3:
+        return [{"mesh": {"tp": 3, "tp_sequence_parallel": True}}]
+    if p == 4:
+        return [{**kv, "mesh": {"dp": 2, "tp": 2}},
+                {"mesh": {"sp": 2, "tp": 2}, "model": {"heads": 4, "kv_heads": 2}},
+                {**kv, "mesh": {"pp": 2, "tp": 2}, "data": {"micro_batches": 2}},
+                {**kv, "mesh": {"pp": 2, "tp": 2, "tp_sequence_parallel": True}, "data": {"micro_batches": 2},
+                 "mesh_schedule": "gpipe"}]
+    return []
+
+
+def check_train_tp_packed_matches_one_rank(comm):
+    """Packed documents (``data.pack``, uneven documents: rows and micro-batches of different real-target counts)
+    under tp (with Megatron-SP, whose attention and RoPE see the gathered sequence's document ids and
+    positions; dp x tp; Ulysses sp x tp; pp x tp, 1F1B and GPipe with Megatron-SP): losses, eval losses,
+    gradient norms and every parameter equal the one-rank run (fp64, 1e-9)."""
+    import math
+
+    from loom.train.trainer import Trainer
+
+    meshes = _packed_meshes(comm.size)
+    if not meshes:
+        return
+    docs = _tmp(comm, "docs")
+    data = comm.bcast_object(uneven_documents(docs) if comm.rank == 0 else None)
+    base = {**TRAIN, "data": {**data, "seq_len": 36, "batch": 4}, "train": {**TRAIN["train"], "steps": 2}}
+    for k, extra in enumerate(meshes):
+        solo = comm.split(comm.rank, 0, name="solo")
+        keep = {key: v for key, v in extra.items() if key not in ("mesh", "mesh_schedule")}
+        ref = Trainer(train_config(base, keep), solo, out=_tmp(comm, f"pref{k}-{comm.rank}"), quiet=True)
+        want = ref.run()
+        tr = Trainer(train_config(base, extra), comm, out=_tmp(comm, f"ptp{k}"), quiet=True)
+        got = tr.run()
+        for r, q in zip(got, want, strict=True):
+            for key in ("loss", "eval_loss", "grad_norm"):
+                if q[key] is not None:
+                    assert math.isclose(r[key], q[key], rel_tol=1e-9, abs_tol=1e-9), (extra, key, r[key], q[key])
+        named, mine = dict(ref.model.named_parameters()), dict(tr.model.named_parameters())
+        assert tr.param_names, "this rank trains no parameters"
+        for n in tr.param_names:  # under a pipeline: this rank's stage
+            err = float((mine[n].detach() - tr._my_shard(n, named[n].detach())).abs().max())
+            assert err < 1e-9, (extra, n, err)
 
 
 def check_train_tp_resume_is_bit_exact(comm):

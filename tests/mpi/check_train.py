@@ -108,10 +108,14 @@ def _matches_one_rank(comm, extra: dict, base: dict = BASE):
 
 
 # Packed documents of uneven lengths (tests/jobs.py uneven_documents): Ulysses and FPDT at sp = 2 and 4, Ulysses x
-# ring and FPDT x ring at sp = 4, dp (replicas whose real-target counts differ; also under ZeRO-3), and checkpoints
-# on the host under Ulysses and FPDT.
+# ring and FPDT x ring at sp = 4, dp (replicas whose real-target counts differ; also under ZeRO-3), ep (MoE ranks
+# that take different rows, like dp: the count is divided by dp x ep), pipelines (micro-batches whose real-target
+# counts differ; with sp under FPDT, dp under GPipe, MoE over ep), and checkpoints on the host under Ulysses and
+# FPDT. Tensor parallelism: check_train_tp_packed_matches_one_rank in tests/mpi/check_tensor.py.
 PACKED = {
     2: [{"mesh": {"sp": 2}},
+        {**MOE, "mesh": {"ep": 2}},
+        {"mesh": {"pp": 2}, "data": {"micro_batches": 2}},
         {"mesh": {"sp": 2}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}},
         {"mesh": {"dp": 2}},
         {"mesh": {"dp": 2}, "zero": {"stage": 3}},
@@ -120,6 +124,11 @@ PACKED = {
         {"mesh": {"sp": 4}, "sequence": {"algorithm": "fpdt", "chunks": 2}},
         {"mesh": {"dp": 2, "sp": 2},
          "sequence": {"algorithm": "fpdt", "chunks": 2, "recompute": True, "offload_checkpoints": True}},
+        {**MOE, "mesh": {"dp": 2, "ep": 2}},
+        {**MOE, "mesh": {"ep": 2, "sp": 2}, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}},
+        {"mesh": {"pp": 2, "sp": 2}, "data": {"micro_batches": 2}, "sequence": {"algorithm": "fpdt", "chunks": 2}},
+        {"mesh": {"dp": 2, "pp": 2}, "data": {"micro_batches": 2}, "mesh_schedule": "gpipe"},
+        {**MOE, "mesh": {"pp": 2, "ep": 2}, "data": {"micro_batches": 2}},
         # Ulysses 2 x ring 2 (2 heads) on an odd length: the pads are a document of their own
         {"model": {"heads": 2, "kv_heads": 1}, "mesh": {"sp": 4}, "data": {"seq_len": 29}},
         # FPDT x ring: chunks 3 inside each Ulysses group of 2 (a chunk split at the zig-zag boundary), offload,
@@ -218,6 +227,36 @@ def check_resume_equals_uninterrupted(comm):
     if comm.size == 4:
         _resume_case(comm, {"mesh": {"pp": 2, "dp": 2}, "data": {"micro_batches": 2}}, "pp-dp")
         _resume_case(comm, {**MOE, "mesh": {"pp": 2, "ep": 2}, "data": {"micro_batches": 2}}, "pp-ep")
+
+
+def check_resume_under_other_sequence_settings(comm):
+    """A Ulysses run stopped after step 4 (checkpoint at 3) and resumed under FPDT (chunks 2, offload, block
+    checkpoints on the host; at 4 ranks from Ulysses 2 x ring 2 to FPDT x ring 4, 2 heads) equals the
+    uninterrupted Ulysses run: losses and parameters to 1e-9 (fp64)."""
+    heads = {"model": {"heads": 2, "kv_heads": 1}} if comm.size == 4 else {}
+    uly = {**heads, "mesh": {"sp": comm.size}, "train": {**BASE["train"], "steps": 6, "eval_every": 3}}
+    full = Trainer(_cfg(BASE, uly), comm, out=_tmp(comm, "seq-full"), quiet=True)
+    want = full.run()
+    cut = {**uly, "checkpoint": {"every": 3, "keep": 1}}
+    first = Trainer(_cfg(BASE, cut), comm, out=_tmp(comm, "seq-cut"), quiet=True)
+    first.run(until=4)
+    del first
+    fpdt = {**cut, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True, "recompute": True,
+                                "offload_checkpoints": True}}
+    if comm.size == 4:
+        fpdt["mesh"] = {"sp": 4, "sp_ring": 4}
+    again = Trainer(_cfg(BASE, fpdt), comm, resume=True, out=_tmp(comm, "seq-cut"), quiet=True)
+    assert again.start_step == 3 and again.model.cfg.sequence_parallel == "fpdt", again.start_step
+    rest = again.run()
+    assert [r["step"] for r in rest] == [4, 5, 6] and all(r["offload_bytes"] > 0 for r in rest), rest
+    for r, w in zip(rest, want[3:]):
+        assert _close(r["loss"], w["loss"], 1e-9), (r["step"], r["loss"], w["loss"])
+        if w["eval_loss"] is not None:
+            assert _close(r["eval_loss"], w["eval_loss"], 1e-9), (r["step"], r["eval_loss"], w["eval_loss"])
+    want_params = _params(full)
+    for name, t in _params(again).items():
+        err = float((t - want_params[name]).abs().max())
+        assert err < 1e-9, (name, err)
 
 
 def check_resume_equals_uninterrupted_compressed(comm):

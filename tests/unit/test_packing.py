@@ -70,6 +70,57 @@ def test_packed_loss_is_the_mean_over_each_documents_own_targets(tmp_path, seque
             assert float((g - w).abs().max()) <= TOL
 
 
+def _per_document_hf_loss(model, x, y, doc):
+    """:func:`_per_document_loss` for a transformers model: each document alone, positions from 0, no mask."""
+    total, count = 0.0, 0
+    for b in range(x.shape[0]):
+        for d in doc[b].unique():
+            sel = doc[b] == d
+            xs, ys = x[b, sel][None], y[b, sel][None]
+            n = int((ys != IGNORE).sum())
+            if n:
+                logits = model(input_ids=xs, use_cache=False).logits
+                total = total + torch.nn.functional.cross_entropy(logits[0], ys[0], ignore_index=IGNORE,
+                                                                  reduction="sum")
+                count += n
+    return total / count
+
+
+@pytest.mark.parametrize("sequence", [{}, {"algorithm": "fpdt", "chunks": 2, "offload": True}])
+def test_packed_transformers_loss_is_the_mean_over_each_documents_own_targets(tmp_path, sequence):
+    """A transformers Llama on one rank: transformers' own sdpa (documents found where the position ids
+    restart), and FPDT on a one-rank group (loom's attention handed the document ids), each equal to every
+    document run alone (loss and gradients, fp64)."""
+    pytest.importorskip("transformers")
+    from tests.jobs import tiny_hf_llama
+
+    hf = tiny_hf_llama(None, str(tmp_path / "llama.json"))
+    tr = Trainer(_cfg(tmp_path, model={"hf_config": hf}, sequence=sequence), out=tmp_path / "run", quiet=True)
+    got = []
+    for step in range(2):
+        x, y, packed = tr.local_batch(tr.corpus.train, step)
+        assert int(packed.doc_ids[:, -1].max()) > 0, "rows hold several documents"
+        loss = tr.tm.loss(x, y, packed)
+        got.append((x, y, packed, loss, torch.autograd.grad(loss, list(tr.model.parameters()))))
+    if tr.tm.sp is not None:  # the documents alone run as transformers runs them (its sdpa, whole MLPs)
+        tr.tm.sp.remove("sdpa")
+    for step, (x, y, packed, loss, grads) in enumerate(got):
+        want = _per_document_hf_loss(tr.model, x, y, packed.doc_ids)
+        wgrads = torch.autograd.grad(want, list(tr.model.parameters()))
+        assert abs(loss.item() - want.item()) <= TOL, (step, loss.item(), want.item())
+        for g, w in zip(grads, wgrads):
+            assert float((g - w).abs().max()) <= TOL
+
+
+def test_pack_of_a_transformers_model_under_a_pipeline_is_refused_saying_why(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.jobs import tiny_hf_llama
+
+    hf = tiny_hf_llama(None, str(tmp_path / "llama.json"))
+    with pytest.raises(ConfigError, match="data.pack = true with a transformers model .* mesh.pp = 2: its pipeline"):
+        config_from_dict({"model": {"hf_config": hf}, "data": {"pack": True, "micro_batches": 2}, "mesh": {"pp": 2}})
+
+
 def test_pack_and_checkpoint_offload_are_validated():
     # packed documents run under every sequence-parallel plan, FPDT x ring included (exact against one rank:
     # check_packed_documents_match_one_rank in tests/mpi/check_train.py)
@@ -78,8 +129,8 @@ def test_pack_and_checkpoint_offload_are_validated():
     assert cfg.data.pack and cfg.mesh.sp_ring == 2 and cfg.sequence.algorithm == "fpdt"
     with pytest.raises(ConfigError, match="needs sequence.recompute = true"):
         config_from_dict({"sequence": {"offload_checkpoints": True}})
-    with pytest.raises(ConfigError, match="data.pack = true with mesh.pp = 2"):
-        config_from_dict({"data": {"pack": True, "micro_batches": 2}, "mesh": {"pp": 2}})
+    # and under a pipeline and tp (check_train.py, check_tensor.py)
+    assert config_from_dict({"data": {"pack": True, "micro_batches": 2}, "mesh": {"pp": 2, "tp": 2}}).data.pack
     with pytest.raises(ConfigError, match="offload_checkpoints with mesh.pp = 2"):
         config_from_dict({"sequence": {"recompute": True, "offload_checkpoints": True}, "mesh": {"pp": 2},
                           "data": {"micro_batches": 2}})

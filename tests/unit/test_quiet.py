@@ -55,7 +55,8 @@ def test_the_demo_sample_is_what_its_printed_command_prints(tmp_path, monkeypatc
     small = ["--model.layers=1", "--model.hidden=16", "--model.heads=2", "--model.kv_heads=1", "--data.seq_len=16",
              "--data.batch=2", "--data.max_bytes=20000", "--train.steps=2", "--train.eval_every=0",
              "--train.progress=none", "--train.plots=false", "--mesh.dp=1", "--mesh.sp=1",
-             "--sequence.algorithm=ulysses", "--sequence.chunks=1", "--compress.policy=none", f"--train.out={tmp_path}"]
+             "--sequence.algorithm=ulysses", "--sequence.chunks=1", "--sequence.offload=false",
+             "--compress.policy=none", f"--train.out={tmp_path}"]
     assert train_cli.main(["--config", str(tour.demo_config()), *small]) == 0
     capsys.readouterr()
     tour._sample(small)

@@ -19,8 +19,8 @@ from loom.train.trainer import lr_at, sp_layout
 def test_overrides_parse_types_and_apply(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text("[train]\nsteps = 7\n[model]\nhidden = 48\nheads = 4\n")
-    cfg = load_config(p, ["--train.steps=9", "--optim.lr", "1e-3", "--sequence.offload=true",
-                          "--data.path=some/dir", "--mesh.dp=1"])
+    cfg = load_config(p, ["--train.steps=9", "--optim.lr", "1e-3", "--sequence.algorithm=fpdt",
+                          "--sequence.offload=true", "--data.path=some/dir", "--mesh.dp=1"])
     assert cfg.train.steps == 9 and cfg.model.hidden == 48
     assert cfg.optim.lr == 1e-3 and cfg.sequence.offload is True and cfg.data.path == "some/dir"
     assert parse_overrides(["--train.out=runs/x"]) == {"train": {"out": "runs/x"}}
@@ -41,6 +41,9 @@ def test_overrides_parse_types_and_apply(tmp_path):
     ({"mesh": {"sp": 4, "sp_ring": 2, "pp": 2}}, ["composes with dp and ZeRO only"]),
     ({"data": {"batch": 3}, "mesh": {"dp": 2}}, ["data.batch = 3 is not divisible by mesh.dp = 2"]),
     ({"sequence": {"chunks": 2}}, ["needs sequence.algorithm = 'fpdt'"]),
+    ({"sequence": {"offload": True}, "mesh": {"sp": 2}}, ["sequence.offload = true needs sequence.algorithm = 'fpdt'",
+                                                          "--sequence.offload_checkpoints=true"]),
+    ({"sequence": {"algorithm": "fpdt"}, "mesh": {"tp": 2}}, ["mesh.tp = 2 with sequence.algorithm = 'fpdt'"]),
     ({"mesh": {"ep": 2}}, ["mesh.ep = 2 needs model.ffn = 'moe'"]),
     ({"mesh": {"ep": 2}, "model": {"ffn": "moe", "experts": 3, "top_k": 1}}, ["experts = 3 is not divisible"]),
     ({"data": {"seq_len": 30}, "mesh": {"sp": 4, "pp": 2}}, ["data.seq_len = 30", "use data.seq_len = 32"]),
@@ -75,6 +78,80 @@ def test_any_length_is_padded_to_the_layout():
                              "data": {"seq_len": 31}}).padded_seq_len == 36
     assert config_from_dict({"mesh": {"sp": 8}, "sequence": {"algorithm": "fpdt", "chunks": 3},
                              "data": {"seq_len": 31}}).padded_seq_len == 48  # lcm(8 x 3, 2 x 2)
+
+
+def test_help_shows_every_declared_default():
+    """``loom train --help`` lists every key with the default its section declares (a resolved ``Config()``
+    shows mesh.sp_ring = 1 for the default heads, hiding the automatic 0)."""
+    import dataclasses
+
+    from loom.train.cli import parser
+    from loom.train.config import _SECTIONS
+
+    text = parser().format_help()
+    lines = {ln.split("] ", 1)[0].strip() + "]": ln.split("] ", 1)[1] for ln in text.splitlines()
+             if ln.strip().startswith("[") and "] " in ln}
+    for name, cls in _SECTIONS.items():
+        shown = dict(kv.split("=", 1) for kv in _split_top(lines[f"[{name}]"]))
+        for f in dataclasses.fields(cls):
+            want = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            assert shown.get(f.name) == repr(want), (name, f.name, shown.get(f.name), want)
+    assert "sp_ring=0" in text
+
+
+def _split_top(text: str) -> list[str]:
+    """``a=1, b=['x', 'y']`` -> ``["a=1", "b=['x', 'y']"]``: commas inside brackets or quotes kept."""
+    out, depth, quote, cur = [], 0, "", ""
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+            continue
+        cur += ch
+    return out + [cur.strip()] if cur.strip() else out
+
+
+def test_odd_length_of_a_transformers_model_is_refused_saying_why(tmp_path):
+    pytest.importorskip("transformers")
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 16, "intermediate_size": 32,
+                                "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}))
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict({"model": {"hf_config": str(path)}, "mesh": {"sp": 2}, "data": {"seq_len": 31}})
+    for words in ("data.seq_len = 31", "transformers models are not padded", "use data.seq_len = 32"):
+        assert words in str(exc.value), exc.value
+
+
+def test_fpdt_on_one_rank_runs_its_chunks_and_offload(tmp_path):
+    """sequence.algorithm = fpdt at mesh.sp = 1 is FPDT on a one-rank group (chunked attention, its chunk store
+    in host memory), not plain attention with the settings ignored: bytes go to the host, and the losses and
+    parameters equal plain attention's (fp64, 1e-9)."""
+    from loom.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    base = {"model": {"layers": 2, "hidden": 16, "heads": 2, "kv_heads": 1},
+            "data": {"seq_len": 32, "batch": 2, "max_bytes": 20_000},
+            "train": {"steps": 2, "dtype": "float64", "eval_every": 0, "progress": "none", "plots": False}}
+    plain = Trainer(config_from_dict(base), out=tmp_path / "plain", quiet=True)
+    want = plain.run()
+    fpdt = {**base, "sequence": {"algorithm": "fpdt", "chunks": 2, "offload": True}}
+    tr = Trainer(config_from_dict(fpdt), out=tmp_path / "fpdt", quiet=True)
+    assert tr.model.cfg.sequence_parallel == "fpdt" and tr.model.cfg.chunks == 2 and tr.model.cfg.offload
+    got = tr.run()
+    assert all(r["offload_bytes"] > 0 for r in got), [r["offload_bytes"] for r in got]
+    for r, w in zip(got, want, strict=True):
+        assert math.isclose(r["loss"], w["loss"], rel_tol=1e-9), (r["loss"], w["loss"])
+    ref = dict(plain.model.named_parameters())
+    for n, p in tr.model.named_parameters():
+        assert float((p.detach() - ref[n].detach()).abs().max()) < 1e-9, n
 
 
 def test_mesh_must_match_world():

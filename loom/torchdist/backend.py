@@ -355,8 +355,9 @@ class LoomProcessGroup(dist.ProcessGroup):
         t.copy_(out)
 
     def allreduce(self, tensors, opts=None) -> LoomWork:
-        # Fast path: one small dense tensor under SUM/MIN/MAX/PRODUCT, no codec, not coalescing (a 1-byte
-        # all_reduce's cost is mostly this Python: loom bench torch --only latency)
+        # Fast path: one small dense tensor under SUM/MIN/MAX/PRODUCT, no codec, not coalescing. A 1-byte
+        # all_reduce's cost is mostly this Python (loom bench torch --only latency), so it is not wrapped by
+        # _naming: its work is complete, and only a timeout needs the operation's name.
         if len(tensors) == 1 and self._codec is None and self._coalesced is None:
             t = tensors[0]
             if opts is None:
@@ -366,9 +367,16 @@ class LoomProcessGroup(dist.ProcessGroup):
                 name = "sum" if rop == _SUM else _PLAIN.get(rop.op)
             if name is not None and t.layout is _STRIDED and t.dtype is not _BOOL_T and 0 < t.numel() \
                     and t.numel() * t.element_size() < ASYNC_MIN_BYTES:
-                self.comm.allreduce(t, name, out=t)
+                try:
+                    self.comm.allreduce(t, name, out=t)
+                except CommError as exc:
+                    raise dist.DistBackendError(f"the loom backend's all_reduce on group {self.comm.name!r}: "
+                                                f"{exc}") from exc
                 # a blocking call's work is only waited on (torch's all_reduce(async_op=False)): one for all
                 return LoomWork(tensors) if opts is None or opts.asyncOp else _DONE
+        return self._allreduce(tensors, opts)
+
+    def _allreduce(self, tensors, opts=None) -> LoomWork:
         op, factor = _reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
         if tensors and tensors[0].is_sparse:
             return self._record(self._sparse_allreduce(tensors, op, factor))
@@ -703,7 +711,7 @@ def _even(n: int, p: int, what: str) -> list[int]:
 
 #: torch's names of the process group's operations: a work names its operation when its wait times out
 _OP_NAMES = {
-    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced", "reduce": "reduce",
+    "_allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesced", "reduce": "reduce",
     "reduce_scatter_single": "reduce_scatter_tensor", "_reduce_scatter_base": "reduce_scatter_tensor",
     "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
     "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced", "reduce_scatter": "reduce_scatter",

@@ -37,13 +37,16 @@ def _raw():
     return MPI
 
 
-def raw_collectives(one: np.ndarray, big: np.ndarray, shard: np.ndarray) -> dict[str, Callable[[], None]]:
+def raw_collectives(one: np.ndarray, big: np.ndarray, shard: np.ndarray,
+                    one_tensor: Any = None) -> dict[str, Callable[[], None]]:
     """The raw mpi4py column of ``loom bench torch`` and ``loom bench launchers``: what a user writes by hand on
     numpy views of the same buffers (the fastest raw path: in-place ``Allreduce``, ``Reduce_scatter_block``), on a
-    duplicate of COMM_WORLD. Keys: ``latency``, ``allreduce``, ``reduce_scatter``."""
+    duplicate of COMM_WORLD. Keys: ``latency``, ``allreduce``, ``reduce_scatter``, and ``latency_tensor`` (the
+    1-byte allreduce handed the torch tensor itself, through its DLPack export) when ``one_tensor`` is given."""
     MPI = _raw()
     c = MPI.COMM_WORLD.Dup()
-    return {"latency": lambda: c.Allreduce(MPI.IN_PLACE, one, MPI.SUM),
+    extra = {} if one_tensor is None else {"latency_tensor": lambda: c.Allreduce(MPI.IN_PLACE, one_tensor, MPI.SUM)}
+    return {**extra, "latency": lambda: c.Allreduce(MPI.IN_PLACE, one, MPI.SUM),
             "allreduce": lambda: c.Allreduce(MPI.IN_PLACE, big, MPI.SUM),
             "reduce_scatter": lambda: c.Reduce_scatter_block(big, shard, MPI.SUM)}
 

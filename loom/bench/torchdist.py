@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--codec", action="append", type=codec_arg, default=[], metavar="CODEC",
                    help="add a DDP row under this dp codec (repeatable; e.g. int8, int4, powersgd:rank=4): a "
                         "second table, DDP on gloo, loom and loom + each codec, same model, seeds and steps")
+    p.add_argument("--breakdown", action="store_true",
+                   help="add a table of where a 1-byte allreduce's time goes: raw mpi4py on a numpy view and on the "
+                        "tensor, torch's dispatch into a Python group that does nothing, loom.comm, dist.all_reduce")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     return p
 
@@ -172,9 +175,43 @@ def main(argv: list[str]) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     codec_rows = _ddp_codecs(args, comm, groups["gloo"], DDP) if args.codec else []
-    table.write_json(args.json, ddp_codecs=codec_rows)
+    breakdown = _breakdown(args, comm) if args.breakdown else []
+    table.write_json(args.json, ddp_codecs=codec_rows, breakdown=breakdown)
     dist.destroy_process_group()
     return 0
+
+
+def _breakdown(args, comm) -> list[dict]:
+    """The 1-byte allreduce, layer by layer (``--breakdown``): each row adds a layer to the one above."""
+    from ..torchdist.work import LoomWork
+    from .comm import raw_collectives
+
+    one = torch.ones(1, dtype=torch.uint8)
+    raw = raw_collectives(one.numpy(), one.numpy(), one.numpy(), one_tensor=one)
+    done = LoomWork([])
+
+    class Nothing(dist.ProcessGroup):  # torch's dispatch alone: the floor of any Python process group
+        def allreduce(self, tensors, opts=None):
+            return done
+
+    nothing = Nothing(comm.rank, comm.size)
+    pg = dist.group.WORLD
+    rows = [("raw mpi4py, numpy view", raw["latency"]), ("raw mpi4py, the tensor", raw["latency_tensor"]),
+            ("dist.all_reduce, a do-nothing group", lambda: dist.all_reduce(one, group=nothing)),
+            ("loom.comm allreduce (timed)", lambda: pg.comm.allreduce(one, "sum", out=one)),
+            ("dist.all_reduce, loom", lambda: dist.all_reduce(one))]
+    best = {name: float("inf") for name, _ in rows}
+    for _ in range(args.rounds):
+        for name, fn in rows:
+            t = omb.time_op(fn, comm, 30 * args.warmup, args.iterations, max_seconds=args.max_seconds, nbytes=1)
+            best[name] = min(best[name], comm.allreduce_object(t, "max"))
+    table = omb.Table("where a 1-byte allreduce's time goes", ["Layer", "us", "x raw"], rank=comm.rank)
+    table.widths = [38, 10, 10]
+    table.header()
+    base = best[rows[0][0]]
+    for name, _ in rows:
+        table.add(name, best[name] * 1e6, best[name] / base)
+    return table.rows
 
 
 def _unit(name: str, p: int, size: int) -> tuple[str, Callable[[float], float]]:

@@ -90,14 +90,14 @@ def _quiet_lightning(module) -> None:
     original = env.detect
 
     def detect() -> bool:
-        from loom import settings
+        from loom.settings import launch_info
         from loom.comm import pmi
 
         from .rendezvous import launched_by_mpi
 
         if pmi.mpi_started():
             return original()
-        info = settings.launch_info() if launched_by_mpi() else None
+        info = launch_info() if launched_by_mpi() else None
         return info is not None and info.size > 1
 
     detect._loom = True  # type: ignore[attr-defined]

@@ -63,8 +63,9 @@ def main(argv: list[str]) -> int:
         else:
             follower_wait()
         return 2
-    import loom  # noqa: F401 - registers the "loom" backend (already imported here; kept explicit)
+    from . import install
 
+    install()  # the "loom" backend registered (import loom did it already; kept explicit for a direct caller)
     torchrun_env(os.environ)
     sys.argv = [ns.script, *ns.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(ns.script)))

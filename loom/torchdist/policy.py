@@ -54,7 +54,7 @@ def _parse_policy(text: str, where: str, value: str = "CODEC", example: str = "d
 
 def _policy() -> dict[str, str]:
     if _POLICY is None:
-        from loom import settings
+        import loom.settings as settings
 
         set_compression(_parse_policy(settings.get("torch_compress") or "", "LOOM_TORCH_COMPRESS"))
     return _POLICY or {}
@@ -110,7 +110,7 @@ def _route(spec: str, where: str) -> tuple[str, int]:
 
 def _routes() -> dict[str, tuple[str, int]]:
     if _ROUTES is None:
-        from loom import settings
+        import loom.settings as settings
 
         _set_routes(settings.get("torch_multipath") or "", "LOOM_TORCH_MULTIPATH")
     return _ROUTES or {}

@@ -25,7 +25,7 @@ import os
 import socket
 from urllib.parse import parse_qs, urlparse
 
-from loom import settings
+import loom.settings as settings
 from loom.comm import pmi
 
 __all__ = ["env_handler", "checked_handler", "mpi_rendezvous", "start_mpi", "check_world", "launched_by_mpi",

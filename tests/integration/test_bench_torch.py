@@ -12,7 +12,8 @@ pytestmark = pytest.mark.mpi
 def test_bench_torch_small(tmp_path):
     # width 128: DDP's bucket (~130 KiB) is above the codecs' 64 KiB minimum, so int8 really compresses it
     doc, text = run_bench(tmp_path, "torch", "--size", "256K", "-w", "128", "-d", "2", "-i", "20",
-                          "--iterations-large", "2", "-x", "1", "--rounds", "1", "--codec", "int8", timeout=300)
+                          "--iterations-large", "2", "-x", "1", "--rounds", "1", "--codec", "int8", "--breakdown",
+                          timeout=300)
     assert "loom vs gloo" in text and "DDP under a dp codec" in text
     tests = [r["Test"] for r in doc["rows"]]
     assert tests == ["allreduce 1 B", "allreduce 256 KiB", "reduce_scatter 256 KiB", "DDP step", "FSDP2 step"]
@@ -22,6 +23,9 @@ def test_bench_torch_small(tmp_path):
             assert row["raw"] > 0 and row["loom/raw"] == pytest.approx(row["loom"] / row["raw"])
         else:
             assert row["raw"] == "-"
+    layers = [r["Layer"] for r in doc["meta"]["breakdown"]]
+    assert layers[0] == "raw mpi4py, numpy view" and layers[-1] == "dist.all_reduce, loom" and len(layers) == 5
+    assert all(r["us"] > 0 for r in doc["meta"]["breakdown"])
     rows = {r["Test"]: r for r in doc["meta"]["ddp_codecs"]}
     assert list(rows) == ["DDP gloo", "DDP loom", "DDP loom int8"]
     plain, coded = rows["DDP loom"], rows["DDP loom int8"]

@@ -153,6 +153,8 @@ def check_avg_premul_and_16_bit_floats_are_exact(comm):
 
 
 def check_gathers_scatters_and_all_to_all_match_gloo(comm):
+    """all_gather, all_gather_into_tensor, reduce_scatter(_tensor), even all_to_all_single and broadcast on three
+    dtypes, small (blocking) and large (asynchronously: the progress thread's path), bit for bit as gloo."""
     p, r = comm.size, comm.rank
     gen = torch.Generator().manual_seed(300 + r)
     for dtype in (torch.float64, torch.int32, torch.bool):
@@ -199,6 +201,12 @@ def check_gathers_scatters_and_all_to_all_match_gloo(comm):
                 return y
             _same(*_both(bc), f"broadcast {dtype}")
 
+
+def check_uneven_all_to_all_rooted_and_coalesced_match_gloo(comm):
+    """Uneven all_to_all_single (zero rows included) and all_to_all (unequal sizes: against the expected blocks,
+    gloo refuses them), gather, scatter, reduce and all_reduce_coalesced, as gloo."""
+    p, r = comm.size, comm.rank
+    gen = torch.Generator().manual_seed(400 + r)
     # uneven all_to_all_single: rank r sends (r + j) % 3 + (rows of 1) rows to rank j, including zero rows
     send = [(r + j) % 3 for j in range(p)]
     recv = [(j + r) % 3 for j in range(p)]
@@ -624,20 +632,26 @@ def check_compressed_reduce_scatter_and_fsdp2_under_a_dp_policy(comm):
     the same run on an uncompressed group (each step's gradients within ``P - 1`` int8 quantizations, 3 SGD
     steps at lr 0.1; seen: 5e-5 relative in the losses, 1e-4 in the parameters), at 0.13x the raw bytes, one
     residual per reduce-scatter of a step (not one per step)."""
-    import loom.compress as lc
     from loom import torchdist
-    from loom.torchdist.backend import LoomProcessGroup
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
 
     _groups()
-    p, r = comm.size, comm.rank
+    p = comm.size
     torchdist.set_compression("fdp=int8")
     try:
         g = dist.new_group(list(range(p)), group_desc="mesh_fdp")
     finally:
         torchdist.set_compression(None)
     plain = dist.new_group(list(range(p)), group_desc="mesh_fplain")
+    _reduce_scatters_within_int8(comm, g)
+    _fsdp2_compressed_against_plain(comm, g, plain)
+    _reentrant_blocks_keep_no_residual(g)
+
+
+def _reduce_scatters_within_int8(comm, g) -> None:
+    import loom.compress as lc
+    from loom import torchdist
+
+    p, r = comm.size, comm.rank
     int8 = lc.get_codec("int8")
     gen = torch.Generator().manual_seed(12)
     lc.reset_stats()
@@ -663,7 +677,14 @@ def check_compressed_reduce_scatter_and_fsdp2_under_a_dp_policy(comm):
     assert torch.equal(y, sum(d.view(p, -1)[r] for d in dyadic)), "a reduction under exact() was not exact"
     assert lc.stats()["torch.mesh_fdp"]["calls"] == 2, "a reduction under exact() was compressed"
 
-    batches = _batches(r, 3, n=8)
+
+def _fsdp2_compressed_against_plain(comm, g, plain) -> None:
+    import loom.compress as lc
+    from loom.torchdist.backend import LoomProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    batches = _batches(comm.rank, 3, n=8)
 
     def run(group, name):
         torch.manual_seed(5)
@@ -676,7 +697,7 @@ def check_compressed_reduce_scatter_and_fsdp2_under_a_dp_policy(comm):
         return _train(model, batches)
 
     assert isinstance(g, LoomProcessGroup), type(g)
-    g._feedback.reset()  # the residuals of the calls above
+    g._feedback.reset()  # the residuals of the calls before
     lc.reset_stats()
     (la, pa), (lb, pb) = run(g, "fdp"), run(plain, "fplain")
     st = lc.stats()
@@ -690,8 +711,13 @@ def check_compressed_reduce_scatter_and_fsdp2_under_a_dp_policy(comm):
     for a, b in zip(pa, pb):
         assert (a - b).abs().max() <= 1e-3, (a - b).abs().max()
 
-    # Reentrant activation checkpointing runs each block's backward as its own graph task: places in a task
-    # repeat from block to block, so those reduce-scatters keep no residual (same-shape blocks would share one).
+
+def _reentrant_blocks_keep_no_residual(g) -> None:
+    """Reentrant activation checkpointing runs each block's backward as its own graph task: places in a task
+    repeat from block to block, so those reduce-scatters keep no residual (same-shape blocks would share one)."""
+    import loom.compress as lc
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
     from torch.utils.checkpoint import checkpoint
 
     class Blocks(nn.Module):

@@ -6,13 +6,16 @@ Existing DDP, FSDP2, DTensor and pipelining code runs on MPI by changing its bac
     import torch.distributed as dist
     dist.init_process_group("loom")               # rank and size from MPI; no MASTER_ADDR needed
 
-and launching the script with ``loom run --ranks N script.py`` or ``mpiexec -n N python script.py``.
+and launching the script with ``loom run --ranks N script.py``, ``mpiexec -n N python script.py``, torchrun, or
+``torch.multiprocessing.spawn`` (any ``init_method``, or a ``store``): processes no MPI launcher started form
+one MPI world of exactly the torch ranks through torch's store (:mod:`loom.torchdist.rendezvous`).
 
-* :mod:`loom.torchdist.backend`: the process group (:class:`~loom.torchdist.backend.LoomProcessGroup`), its work
-  objects, and the creator torch calls for every group (the default one and each sub-group);
-  :func:`set_compression` / ``LOOM_TORCH_COMPRESS`` choose a codec per group, :func:`exact` keeps reductions
-  uncompressed; :func:`set_multipath` / ``LOOM_TORCH_MULTIPATH`` route a group's ``all_to_all_single`` over
-  loom.multipath's planned paths under a multi-rail topology.
+* :mod:`loom.torchdist.backend`: the process group (:class:`~loom.torchdist.backend.LoomProcessGroup`) and the
+  creator torch calls for every group (the default one and each sub-group); :mod:`loom.torchdist.work` its work
+  objects; :mod:`loom.torchdist.rendezvous` how the ranks find each other and the MPI world;
+  :mod:`loom.torchdist.policy`: :func:`set_compression` / ``LOOM_TORCH_COMPRESS`` choose a codec per group,
+  :func:`exact` keeps reductions uncompressed, :func:`set_multipath` / ``LOOM_TORCH_MULTIPATH`` route a group's
+  ``all_to_all_single`` over loom.multipath's planned paths under a multi-rail topology.
 * :mod:`loom.torchdist.cli`: ``loom run --ranks N script.py``.
 
 Registration without weight: ``import loom`` must not import torch, and torch has no entry-point group for
@@ -38,9 +41,10 @@ _REGISTERED = False
 def register() -> None:
     """Register the ``"loom"`` backend with ``torch.distributed`` (idempotent; imports torch.distributed).
 
-    Also lets ``env://`` (``init_process_group``'s default) work without ``MASTER_ADDR``: inside an MPI job the
-    rank and size come from MPI and rank 0 hosts the key-value store torch wants, its address sent over MPI
-    (:func:`loom.torchdist.backend.mpi_rendezvous`). With ``MASTER_ADDR`` set, ``env://`` is torch's own.
+    Also wraps torch's rendezvous handlers (:mod:`loom.torchdist.rendezvous`): inside an MPI job ``env://`` takes
+    rank and size from MPI (the store at ``MASTER_ADDR:MASTER_PORT`` when exported, else hosted by rank 0 with
+    its address sent over MPI), and ``env://``, ``tcp://`` and ``file://`` refuse a rank or world size that is
+    not the launcher's; outside one they are torch's own.
     """
     global _REGISTERED
     if _REGISTERED:

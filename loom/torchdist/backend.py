@@ -1,11 +1,14 @@
 """The ``"loom"`` process group: torch.distributed's collectives over loom.comm's communicators.
 
-Groups: torch calls :func:`create_process_group` for the default group (``global_ranks_in_group`` empty: a
-duplicate of COMM_WORLD named ``"torch"``, so torch's traffic never meets loom's own) and for each sub-group
-(``new_group``, ``init_device_mesh``'s dimensions, FSDP2's and DTensor's groups), on the member ranks only:
-those ranks make an MPI communicator of exactly them (:meth:`loom.comm.Communicator.group`). torch then sets
-the group's name and description (``setGroupName``/``setGroupDesc``); the description (``mesh_dp``, ...)
-becomes the communicator's name in ``loom.stats``.
+Groups: torch calls :func:`create_process_group` for the default group (``global_ranks_in_group`` empty: a new
+duplicate of COMM_WORLD named ``"torch"`` in torch's rank order, so torch's traffic never meets loom's own and a
+timed-out group leaves nothing pending on the next; COMM_WORLD is the launcher's, or the one
+:mod:`loom.torchdist.rendezvous` formed through torch's store) and for each sub-group (``new_group``,
+``init_device_mesh``'s dimensions, FSDP2's and DTensor's groups), on the member ranks only: those ranks make
+an MPI communicator of exactly them (:meth:`loom.comm.Communicator.group`). Every group's communicator gets the
+group's timeout (:meth:`loom.comm.Communicator.set_timeout`). torch then sets the group's name and description
+(``setGroupName``/``setGroupDesc``); the description (``mesh_dp``, ...) becomes the communicator's name in
+``loom.stats``.
 
 Plan of an operation (every one runs on the caller's thread, in the caller's order, which is the same on
 every rank; so collectives on one communicator are posted in the same order everywhere):
@@ -19,16 +22,17 @@ every rank; so collectives on one communicator are posted in the same order ever
   moves a posted collective only inside an MPI call) and completes the work's future when they are done, the
   copy into the caller's tensors included: ``async_op=True`` overlaps, and DDP's reducer, which only chains
   on futures, gets its buckets reduced during backward. Blocking calls, small payloads and the rooted
-  operations (broadcast, gather, scatter, reduce, barrier) run MPI's blocking collective and return completed
-  work: a 1-byte allreduce costs one MPI call, a blocking 64 MiB one gets MPI's faster blocking algorithms;
+  operations (broadcast, gather, scatter, reduce, barrier) run on the caller's thread (each MPI call as its
+  non-blocking twin tested until done or the group's timeout: :mod:`loom.comm.deadline`) and return completed
+  work: a 1-byte allreduce costs one MPI call and its tests;
 * an allreduce that loom.comm runs as its block exchange (:meth:`~loom.comm.Communicator.pairwise`: at least
   ``LOOM_PAIRWISE_BYTES``) runs on the caller's thread even when asked asynchronously, and its work is
   complete when returned: DDP's 25 MiB buckets are reduced during backward as before, without MPICH's
-  non-blocking reduction loop (`loom bench torch`: DDP step 0.80x gloo's time, 0.94x through the progress
-  thread);
+  non-blocking reduction loop, which is slower at that size (`loom bench torch`'s DDP row);
 * reductions: ``SUM``, ``AVG`` (floating dtypes), ``MIN``, ``MAX``, ``PRODUCT`` and ``PREMUL_SUM`` (scaled,
   then summed); bf16/fp16 are reduced in float32 and rounded once (loom.comm); ``bool`` reduces as
-  logical or (``SUM``, ``MAX``) or and (``MIN``, ``PRODUCT``); ``BAND``/``BOR``/``BXOR`` raise
+  logical or (``SUM``, ``MAX``) or and (``MIN``, ``PRODUCT``); a sparse COO tensor is summed as gloo sums it
+  (indices and values gathered, added in rank order, coalesced); ``BAND``/``BOR``/``BXOR`` raise
   ``NotImplementedError``;
 * gather, scatter and the point-to-point legs of rooted operations travel on the group's private duplicate
   (``comm.sub("rooted")``), so they never match the user's ``send``/``recv`` on the same tags.
@@ -42,11 +46,13 @@ Multi-path all-to-all (:func:`set_multipath`, ``LOOM_TORCH_MULTIPATH``): a topol
 the vocabulary of loom's own MoE routing (``auto``, a preset, a TOML file); under one of several nodes and
 rails the group's ``all_to_all_single`` (MoE dispatch and combine) runs :func:`loom.multipath.alltoallv`.
 
-Work objects: ``wait(timeout)`` honours a ``timedelta`` or seconds as torch's works do (``RuntimeError`` naming
-the operation, the group and the timeout); the operation stays posted and a later ``wait`` completes it.
+Work objects (:mod:`loom.torchdist.work`): an operation past its group's timeout raises ``DistBackendError``
+naming the operation, the group and the timeout, and the group refuses further work; ``wait(timeout)`` honours a
+shorter ``timedelta`` or seconds as torch's works do, the operation staying posted for a later ``wait``.
 
-Check mode (``LOOM_CHECK=1``) and the watchdog (``LOOM_TIMEOUT``) are loom.comm's: every collective here is a
-Communicator method, so a shape or dtype mismatch across ranks raises on every rank instead of hanging.
+Check mode (``LOOM_CHECK=1``) and the watchdog (``LOOM_TIMEOUT``, which aborts the job) are loom.comm's: every
+collective here is a Communicator method, so a shape or dtype mismatch across ranks raises on every rank
+instead of hanging.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from tests.docs import pages
 ROOT = Path(__file__).resolve().parents[2]
 CENSUS_PAGE = "docs/getting-started.md"  # the page whose sentence states the census
 TIMEOUT = 300  # seconds per example: a hang fails the test (a loaded 2-core machine runs each in < 60 s)
-PROGRAMS = ("loom", "make", "mpiexec", "python", ".venv/bin/loom", ".venv/bin/python", "sudo")
+PROGRAMS = ("loom", "make", "mpiexec", "python", "torchrun", ".venv/bin/loom", ".venv/bin/python", "sudo")
 MAKE = {"make demo": "loom demo --ranks 4", "make test": None, "make test-fast": None, "make bench": None}
 
 _TRAIN_SMALL = ["--train.steps=2", "--train.eval_every=0", "--train.eval_batches=1", "--data.max_bytes=60000",
@@ -76,6 +76,7 @@ SMALL: dict[str, list[str]] = {
     "testbed check": ["--seconds", "0.5", "--classes", "intra,rail", "--no-reference"],
     "bench torch": ["--size", "256K", "-w", "32", "-d", "2", "-i", "20", "--iterations-large", "2", "-x", "1",
                     "--rounds", "1"],
+    "bench launchers": ["--size", "256K", "-i", "20", "--iterations-large", "2", "-x", "1", "--rounds", "1"],
 }
 """Flags appended to a ``loom`` command (keyed by its command words) so it runs in seconds."""
 

@@ -25,7 +25,7 @@ import sys
 import threading
 
 from . import settings
-from .cli_args import UsageError, follower_wait, offer_ranks, pop_ranks
+from .cli_args import UsageError, follower_wait, leave_now, offer_ranks, pop_ranks
 
 __all__ = ["main", "COMMANDS", "pop_ranks"]
 
@@ -196,12 +196,7 @@ def _interrupted(name: str, signum: int) -> int:
         follower_wait(1.0)
     if not inside:
         return code
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    leave_now(code)
 
 
 def _usage() -> str:

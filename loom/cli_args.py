@@ -19,14 +19,16 @@ A usage error is printed once per job: every rank of a job finds it (they parse 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import sys
 import time
 
 from . import settings
 
 __all__ = ["SHORT", "ArgumentParser", "Formatter", "parse_size", "parse_device", "parse_ranks", "pop_ranks",
            "add_json", "add_dry_run", "add_topology", "add_verbose", "UsageError", "follower_wait", "FOLLOWER_WAIT_S",
-           "offer_ranks"]
+           "offer_ranks", "leave_now"]
 
 SHORT: dict[str, str] = {
     "-n": "--ranks",
@@ -122,6 +124,18 @@ def follower_wait(seconds: float = FOLLOWER_WAIT_S) -> None:
     were it this rank, rank 0 could be killed before its one line is written. Rank 0's exit ends the wait."""
     if settings.launch_rank() != 0:
         time.sleep(seconds)
+
+
+def leave_now(code: int) -> None:
+    """End this rank at once with ``code``, its output flushed, without finalizing MPI: finalizing would wait for
+    peers that may be inside a collective with this rank (and wait for it); a rank that leaves unfinalized
+    makes the launcher stop the others."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,

@@ -20,7 +20,7 @@ import os
 import runpy
 import sys
 
-from ..cli_args import ArgumentParser, follower_wait, parse_ranks
+from ..cli_args import ArgumentParser, follower_wait, leave_now, parse_ranks
 from ..settings import launch_info, launch_rank
 
 __all__ = ["main", "parser", "torchrun_env"]
@@ -89,9 +89,4 @@ def _leave(code: int, what) -> None:
         return
     why = f" ({what})" if isinstance(what, str) else ""
     sys.stderr.write(f"loom run: rank {info.rank} exited with code {code}{why}; ending its {info.size}-rank job\n")
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    leave_now(code)

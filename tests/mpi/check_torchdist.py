@@ -537,25 +537,26 @@ def check_fsdp2_clip_grad_norm_and_full_state_dict_match_gloo(comm):
 
 def check_dcp_save_load_round_trip(comm):
     """torch.distributed.checkpoint saves an FSDP2 model's sharded state over loom and loads it into a fresh
-    model: every parameter comes back bit for bit."""
+    model, and ``dcp.async_save`` (torch asks the group for a CPU backend) a plain model's: every parameter comes
+    back bit for bit."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     _groups()
     mesh = init_device_mesh("cpu", (comm.size,), mesh_dim_names=("dp",))
-    model = _mlp(3)
-    fully_shard(model, mesh=mesh)
-    path = tempfile.mkdtemp(prefix="loom-dcp-") if comm.rank == 0 else None
-    path = comm.bcast_object(path)
-    dcp.save(model.state_dict(), checkpoint_id=path)
-    fresh = _mlp(4)
-    fully_shard(fresh, mesh=mesh)
-    state = fresh.state_dict()
-    dcp.load(state, checkpoint_id=path)
-    fresh.load_state_dict(state)
-    for a, b in zip(_params(model), _params(fresh)):
-        assert torch.equal(a, b)
+    sharded = (_mlp(3), _mlp(4))
+    for m in sharded:
+        fully_shard(m, mesh=mesh)
+    for (model, fresh), save in ((sharded, dcp.save), ((_mlp(5), _mlp(6)), lambda *a, **k: dcp.async_save(
+            *a, **k).result())):
+        path = comm.bcast_object(tempfile.mkdtemp(prefix="loom-dcp-") if comm.rank == 0 else None)
+        save(model.state_dict(), checkpoint_id=path)
+        state = fresh.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        fresh.load_state_dict(state)
+        for a, b in zip(_params(model), _params(fresh)):
+            assert torch.equal(a, b)
 
 
 def check_compression_per_group_within_bound_and_exact_stays_exact(comm):
@@ -865,22 +866,6 @@ def check_sparse_all_reduce_and_ddp_with_sparse_gradients_match_gloo(comm):
             opt.zero_grad()
         return _params(model)
     _same(*_both(train), "DDP with sparse gradients")
-
-
-def check_dcp_async_save_round_trip(comm):
-    """dcp.async_save (torch asks the group for a CPU backend) then load: every parameter back bit for bit."""
-    import torch.distributed.checkpoint as dcp
-
-    _groups()
-    model = _mlp(5)
-    path = comm.bcast_object(tempfile.mkdtemp(prefix="loom-dcp-async-") if comm.rank == 0 else None)
-    dcp.async_save(model.state_dict(), checkpoint_id=path).result()
-    fresh = _mlp(6)
-    state = fresh.state_dict()
-    dcp.load(state, checkpoint_id=path)
-    fresh.load_state_dict(state)
-    for a, b in zip(_params(model), _params(fresh)):
-        assert torch.equal(a, b)
 
 
 def check_group_timeout_raises_like_gloo_and_the_job_goes_on(comm):

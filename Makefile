@@ -10,7 +10,7 @@ OMPI_BIN   := $(OMPI_VENV)/bin
 OMPI_STAMP := $(OMPI_VENV)/.installed
 
 # The documentation site: mkdocs in its own venv (no torch, no MPI: the API reference is read from the source).
-DOCS_VENV  := .venv-docs
+DOCS_VENV  := build/venv-docs
 DOCS_STAMP := $(DOCS_VENV)/.installed
 
 .PHONY: demo test test-fast test-openmpi test-torch-suite test-gpu prepare-gpu lint bench docs clean

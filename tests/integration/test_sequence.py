@@ -8,22 +8,27 @@ from loom.testing import ROOT
 pytestmark = pytest.mark.mpi
 
 
-def test_bench_seqlen_smoke(tmp_path):
-    """`loom bench seqlen` end to end on 2 ranks with a tiny model: FPDT fits a longer sequence than Ulysses.
-    ``--offload-checkpoints`` adds the Ulysses row with its block inputs on the host: every input goes out and
-    comes back once (bytes exact), and the memory model's longest lengths and factor stand beside the measured."""
+def _seqlen(tmp_path, *args: str, timeout: float):
+    """``loom bench seqlen ARGS --json PATH`` on its own ranks: the JSON document and the finished process (which
+    must have exited 0)."""
     import json
     import subprocess
     import sys
 
     out = tmp_path / "seqlen.json"
-    cmd = [sys.executable, "-m", "loom.cli", "bench", "seqlen", "--ranks", "2", "--layers", "2", "--hidden", "16",
-           "--heads", "2", "--kv-heads", "1", "--vocab", "500", "--budget", "400K", "--chunk", "16",
-           "--attn-chunk", "32", "--no-breakdown", "--repeats", "1", "--max-seq", "768", "--offload-checkpoints",
-           "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    cmd = [sys.executable, "-m", "loom.cli", "bench", "seqlen", *args, "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads(out.read_text())
+    return json.loads(out.read_text()), proc
+
+
+def test_bench_seqlen_smoke(tmp_path):
+    """`loom bench seqlen` end to end on 2 ranks with a tiny model: FPDT fits a longer sequence than Ulysses.
+    ``--offload-checkpoints`` adds the Ulysses row with its block inputs on the host: every input goes out and
+    comes back once (bytes exact), and the memory model's longest lengths and factor stand beside the measured."""
+    doc, proc = _seqlen(tmp_path, "--ranks", "2", "--layers", "2", "--hidden", "16", "--heads", "2", "--kv-heads",
+                        "1", "--vocab", "500", "--budget", "400K", "--chunk", "16", "--attn-chunk", "32",
+                        "--no-breakdown", "--repeats", "1", "--max-seq", "768", "--offload-checkpoints", timeout=180)
     res = doc["meta"]["results"]
     assert list(res) == ["ulysses", "ulysses, ckpt on host", "+ offload (FPDT)"], res
     uly, host, fpdt = res["ulysses"], res["ulysses, ckpt on host"], res["+ offload (FPDT)"]
@@ -42,17 +47,9 @@ def test_bench_seqlen_smoke(tmp_path):
 def test_bench_seqlen_ring_smoke(tmp_path):
     """`loom bench seqlen --ring 2` on 4 ranks with 2 heads (Ulysses stops at sp = 2): the plain rows run at
     sp = 2 x dp = 2, the FPDT x ring 2 row at sp = 4, every row within the budget, times per token reported."""
-    import json
-    import subprocess
-    import sys
-
-    out = tmp_path / "seqlen.json"
-    cmd = [sys.executable, "-m", "loom.cli", "bench", "seqlen", "--ranks", "4", "--ring", "2", "--layers", "1",
-           "--hidden", "16", "--heads", "2", "--kv-heads", "1", "--vocab", "500", "--budget", "400K", "--chunk",
-           "16", "--attn-chunk", "32", "--no-breakdown", "--repeats", "1", "--max-seq", "512", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads(out.read_text())
+    doc, proc = _seqlen(tmp_path, "--ranks", "4", "--ring", "2", "--layers", "1", "--hidden", "16", "--heads", "2",
+                        "--kv-heads", "1", "--vocab", "500", "--budget", "400K", "--chunk", "16", "--attn-chunk",
+                        "32", "--no-breakdown", "--repeats", "1", "--max-seq", "512", timeout=300)
     res, ring = doc["meta"]["results"], doc["meta"]["ring"]
     assert list(res) == ["ulysses", "+ offload (FPDT)", "FPDT x ring 2"], res
     assert all(r["peak"] <= 400 * 1024 for r in res.values()), res
@@ -69,17 +66,10 @@ def test_bench_seqlen_ring_scales_at_one_head_as_the_memory_model_says(tmp_path)
     longest sequence of FPDT on one rank at the same per-rank budget, and the memory model's peak of each row at
     its longest length (the loom train config of the same model: --chunk = --attn-chunk) is within 10 % of the
     measured one. Memory only: the times of ranks sharing cores are not asserted."""
-    import json
-    import subprocess
-    import sys
-
-    out = tmp_path / "seqlen.json"
-    cmd = [sys.executable, "-m", "loom.cli", "bench", "seqlen", "--ranks", "2", "--ring", "2", "--layers", "1",
-           "--hidden", "16", "--heads", "1", "--kv-heads", "1", "--vocab", "500", "--budget", "400K", "--chunk",
-           "32", "--attn-chunk", "32", "--no-breakdown", "--repeats", "1", "--max-seq", "2048", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    ring = json.loads(out.read_text())["meta"]["ring"]
+    doc, _ = _seqlen(tmp_path, "--ranks", "2", "--ring", "2", "--layers", "1", "--hidden", "16", "--heads", "1",
+                     "--kv-heads", "1", "--vocab", "500", "--budget", "400K", "--chunk", "32", "--attn-chunk", "32",
+                     "--no-breakdown", "--repeats", "1", "--max-seq", "2048", timeout=300)
+    ring = doc["meta"]["ring"]
     assert (ring["sp"], ring["sp_plain"], ring["dp_plain"]) == (2, 1, 2), ring
     assert ring["longest_ratio"] >= 1.8, ring
     assert set(ring["model"]) == {"+ offload (FPDT)", "FPDT x ring 2"}, ring

@@ -40,9 +40,13 @@ def test_packed_rows_start_at_documents_and_never_cross_a_boundary(tmp_path):
         assert int((doc[:, -1] > 0).sum()) > 0, "rows hold several documents"
 
 
-def _per_document_loss(model, x, y, doc):
+def _per_document_loss(model, x, y, doc, summed_loss=None):
     """Sum over every document of the loss of that document run alone (positions from 0, no mask), over the
-    count of real targets: what packing must give."""
+    count of real targets: what packing must give. ``summed_loss(xs, ys)``: one document's summed loss (default:
+    loom's model, whose ``loss`` is a mean)."""
+    if summed_loss is None:
+        def summed_loss(xs, ys):
+            return model.loss(xs, ys) * int((ys != IGNORE).sum())
     total, count = 0.0, 0
     for b in range(x.shape[0]):
         for d in doc[b].unique():
@@ -50,7 +54,7 @@ def _per_document_loss(model, x, y, doc):
             xs, ys = x[b, sel][None], y[b, sel][None]
             n = int((ys != IGNORE).sum())
             if n:
-                total = total + model.loss(xs, ys) * n
+                total = total + summed_loss(xs, ys)
                 count += n
     return total / count
 
@@ -72,18 +76,10 @@ def test_packed_loss_is_the_mean_over_each_documents_own_targets(tmp_path, seque
 
 def _per_document_hf_loss(model, x, y, doc):
     """:func:`_per_document_loss` for a transformers model: each document alone, positions from 0, no mask."""
-    total, count = 0.0, 0
-    for b in range(x.shape[0]):
-        for d in doc[b].unique():
-            sel = doc[b] == d
-            xs, ys = x[b, sel][None], y[b, sel][None]
-            n = int((ys != IGNORE).sum())
-            if n:
-                logits = model(input_ids=xs, use_cache=False).logits
-                total = total + torch.nn.functional.cross_entropy(logits[0], ys[0], ignore_index=IGNORE,
-                                                                  reduction="sum")
-                count += n
-    return total / count
+    def summed_loss(xs, ys):
+        logits = model(input_ids=xs, use_cache=False).logits
+        return torch.nn.functional.cross_entropy(logits[0], ys[0], ignore_index=IGNORE, reduction="sum")
+    return _per_document_loss(model, x, y, doc, summed_loss)
 
 
 @pytest.mark.parametrize("sequence", [{}, {"algorithm": "fpdt", "chunks": 2, "offload": True}])
